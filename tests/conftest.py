@@ -1,0 +1,43 @@
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_ckpt(out: Path, preset: str = "tiny", seed: int = 0) -> Path:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), "--out", str(out),
+                    "--preset", preset, "--seed", str(seed)], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    return make_ckpt(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def sdk_agent(tiny_ckpt):
+    laya = pytest.importorskip("laya")
+    with warnings.catch_warnings():
+        # The generator ships temperatures the SDK clamps (on purpose); its warning is expected.
+        warnings.simplefilter("ignore")
+        return laya.load(str(tiny_ckpt), device="cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
