@@ -1,0 +1,211 @@
+"""Worker runtime on the CPU: whole-group validation, workspace reuse, and the graph-cache policy."""
+import numpy as np
+import pytest
+import torch
+
+from worker.batch import Batch, Limits, RequestError, validate
+from worker.checkpoint import load_checkpoint
+from worker.graphs import CachePolicy, GraphCache, GraphEntry
+from worker.runtime import Runtime
+from worker.workspace import Capacity, Shape
+
+LIMITS = Limits(vocab_size=100, max_len=32, max_tokens=64, max_rows=4, max_markers=16)
+
+
+def good() -> Batch:
+    return Batch.from_rows([(np.arange(10) + 5, [3, 6], 0), (np.arange(7) + 5, [1, 2, 4], 2)])
+
+
+def test_good_batch_passes():
+    validate(good(), LIMITS)
+
+
+def _mutate(**fields) -> Batch:
+    b = good()
+    for k, v in fields.items():
+        setattr(b, k, v)
+    return b
+
+
+BAD = [
+    ("ids", dict(ids=np.arange(17, dtype=np.int64)), "1-D int32", None),
+    ("ids", dict(lengths=np.array([10, 8], np.int32)), "add up to 18", None),
+    ("lengths", dict(lengths=np.array([0, 17], np.int32)), "outside 1..32", 0),
+    ("lengths", dict(lengths=np.array([], np.int32)), "at least one row", None),
+    ("types", dict(types=np.array([0, 3], np.int32)), "not 0, 1 or 2", 1),
+    ("types", dict(types=np.array([0], np.int32)), "1 entries for 2 rows", None),
+    ("ids", dict(ids=np.r_[np.arange(10) + 5, [5, 6, 100, 7, 8, 9, 10]].astype(np.int32)), "outside the vocab", 1),
+    ("ids", dict(ids=np.r_[[-1], np.arange(16)].astype(np.int32)), "outside the vocab", 0),
+    ("marker_counts", dict(marker_counts=np.array([0, 5], np.int32)), "at least one marker", 0),
+    ("markers", dict(markers=np.array([3, 6, 1, 2, 7], np.int32)), "outside its row of length 7", 1),
+    ("markers", dict(markers=np.array([3, 3, 1, 2, 4], np.int32)), "strictly ascending", 0),
+    ("markers", dict(markers=np.array([3, 6, 2, 1, 4], np.int32)), "strictly ascending", 1),
+    ("markers", dict(markers=np.array([3, 6, 1, 2], np.int32)), "add up to 5", None),
+]
+
+
+@pytest.mark.parametrize("field,change,message,row", BAD)
+def test_every_field_is_checked_and_named(field, change, message, row):
+    with pytest.raises(RequestError) as e:
+        validate(_mutate(**change), LIMITS)
+    assert e.value.field == field and e.value.row == row
+    assert message in str(e.value) and field in str(e.value)
+    if row is not None:
+        assert f"row {row}" in str(e.value)
+
+
+def test_capacity_limits():
+    rows = [(np.arange(20) + 5, [1], 1)] * 4
+    with pytest.raises(RequestError, match="80 tokens exceed"):
+        validate(Batch.from_rows(rows), LIMITS)
+    with pytest.raises(RequestError, match="5 rows exceed"):
+        validate(Batch.from_rows([(np.arange(3) + 5, [1], 1)] * 5), LIMITS)
+    with pytest.raises(RequestError, match="17 markers exceed"):
+        validate(Batch.from_rows([(np.arange(16) + 5, np.arange(9), 1), (np.arange(16) + 5, np.arange(8), 1)]),
+                 LIMITS)
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_ckpt):
+    return Runtime(load_checkpoint(tiny_ckpt), device="cpu", capacity=Capacity(1024, 8, 256, 32))
+
+
+def _rows(seed: int, n: int, vocab: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(12, 60))
+        k = int(rng.integers(1, 5))
+        markers = np.sort(rng.choice(np.arange(1, length), size=k, replace=False))
+        out.append((rng.integers(5, vocab, length).astype(np.int32), markers.astype(np.int32), int(rng.integers(0, 3))))
+    return out
+
+
+def test_workspace_is_reused_by_address(runtime):
+    ws = runtime.workspace
+    addrs = (ws.host_address, ws.device_address, ws.out_logits.ctypes.data)
+    vocab = runtime.checkpoint.arch.vocab_size
+    for seed in range(3):
+        runtime.run(Batch.from_rows(_rows(seed, 3, vocab)))
+        assert (ws.host_address, ws.device_address, ws.out_logits.ctypes.data) == addrs
+
+
+def test_bad_request_leaves_runtime_serving(runtime):
+    vocab = runtime.checkpoint.arch.vocab_size
+    rows = _rows(7, 2, vocab)
+    want = runtime.run(Batch.from_rows(rows))
+    bad = Batch.from_rows(rows)
+    bad.ids[3] = vocab + 5
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        runtime.run(bad)
+    again = runtime.run(Batch.from_rows(rows))
+    assert np.array_equal(want.logits, again.logits) and np.array_equal(want.act, again.act)
+
+
+def test_runtime_matches_direct_reference_and_shapes(runtime):
+    """The staging path (pack, views, readback) returns exactly what the forward computes on the rows."""
+    from kernels.reference import ReferenceModel
+    vocab = runtime.checkpoint.arch.vocab_size
+    rows = _rows(3, 4, vocab)
+    got = runtime.run(Batch.from_rows(rows))
+    assert got.logits.shape == (sum(len(r[1]) for r in rows),) and got.act.shape == (4, runtime.checkpoint.arch.n_act)
+    model = ReferenceModel(runtime.checkpoint.arch, runtime.checkpoint.tensors)
+    for i, (ids, markers, qt) in enumerate(rows):
+        logits, act = model.forward(torch.tensor(ids), torch.tensor([0]), torch.tensor([len(ids)]),
+                                    torch.tensor([qt]), torch.tensor(markers)[None], len(ids))
+        lo = sum(len(r[1]) for r in rows[:i])
+        np.testing.assert_allclose(got.logits[lo: lo + len(markers)], logits[0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(got.act[i], act[0].numpy(), atol=1e-6)
+
+
+def test_graph_modes_refused_on_cpu(tiny_ckpt, runtime):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Runtime(load_checkpoint(tiny_ckpt), device="cpu", mode="graph-cached")
+    with pytest.raises(RequestError, match="needs a CUDA worker"):
+        runtime.run(good_tiny(runtime), mode="graph-fixed")
+
+
+def good_tiny(runtime):
+    return Batch.from_rows(_rows(1, 1, runtime.checkpoint.arch.vocab_size))
+
+
+def test_bucket_rounding(runtime):
+    b = Batch.from_rows([(np.arange(65) + 5, [1, 2, 3], 0)] * 3)
+    assert runtime.bucket(b) == Shape(4, 128, 4)
+    b = Batch.from_rows([(np.arange(64) + 5, [1, 2], 0)])
+    assert runtime.bucket(b) == Shape(1, 64, 2)
+
+
+class RealBytes:
+    """Capture/release that hold real buffers: the cache sees the bytes those buffers really take."""
+
+    def __init__(self, sizes: dict):
+        self.sizes, self.live = sizes, {}
+
+    def capture(self, key) -> GraphEntry:
+        if self.sizes[key] is None:
+            raise RuntimeError("capture failed")
+        buf = torch.empty(self.sizes[key], dtype=torch.uint8)
+        self.live[key] = buf
+        return GraphEntry(graph=None, outputs=(), pool=key, nbytes=buf.untyped_storage().nbytes())
+
+    def release(self, entry: GraphEntry) -> int:
+        return self.live.pop(entry.pool).untyped_storage().nbytes()
+
+
+def _simulate(policy: CachePolicy, sizes: dict, stream: list):
+    """An independent model of the policy: a list in recency order, evict from the front."""
+    held, hits, fallbacks, uncacheable = [], 0, 0, set()
+    for key in stream:
+        if key in held:
+            hits += 1
+            held.remove(key)
+            held.append(key)
+            continue
+        if policy.max_entries <= 0 or policy.max_bytes <= 0 or key in uncacheable or sizes[key] is None \
+                or sizes[key] > policy.max_bytes:
+            fallbacks += 1
+            uncacheable.add(key)
+            continue
+        while held and (sum(sizes[k] for k in held) + sizes[key] > policy.max_bytes
+                        or len(held) + 1 > policy.max_entries):
+            held.pop(0)
+        held.append(key)
+    return held, hits, fallbacks
+
+
+SIZES = {"a": 1000, "b": 3000, "c": 5000, "d": 6000, "e": 10001, "f": None}
+STREAM = list("abcabdabcdeefaabbccdd") * 2
+
+
+@pytest.mark.parametrize("policy", [CachePolicy(2, 1 << 20), CachePolicy(10, 9000), CachePolicy(10, 10000),
+                                    CachePolicy(3, 6000), CachePolicy(0, 1 << 20), CachePolicy(8, 0)])
+def test_cache_policy_matches_independent_model(policy):
+    real = RealBytes(SIZES)
+    cache = GraphCache(policy, real.capture, real.release)
+    for key in STREAM:
+        cache.lookup(key)
+        assert cache.counters.bytes_held <= policy.max_bytes
+        assert len(cache.keys()) <= max(policy.max_entries, 0)
+        assert set(real.live) == set(cache.keys()), "evicted entries must be released"
+    held, hits, fallbacks = _simulate(policy, SIZES, STREAM)
+    assert cache.keys() == held
+    assert (cache.counters.hits, cache.counters.fallbacks) == (hits, fallbacks)
+    assert cache.counters.bytes_held == sum(SIZES[k] for k in held)
+
+
+def test_entry_exactly_at_budget_fits_and_larger_runs_eager():
+    real = RealBytes({"x": 4096, "y": 4097})
+    cache = GraphCache(CachePolicy(4, 4096), real.capture, real.release)
+    assert cache.lookup("x") is not None and cache.keys() == ["x"]
+    assert cache.lookup("y") is None and cache.counters.oversized == 1 and "y" not in real.live
+    assert cache.lookup("y") is None and cache.counters.oversized == 1, "oversized is never re-captured"
+    assert cache.counters.fallbacks == 2 and cache.keys() == ["x"]
+
+
+def test_eviction_reports_returned_bytes():
+    real = RealBytes({"x": 3000, "y": 2500})
+    cache = GraphCache(CachePolicy(1, 1 << 20), real.capture, real.release)
+    cache.lookup("x")
+    cache.lookup("y")
+    assert cache.counters.evictions == 1 and cache.counters.bytes_returned == 3000 and cache.keys() == ["y"]

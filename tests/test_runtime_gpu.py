@@ -1,0 +1,158 @@
+"""Worker runtime on a real GPU: pinned staging, grouped uploads, eager and graph modes, the graph cache.
+
+Run on the device: `python -m pytest -q -m gpu tests/test_runtime_gpu.py -s`.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.batch import Batch
+from worker.checkpoint import load_checkpoint
+from worker.graphs import CachePolicy
+from worker.runtime import Runtime, RuntimeConfig
+from worker.upload import UploadError
+from worker.workspace import Capacity, Shape
+
+pytestmark = pytest.mark.gpu
+CASES = Path(__file__).parent / "cases" / "requests.json"
+CAP = Capacity(max_tokens=16 * 512, max_rows=16, max_markers=1024, row_markers=64)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return load_checkpoint(tiny_ckpt)
+
+
+def frozen_batches(tiny_ckpt) -> list[Batch]:
+    from client.card import ModelCard
+    from client.semantics import encode_request
+    card = ModelCard.from_dir(tiny_ckpt)
+    cases = json.loads(CASES.read_text())["cases"]
+    out = [Batch.from_rows(encode_request(card, c["state"], c["questions"]).rows) for c in cases]
+    rng = np.random.default_rng(0)
+    for rows, length in ((1, 48), (4, 256), (16, 512), (5, 65), (3, 64)):
+        out.append(Batch.from_rows([(rng.integers(5, 1000, length).astype(np.int32),
+                                     np.sort(rng.choice(np.arange(1, length), 4, replace=False)).astype(np.int32),
+                                     int(rng.integers(0, 3))) for _ in range(rows)]))
+    return out
+
+
+def runtime(ckpt, mode, dtype="bf16", **kw) -> Runtime:
+    cfg = RuntimeConfig(mode=mode, dtype=dtype, capacity=CAP, **kw)
+    rt = Runtime(ckpt, device="cuda", config=cfg)
+    rt.warmup()
+    return rt
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_modes_are_byte_identical(ckpt, tiny_ckpt, dtype):
+    batches = frozen_batches(tiny_ckpt)
+    rts = {m: runtime(ckpt, m, dtype) for m in ("eager", "graph-fixed", "graph-cached")}
+    worst = {}
+    for order in (list(rts), list(reversed(rts))):
+        for i, b in enumerate(batches):
+            outs = {m: rts[m].run(b) for m in order}
+            ref = outs["eager"]
+            assert np.isfinite(ref.logits).all() and np.isfinite(ref.act).all()
+            for m, o in outs.items():
+                d = max(float(np.abs(o.logits - ref.logits).max()), float(np.abs(o.act - ref.act).max()))
+                worst[m] = max(worst.get(m, 0.0), d)
+                assert np.array_equal(o.logits, ref.logits) and np.array_equal(o.act, ref.act), (dtype, m, i, d)
+    print(f"\nmodes byte-identical ({dtype}) over {len(batches)} batches x 2 orders; worst |d| {worst}")
+
+
+def test_graph_replays_see_new_inputs(ckpt, tiny_ckpt):
+    rt = runtime(ckpt, "graph-cached")
+    a, b = frozen_batches(tiny_ckpt)[-2:]     # 5x65 and 3x64 land in the same (8, 128, 4)... check below
+    a = Batch.from_rows([(np.arange(5, 60, dtype=np.int32), np.array([1, 7], np.int32), 0)] * 2)
+    b = Batch.from_rows([(np.arange(100, 155, dtype=np.int32), np.array([2, 9], np.int32), 1)] * 2)
+    assert rt.bucket(a) == rt.bucket(b)
+    first, other, again = rt.run(a), rt.run(b), rt.run(a)
+    assert other.metrics["graph"] == "hit" and again.metrics["graph"] == "hit"
+    assert not np.array_equal(first.logits, other.logits)
+    assert np.array_equal(first.logits, again.logits) and np.array_equal(first.act, again.act)
+
+
+def test_padding_and_bucket_edges(ckpt):
+    rt, eager = runtime(ckpt, "graph-cached"), runtime(ckpt, "eager")
+    rng = np.random.default_rng(1)
+
+    def rows(n, length, k):
+        return [(rng.integers(5, 1000, length).astype(np.int32), np.arange(1, k + 1, dtype=np.int32), i % 3)
+                for i in range(n)]
+    for n, length, k in ((4, 64, 2), (5, 64, 2), (4, 65, 2), (4, 64, 3), (1, 512, 64), (16, 512, 64)):
+        b = Batch.from_rows(rows(n, length, k))
+        got, want = rt.run(b), eager.run(b)
+        assert got.metrics["graph"] in ("miss", "hit"), got.metrics
+        assert np.array_equal(got.logits, want.logits) and np.array_equal(got.act, want.act), (n, length, k)
+    assert rt.bucket(Batch.from_rows(rows(5, 65, 3))) == Shape(8, 128, 4)
+
+
+def test_injected_copy_failure_drains_and_next_request_is_right(ckpt, tiny_ckpt):
+    rt = runtime(ckpt, "graph-cached")
+    b = frozen_batches(tiny_ckpt)[0]
+    want = rt.run(b)
+    rt.upload.fault = lambda i: i == 2
+    with pytest.raises(UploadError, match="after 2 of 5 copies"):
+        rt.run(b)
+    assert rt.upload.drains == 1 and rt.upload.last_drained_after == 2
+    rt.upload.fault = None
+    other = frozen_batches(tiny_ckpt)[3]
+    rt.run(other)
+    again = rt.run(b)
+    assert np.array_equal(again.logits, want.logits) and np.array_equal(again.act, want.act)
+
+
+def test_eviction_returns_measured_bytes(ckpt):
+    rt = runtime(ckpt, "graph-cached", cache_policy=CachePolicy(max_entries=1, max_bytes=1 << 40))
+    big = Batch.from_rows([(np.arange(5, 505, dtype=np.int32), np.array([1, 2], np.int32), 0)] * 16)
+    small = Batch.from_rows([(np.arange(5, 40, dtype=np.int32), np.array([1, 2], np.int32), 0)])
+    rt.run(big)
+    held = rt.cache.counters.bytes_held
+    assert held > 1 << 20
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    rt.run(small)
+    returned = rt.cache.counters.bytes_returned
+    print(f"\nevicted graph held {held} B; measured returned {returned} B; reserved {before} -> "
+          f"{torch.cuda.memory_reserved()} (+{rt.cache.counters.bytes_held} B for the new entry)")
+    assert rt.cache.counters.evictions == 1
+    assert abs(returned - held) <= 1 << 20
+
+
+def test_capture_failure_falls_back_without_leaking(ckpt, tiny_ckpt):
+    rt, eager = runtime(ckpt, "graph-cached"), runtime(ckpt, "eager")
+    b = frozen_batches(tiny_ckpt)[1]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    rt.capture_fault = lambda: torch.cuda.synchronize()   # not allowed while capturing: a real failure
+    got = rt.run(b)
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_reserved()
+    assert rt.cache.counters.capture_failures == 1 and got.metrics["graph"] == "fallback"
+    assert abs(after - before) <= 1 << 20, (before, after)
+    want = eager.run(b)
+    assert np.array_equal(got.logits, want.logits)
+    rt.capture_fault = None
+    assert rt.run(b).metrics["graph"] == "fallback", "a failed bucket stays eager"
+    assert rt.run(frozen_batches(tiny_ckpt)[-3]).metrics["graph"] == "miss", "other buckets still capture"
+
+
+def test_staging_is_pinned_and_steady_state_allocates_nothing(ckpt, tiny_ckpt):
+    from cuda.bindings import runtime as cudart
+    rt = runtime(ckpt, "graph-cached")
+    err, attrs = cudart.cudaPointerGetAttributes(rt.workspace.host_address)
+    assert err == cudart.cudaError_t.cudaSuccess and attrs.type == cudart.cudaMemoryType.cudaMemoryTypeHost
+    batches = frozen_batches(tiny_ckpt)
+    for b in batches:
+        rt.run(b)
+    addrs = (rt.workspace.host_address, rt.workspace.device_address)
+    allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for b in batches:
+        assert rt.run(b).metrics["graph"] == "hit"
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocs, "a hit must not allocate on the device"
+    assert (rt.workspace.host_address, rt.workspace.device_address) == addrs

@@ -1,0 +1,138 @@
+"""One request as the worker receives it, and validation of the whole group before CUDA sees any of it.
+
+A request is a group of rows sharing one upload: packed token ids, a length, a question type and
+marker positions per row. Everything is checked here, on the host, so a bad request costs a clear
+error and nothing else: the workspace and the device are untouched and the next request works.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_QTYPE = 2
+
+
+class RequestError(ValueError):
+    """A request we refuse, naming the field and (where there is one) the row."""
+
+    def __init__(self, field: str, message: str, row: int | None = None):
+        self.field, self.row = field, row
+        where = f"{field}" if row is None else f"{field} (row {row})"
+        super().__init__(f"{where}: {message}")
+
+    def to_dict(self) -> dict:
+        return {"field": self.field, "row": self.row, "message": str(self)}
+
+
+@dataclass
+class Batch:
+    ids: np.ndarray            # int32 [T], rows back to back
+    lengths: np.ndarray        # int32 [R]
+    types: np.ndarray          # int32 [R]
+    marker_counts: np.ndarray  # int32 [R]
+    markers: np.ndarray        # int32 [M], positions inside their row, rows in order
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def n_markers(self) -> int:
+        return int(self.markers.shape[0])
+
+    @property
+    def max_row_len(self) -> int:
+        return int(self.lengths.max()) if self.rows else 0
+
+    @property
+    def max_row_markers(self) -> int:
+        return int(self.marker_counts.max()) if self.rows else 0
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[np.ndarray, np.ndarray, int]]) -> Batch:
+        """Pack `(ids, markers, qtype)` rows, the shape the client produces."""
+        ids = [np.asarray(r[0], np.int32) for r in rows]
+        mk = [np.asarray(r[1], np.int32) for r in rows]
+        cat = np.concatenate
+        return cls(ids=cat(ids) if ids else np.zeros(0, np.int32),
+                   lengths=np.array([len(x) for x in ids], np.int32),
+                   types=np.array([int(r[2]) for r in rows], np.int32),
+                   marker_counts=np.array([len(m) for m in mk], np.int32),
+                   markers=cat(mk) if mk else np.zeros(0, np.int32))
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_len: int
+    max_tokens: int
+    max_rows: int
+    max_markers: int
+
+
+def _first_bad_row(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def validate(batch: Batch, limits: Limits) -> None:
+    """Raise `RequestError` for the first thing wrong with the whole group; return silently if all is well."""
+    for name in ("ids", "lengths", "types", "marker_counts", "markers"):
+        arr = getattr(batch, name)
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.int32 or arr.ndim != 1:
+            raise RequestError(name, f"must be a 1-D int32 array, got {getattr(arr, 'dtype', type(arr))}")
+    r = batch.rows
+    if r == 0:
+        raise RequestError("lengths", "a request needs at least one row")
+    if r > limits.max_rows:
+        raise RequestError("lengths", f"{r} rows exceed this worker's capacity of {limits.max_rows}")
+    for name in ("types", "marker_counts"):
+        if getattr(batch, name).shape[0] != r:
+            raise RequestError(name, f"has {getattr(batch, name).shape[0]} entries for {r} rows")
+    lengths = batch.lengths
+    bad = (lengths < 1) | (lengths > limits.max_len)
+    if bad.any():
+        i = _first_bad_row(bad)
+        raise RequestError("lengths", f"length {int(lengths[i])} is outside 1..{limits.max_len}", i)
+    total = int(lengths.astype(np.int64).sum())
+    if total != batch.tokens:
+        raise RequestError("ids", f"has {batch.tokens} tokens but the lengths add up to {total}")
+    if total > limits.max_tokens:
+        raise RequestError("ids", f"{total} tokens exceed this worker's capacity of {limits.max_tokens}")
+    bad = (batch.ids < 0) | (batch.ids >= limits.vocab_size)
+    if bad.any():
+        pos = int(np.flatnonzero(bad)[0])
+        row = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+        raise RequestError("ids", f"token {int(batch.ids[pos])} at position {pos} is outside the vocabulary "
+                                  f"0..{limits.vocab_size - 1}", row)
+    bad = (batch.types < 0) | (batch.types > MAX_QTYPE)
+    if bad.any():
+        i = _first_bad_row(bad)
+        raise RequestError("types", f"question type {int(batch.types[i])} is not 0, 1 or 2", i)
+    counts = batch.marker_counts
+    bad = counts < 1
+    if bad.any():
+        raise RequestError("marker_counts", "every row needs at least one marker", _first_bad_row(bad))
+    m = int(counts.astype(np.int64).sum())
+    if m != batch.n_markers:
+        raise RequestError("markers", f"has {batch.n_markers} entries but the marker counts add up to {m}")
+    if m > limits.max_markers:
+        raise RequestError("markers", f"{m} markers exceed this worker's capacity of {limits.max_markers}")
+    row_of = np.repeat(np.arange(r), counts)
+    mk = batch.markers
+    bad = (mk < 0) | (mk >= lengths[row_of])
+    if bad.any():
+        j = _first_bad_row(bad)
+        raise RequestError("markers", f"marker {int(mk[j])} is outside its row of length {int(lengths[row_of[j]])}",
+                           int(row_of[j]))
+    # Ascending and unique inside each row: compare each marker with its predecessor in the same row.
+    if m > 1:
+        same_row = row_of[1:] == row_of[:-1]
+        bad = same_row & (mk[1:] <= mk[:-1])
+        if bad.any():
+            j = _first_bad_row(bad) + 1
+            raise RequestError("markers", "markers must be strictly ascending inside a row", int(row_of[j]))

@@ -1,0 +1,154 @@
+"""GraphCache: CUDA graphs per shape bucket, bounded by entry count and by the bytes they really hold.
+
+The policy (`CacheLedger`) is a plain LRU over (key, bytes) with no CUDA in it, so it can be tested on
+its own; `GraphCache` puts captured graphs behind it. An entry's bytes are its private memory pool's
+segments, measured as the reserved-memory growth across the capture, and evicting it destroys the
+graph and its pool and gives the segments back to the driver.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    max_entries: int = 64
+    max_bytes: int = 8 << 30
+
+    @property
+    def disabled(self) -> bool:
+        return self.max_entries <= 0 or self.max_bytes <= 0
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    captures: int = 0
+    evictions: int = 0
+    fallbacks: int = 0          # requests that ran eager because their bucket cannot be cached
+    oversized: int = 0          # buckets whose graph alone exceeded the byte budget
+    capture_failures: int = 0
+    bytes_held: int = 0
+    bytes_returned: int = 0     # measured on eviction
+
+
+class CacheLedger:
+    """LRU bookkeeping: which keys are held, how many bytes, and what must go to admit a new one."""
+
+    def __init__(self, policy: CachePolicy):
+        self.policy = policy
+        self.entries: OrderedDict[Hashable, int] = OrderedDict()
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(self.entries.values())
+
+    def touch(self, key: Hashable) -> bool:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return True
+        return False
+
+    def plan_admit(self, nbytes: int) -> list[Hashable] | None:
+        """Keys to evict (oldest first) so an entry of `nbytes` fits; None if it can never fit."""
+        p = self.policy
+        if p.disabled or nbytes > p.max_bytes:
+            return None
+        victims, held, count = [], self.bytes_held, len(self.entries)
+        for key, size in self.entries.items():
+            if held + nbytes <= p.max_bytes and count + 1 <= p.max_entries:
+                break
+            victims.append(key)
+            held -= size
+            count -= 1
+        return victims
+
+    def admit(self, key: Hashable, nbytes: int) -> None:
+        self.entries[key] = nbytes
+
+    def remove(self, key: Hashable) -> int:
+        return self.entries.pop(key)
+
+
+@dataclass
+class GraphEntry:
+    graph: Any
+    outputs: tuple
+    pool: Any
+    nbytes: int
+    replays: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class GraphCache:
+    """Captured graphs behind a `CacheLedger`. `capture(key)` must return a GraphEntry with measured bytes."""
+
+    def __init__(self, policy: CachePolicy, capture: Callable[[Hashable], GraphEntry],
+                 release: Callable[[GraphEntry], int]):
+        self.ledger = CacheLedger(policy)
+        self.counters = CacheCounters()
+        self._capture, self._release = capture, release
+        self.graphs: dict[Hashable, GraphEntry] = {}
+        self.uncacheable: set[Hashable] = set()   # oversized or failed: run eager, never re-capture
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self.ledger.policy
+
+    def lookup(self, key: Hashable, count: bool = True) -> GraphEntry | None:
+        """The graph for `key`, capturing it on a miss; None means: run this request eager."""
+        c = self.counters
+        if self.ledger.touch(key):
+            if count:
+                c.hits += 1
+            return self.graphs[key]
+        if count:
+            c.misses += 1
+        if self.policy.disabled or key in self.uncacheable:
+            if count:
+                c.fallbacks += 1
+            return None
+        try:
+            entry = self._capture(key)
+        except Exception:
+            c.capture_failures += 1
+            self.uncacheable.add(key)
+            if count:
+                c.fallbacks += 1
+            return None
+        victims = self.ledger.plan_admit(entry.nbytes)
+        if victims is None:
+            # Larger than the whole budget: it was only captured to learn its size.
+            self._release(entry)
+            c.oversized += 1
+            self.uncacheable.add(key)
+            if count:
+                c.fallbacks += 1
+            return None
+        for victim in victims:
+            self.evict(victim)
+        c.captures += 1
+        self.ledger.admit(key, entry.nbytes)
+        self.graphs[key] = entry
+        c.bytes_held = self.ledger.bytes_held
+        return entry
+
+    def evict(self, key: Hashable) -> int:
+        self.ledger.remove(key)
+        entry = self.graphs.pop(key)
+        returned = self._release(entry)
+        self.counters.evictions += 1
+        self.counters.bytes_returned += returned
+        self.counters.bytes_held = self.ledger.bytes_held
+        return returned
+
+    def clear(self) -> None:
+        for key in list(self.graphs):
+            self.evict(key)
+
+    def keys(self) -> list[Hashable]:
+        return list(self.ledger.entries)

@@ -1,0 +1,268 @@
+"""Runtime: one device's model, workspace, uploads and graph cache behind `run(batch)`.
+
+Per request: validate the whole group on the host, pack it into the reusable staging, submit the copies
+as one UploadGroup on the worker's stream, run the forward (eager, the fixed graph or a cached graph),
+queue the readback, and synchronise once. A CPU runtime runs the same path eagerly, reading the staging
+in place.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels.reference import ReferenceModel
+
+from .batch import Batch, Limits, RequestError, validate
+from .checkpoint import Checkpoint
+from .graphs import CachePolicy, GraphCache, GraphEntry
+from .workspace import Capacity, Shape, Workspace
+
+MODES = ("eager", "graph-fixed", "graph-cached")
+ROW_LEN_STEP = 64
+
+
+def _pow2(n: int, low: int) -> int:
+    return max(low, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class RunResult:
+    logits: np.ndarray            # float32 [M]: each real marker's logit, rows in order
+    act: np.ndarray               # float32 [R, n_act]: act probabilities
+    metrics: dict[str, Any]
+    taps: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class RuntimeConfig:
+    mode: str = "eager"
+    dtype: str | None = None                   # "bf16" | "fp32"; default bf16 on CUDA, fp32 on CPU
+    capacity: Capacity = field(default_factory=Capacity)
+    cache_policy: CachePolicy = field(default_factory=CachePolicy)
+    fixed_shape: Shape | None = None           # graph-fixed: default is the capacity's largest bucket
+    oversize: str = "eager"                    # graph-fixed: "eager" or "reject" for requests past its shape
+    warmup_shapes: tuple[Shape, ...] = ()      # graph-cached: buckets captured at start, largest first
+
+
+class Runtime:
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu", mode: str = "eager",
+                 cache_policy: CachePolicy | None = None, capacity: Capacity | None = None,
+                 config: RuntimeConfig | None = None):
+        cfg = config or RuntimeConfig()
+        cfg.mode = mode if config is None else cfg.mode
+        if cache_policy is not None:
+            cfg.cache_policy = cache_policy
+        if capacity is not None:
+            cfg.capacity = capacity
+        if cfg.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
+        self.config, self.checkpoint = cfg, checkpoint
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.is_cuda = self.device.type == "cuda"
+        if not self.is_cuda and cfg.mode != "eager":
+            raise ValueError(f"mode {cfg.mode!r} needs a CUDA device; a CPU worker runs eager only")
+        dtype = cfg.dtype or ("bf16" if self.is_cuda else "fp32")
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        arch = checkpoint.arch
+        cap = cfg.capacity
+        cap = Capacity(cap.max_tokens, cap.max_rows, cap.max_markers, min(cap.row_markers, arch.max_len))
+        self.capacity = cap
+        self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
+        self.model = ReferenceModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
+        self.workspace = Workspace(cap, arch.n_act, self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.upload = None
+        if self.is_cuda:
+            from .upload import UploadGroup
+            self.upload = UploadGroup(self.workspace, self.stream.cuda_stream)
+        self.cache = GraphCache(cfg.cache_policy, self._capture, self._release)
+        # The default fixed graph holds the "16 questions at full length" class of request.
+        self.fixed_shape = cfg.fixed_shape or Shape(min(16, cap.max_rows), arch.max_len, min(32, cap.row_markers))
+        self.fixed: GraphEntry | None = None
+        self.capture_fault = None          # test hook: called inside a capture, may break it
+        self.served = 0
+        self.first_call_ms: dict[str, float] = {}
+
+    # -- identity -------------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        return self.checkpoint.fingerprint
+
+    def card(self) -> dict[str, Any]:
+        return self.checkpoint.card()
+
+    # -- shapes ---------------------------------------------------------------------------------------
+    def bucket(self, batch: Batch) -> Shape:
+        cap, max_len = self.capacity, self.checkpoint.arch.max_len
+        rows = min(_pow2(batch.rows, 1), cap.max_rows)
+        row_len = min(-(-batch.max_row_len // ROW_LEN_STEP) * ROW_LEN_STEP, max_len)
+        return Shape(rows, row_len, min(_pow2(batch.max_row_markers, 2), cap.row_markers))
+
+    @staticmethod
+    def exact(batch: Batch) -> Shape:
+        return Shape(batch.rows, batch.max_row_len, batch.max_row_markers)
+
+    # -- graphs ---------------------------------------------------------------------------------------
+    def _forward(self, shape: Shape, taps: dict | None = None):
+        return self.model.forward(*self.workspace.views(shape), shape.row_len, taps=taps)
+
+    def _capture(self, shape: Shape) -> GraphEntry:
+        s = self.stream
+        with torch.cuda.stream(s):
+            self._forward(shape)          # warm-up on the capture stream: lazy handles, workspaces
+        s.synchronize()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=s):
+                outputs = self._forward(shape)
+                if self.capture_fault is not None:
+                    self.capture_fault()
+        except Exception:
+            graph = outputs = None
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()       # a failed capture must not keep its pool's segments
+            raise
+        torch.cuda.synchronize(self.device)
+        nbytes = torch.cuda.memory_reserved(self.device) - before
+        return GraphEntry(graph=graph, outputs=outputs, pool=pool, nbytes=nbytes, extra={"shape": shape})
+
+    def _release(self, entry: GraphEntry) -> int:
+        """Destroy a graph and its pool; return the bytes the driver got back (measured)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        entry.graph.reset()
+        entry.graph = entry.outputs = entry.pool = None
+        torch.cuda.empty_cache()
+        return before - torch.cuda.memory_reserved(self.device)
+
+    def warmup(self) -> dict[str, float]:
+        """Capture what steady traffic will need, off the request path; returns ms per step."""
+        out = {}
+        if not self.is_cuda:
+            return out
+        t = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            self._forward(Shape(1, ROW_LEN_STEP, 2))
+        self.stream.synchronize()
+        out["eager"] = (time.perf_counter() - t) * 1e3
+        if self.config.mode == "graph-fixed" and self.fixed is None:
+            t = time.perf_counter()
+            self.fixed = self._capture(self.fixed_shape)
+            out[f"fixed {self.fixed_shape}"] = (time.perf_counter() - t) * 1e3
+        if self.config.mode == "graph-cached":
+            for shape in sorted(self.config.warmup_shapes, reverse=True):
+                t = time.perf_counter()
+                self.cache.lookup(shape, count=False)
+                out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
+        return out
+
+    # -- the request path -----------------------------------------------------------------------------
+    def _plan(self, batch: Batch, mode: str) -> tuple[Shape, GraphEntry | None, dict[str, Any]]:
+        if mode == "eager":
+            return self.exact(batch), None, {}
+        if mode == "graph-fixed":
+            if self.fixed_shape.fits(batch):
+                if self.fixed is None:
+                    self.fixed = self._capture(self.fixed_shape)
+                return self.fixed_shape, self.fixed, {"graph": "fixed"}
+            if self.config.oversize == "reject":
+                raise RequestError("lengths", f"request shape {self.exact(batch)} exceeds the fixed graph "
+                                              f"{self.fixed_shape} and this worker rejects oversize requests")
+            return self.exact(batch), None, {"graph": "oversize-eager"}
+        shape = self.bucket(batch)
+        hits = self.cache.counters.hits
+        entry = self.cache.lookup(shape)
+        state = "hit" if self.cache.counters.hits > hits else ("miss" if entry is not None else "fallback")
+        return (shape if entry is not None else self.exact(batch)), entry, {"graph": state}
+
+    def run(self, batch: Batch, mode: str | None = None, taps: bool = False) -> RunResult:
+        t0 = time.perf_counter()
+        validate(batch, self.limits)
+        over = batch.marker_counts > self.capacity.row_markers
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise RequestError("marker_counts", f"{int(batch.marker_counts[i])} markers exceed this worker's "
+                                                f"{self.capacity.row_markers} per row", i)
+        mode = mode or self.config.mode
+        if mode not in MODES:
+            raise RequestError("mode", f"must be one of {MODES}, got {mode!r}")
+        if mode != "eager" and not self.is_cuda:
+            raise RequestError("mode", f"{mode!r} needs a CUDA worker; this one runs on {self.device}")
+        if taps and mode != "eager":
+            raise RequestError("taps", "intermediate taps are only recorded in eager mode")
+        t1 = time.perf_counter()
+        first = mode not in self.first_call_ms
+        shape, entry, info = self._plan(batch, mode)
+        t2 = time.perf_counter()
+        spans = self.workspace.pack(batch, shape)
+        t3 = time.perf_counter()
+        tap_dict: dict | None = {} if taps else None
+        if self.is_cuda:
+            logits, act = self._run_cuda(spans, shape, entry, tap_dict)
+        else:
+            logits, act = self._forward(shape, tap_dict)
+            self.workspace.out_logits[: logits.numel()] = logits.reshape(-1).numpy()
+            self.workspace.out_act[: act.numel()] = act.reshape(-1).numpy()
+        t4 = time.perf_counter()
+        r, k = shape.rows, shape.row_markers
+        grid = self.workspace.out_logits[: r * k].reshape(r, k)
+        counts = batch.marker_counts
+        cols = np.arange(counts.max())[None, :] < counts[:, None]
+        out_logits = grid[: batch.rows, : cols.shape[1]][cols]
+        n_act = self.checkpoint.arch.n_act
+        out_act = self.workspace.out_act[: r * n_act].reshape(r, n_act)[: batch.rows].copy()
+        self.served += 1
+        total = (time.perf_counter() - t0) * 1e3
+        if first:
+            self.first_call_ms[mode] = total
+        metrics = {"mode": mode, "shape": list(asdict(shape).values()), "first_call": first,
+                   "validate_ms": (t1 - t0) * 1e3, "plan_ms": (t2 - t1) * 1e3, "pack_ms": (t3 - t2) * 1e3,
+                   "device_ms": (t4 - t3) * 1e3, "total_ms": total, **info}
+        host_taps = None
+        if tap_dict is not None:
+            host_taps = {name: t.detach().float().cpu().numpy() for name, t in tap_dict.items()}
+        return RunResult(out_logits.astype(np.float32, copy=False), out_act, metrics, host_taps)
+
+    def _run_cuda(self, spans, shape: Shape, entry: GraphEntry | None, taps: dict | None):
+        from .cudart import memcpy_async, stream_synchronize
+
+        s = self.stream
+        handle = s.cuda_stream
+        with torch.cuda.stream(s):
+            self.upload.submit(spans)
+            if entry is not None:
+                entry.graph.replay()
+                entry.replays += 1
+                logits, act = entry.outputs
+            else:
+                logits, act = self._forward(shape, taps)
+            logits, act = logits.contiguous(), act.contiguous()
+            ws = self.workspace
+            memcpy_async(ws.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
+            memcpy_async(ws.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
+            stream_synchronize(handle)
+        return logits, act
+
+    def stats(self) -> dict[str, Any]:
+        return {"served": self.served, "mode": self.config.mode, "device": str(self.device),
+                "dtype": str(self.dtype).replace("torch.", ""), "cache": asdict(self.cache.counters),
+                "cached_shapes": [list(asdict(k).values()) for k in self.cache.keys()],
+                "first_call_ms": dict(self.first_call_ms),
+                "uploads": None if self.upload is None else {"submitted": self.upload.submitted,
+                                                             "drains": self.upload.drains}}
+
+    def close(self) -> None:
+        if self.is_cuda:
+            self.cache.clear()
+            self.stream.synchronize()
+        self.workspace.close()

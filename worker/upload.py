@@ -1,0 +1,52 @@
+"""UploadGroup: every host-to-device copy of one request, submitted together on the worker's stream.
+
+No synchronisation per copy: the compute is queued on the same stream after the group, so the stream
+orders it, and the worker's single `cudaStreamSynchronize` after the readback is the only host wait
+per request. If a submission fails part-way, the copies already queued may still be reading the pinned
+staging, so the group drains the stream before raising; only then may the staging be rewritten.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .cudart import CudaError, memcpy_async, stream_synchronize
+from .workspace import Workspace
+
+# A device address no allocation can have: a copy to it fails inside the real cudaMemcpyAsync.
+_INVALID_DEVICE_POINTER = 0x8
+
+
+class UploadError(RuntimeError):
+    """A copy of the group could not be submitted; the group was drained first."""
+
+
+class UploadGroup:
+    def __init__(self, workspace: Workspace, stream: int):
+        self.ws, self.stream = workspace, stream
+        # Test hook: given the index of the copy about to be submitted, return True to aim it at an
+        # invalid device pointer. The failure then comes from CUDA itself, on the real path.
+        self.fault: Callable[[int], bool] | None = None
+        self.submitted = 0
+        self.drains = 0
+        self.last_drained_after = None
+
+    def submit(self, spans: list[tuple[int, int]]) -> None:
+        host, dev = self.ws.host_in.ctypes.data, self.ws.dev_in.data_ptr()
+        done = 0
+        try:
+            for offset, count in spans:
+                if count == 0:
+                    continue
+                dst = dev + 4 * offset
+                if self.fault is not None and self.fault(done):
+                    dst = _INVALID_DEVICE_POINTER
+                memcpy_async(dst, host + 4 * offset, 4 * count, True, self.stream)
+                done += 1
+        except CudaError as e:
+            if done:
+                stream_synchronize(self.stream)
+            self.drains += 1
+            self.last_drained_after = done
+            raise UploadError(f"upload failed after {done} of {len(spans)} copies were submitted "
+                              f"(drained before the staging is reused): {e}") from e
+        self.submitted += done
