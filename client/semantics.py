@@ -1,0 +1,300 @@
+"""Requests to token rows, exactly as the official SDK builds them.
+
+`encode_request(card, state, questions)` returns the rows `laya.Agent.predict(state, questions)` feeds its
+model, token for token: the same question validation (refused before anything is tokenized), the same
+normalisation of question definitions, option rendering, head budget and state clamp. Any difference
+here is a different answer, so every rule below is a rule of the SDK (laya 0.4.15, `laya.common`
+`render_options` / `build_head` / `build_sequence` and `laya.agent.Agent._check_question` /
+`_to_internal` / `_encode_state`); the tests hold it to the installed SDK.
+
+One row per question:  [CLS] "<type> question: <instructions>" [SEP] [MASK] opt0 [MASK] opt1 ... [SEP] state [SEP]
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from client.card import ModelCard
+
+QTYPES = {"choice": 0, "score": 1, "noul": 2}
+OPTION_TOKEN_CAP = 48          # tokens of one option's text (after its [MASK])
+_MIN_OPTION_BUDGET = 16        # below this many head tokens left for the instruction, options get capped
+_MIN_OPTION_TOKENS = 4
+_MIN_INSTRUCTION_TOKENS = 8
+_NOUL_FALSE_TEXT = "no, the statement does not hold"
+_NOUL_TRUE_TEXT = "yes, the statement holds"
+_NOUL_LABELS_RULE = "noul labels must map exactly 'false' and 'true' to distinct non-empty strings"
+
+
+class QuestionError(ValueError):
+    """A question the SDK would refuse; the message names the question and what to fix."""
+
+    def __init__(self, qid: Any, problem: str):
+        super().__init__(f"question {qid!r}: {problem}" if qid is not None else problem)
+        self.qid = qid
+
+
+@dataclass
+class EncodedRequest:
+    """A request as token rows, plus what decoding needs to turn the model's logits into answers."""
+    qids: list[Any]                                  # question ids, in the caller's order
+    questions: list[dict[str, Any]]                  # normalised definitions (`to_internal`), same order
+    rows: list[tuple[np.ndarray, np.ndarray, int]]   # (ids int32[n], markers int32[k], qtype)
+    option_stats: list[dict[str, Any]]               # options, options_distinct, tokens_per_option
+    state_stats: list[dict[str, Any]]                # state_tokens, state_tokens_used, _dropped, truncated
+    max_len: int
+    head_max_len: int
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(ids) for ids, _, _ in self.rows)
+
+    @property
+    def n_markers(self) -> int:
+        return sum(len(markers) for _, markers, _ in self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+# ---------------------------------------------------------------- validation and normalisation
+
+
+def _option_count(qdef: dict[str, Any]) -> int:
+    if qdef.get("type") == "noul":
+        return 2
+    crit = qdef.get("criteria")
+    return len(crit) if isinstance(crit, (dict, list, tuple)) else 0
+
+
+def resolve_noul_labels(labels: Any = None) -> tuple[str, str]:
+    """The (false, true) texts a noul question shows; `None` means the defaults "false" / "true"."""
+    if labels is None:
+        labels = {"false": "false", "true": "true"}
+    if not isinstance(labels, dict) or set(labels) != {"false", "true"}:
+        raise ValueError(_NOUL_LABELS_RULE)
+    false_label, true_label = labels["false"], labels["true"]
+    if not isinstance(false_label, str) or not isinstance(true_label, str):
+        raise ValueError(_NOUL_LABELS_RULE)
+    false_label, true_label = false_label.strip(), true_label.strip()
+    if not false_label or not true_label or false_label == true_label:
+        raise ValueError(_NOUL_LABELS_RULE)
+    return false_label, true_label
+
+
+def _check_choice_labels(qid: Any, crit: dict | list) -> None:
+    labels = crit if isinstance(crit, list) else list(crit.keys())
+    for i, label in enumerate(labels):
+        # A label is both option text and answer key, so only scalars that survive both qualify.
+        if label is None:
+            raise QuestionError(qid, f"choice label {i} is null; a label is option text and the answer key, "
+                                     "so it must be a string, number or bool")
+        if not isinstance(label, (str, int, float, bool)):
+            raise QuestionError(qid, f"choice label {i} is a {type(label).__name__}; a label must be a scalar "
+                                     f"(a string, number or bool), got {label!r}")
+    if isinstance(crit, list):
+        # Labels become dict keys, so values Python treats as one key (1, 1.0, True) would merge options.
+        seen: dict[Any, int] = {}
+        for i, label in enumerate(crit):
+            try:
+                first = seen[label]
+            except TypeError as e:
+                raise QuestionError(qid, f"choice label {i} ({label!r}) is unhashable and cannot be an "
+                                         "answer key") from e
+            except KeyError:
+                seen[label] = i
+            else:
+                raise QuestionError(qid, f"choice label {i} ({label!r}) repeats label {first}; every option "
+                                         "needs its own answer key (1, 1.0 and True are one key)")
+
+
+def check_question(qid: Any, qdef: Any) -> None:
+    """Refuse a question the SDK refuses (`Agent._check_question`), with a `QuestionError` naming it."""
+    if qid is None:
+        raise QuestionError(None, "question id must not be None")
+    if not isinstance(qid, (str, int)) or (isinstance(qid, str) and not qid.strip()):
+        raise QuestionError(None, f"question id must be a non-empty string, got {qid!r}")
+    if not isinstance(qdef, dict):
+        raise QuestionError(qid, f"definition must be a dict, got {type(qdef).__name__}")
+    t = qdef.get("type")
+    if not isinstance(t, str) or t not in QTYPES:
+        raise QuestionError(qid, f"unknown type {t!r}; use one of {sorted(QTYPES)}")
+    if "instructions" not in qdef:
+        raise QuestionError(qid, "no 'instructions'; add the text the model should answer")
+    ins = qdef["instructions"]
+    if ins is None:
+        raise QuestionError(qid, "'instructions' must not be None; add the text the model should answer")
+    if (isinstance(ins, str) and not ins.strip()) or (isinstance(ins, (list, dict)) and not ins):
+        raise QuestionError(qid, "'instructions' must not be empty; add the text the model should answer")
+    if not isinstance(ins, (str, dict, list, int, float)):
+        raise QuestionError(qid, f"'instructions' must be a string, dict, or list, got {type(ins).__name__}")
+    crit = qdef.get("criteria")
+    if t == "choice":
+        if not isinstance(crit, (dict, list)):
+            raise QuestionError(qid, "a choice question takes 'criteria' as a dict of label -> description, "
+                                     "or a list of labels")
+        if not crit:
+            raise QuestionError(qid, "a choice question needs at least one criterion")
+        _check_choice_labels(qid, crit)
+    elif t == "score":
+        if not isinstance(crit, list):
+            raise QuestionError(qid, "a score question takes 'criteria' as a list of level descriptions, "
+                                     "index 0 first")
+        if not crit:
+            raise QuestionError(qid, "a score question needs at least one level")
+        if None in crit:
+            raise QuestionError(qid, f"score level {crit.index(None)} is null; give every level a description")
+    elif crit is not None and not isinstance(crit, dict):
+        raise QuestionError(qid, "a noul question takes 'criteria' as a dict with optional 'true'/'false' "
+                                 "descriptions, or omits it")
+    elif isinstance(crit, dict):
+        keys = {str(k).lower() for k in crit}
+        if not keys <= {"true", "false"}:
+            raise QuestionError(qid, f"a noul question takes 'criteria' keyed only 'true'/'false', got "
+                                     f"{sorted(keys)}; use 'labels' to word the answer differently")
+    if "option_order" in qdef:
+        order, n = qdef["option_order"], _option_count(qdef)
+        # Exactly the SDK's test: only real ints (not bools, not numpy ints) count as slots.
+        if (not isinstance(order, (list, tuple)) or len(order) != n
+                or sorted(int(i) for i in order if isinstance(i, int) and not isinstance(i, bool))
+                != list(range(n))):
+            raise QuestionError(qid, f"'option_order' must be a permutation of range({n}) -- one slot per "
+                                     f"option, each option once -- got {order!r}")
+    if "labels" in qdef:
+        if t != "noul":
+            raise QuestionError(qid, "'labels' is only supported for noul questions")
+        try:
+            resolve_noul_labels(qdef["labels"])
+        except ValueError as e:
+            raise QuestionError(qid, str(e)) from e
+
+
+def to_internal(qdef: dict[str, Any]) -> dict[str, Any]:
+    """A validated definition in the SDK's internal form `{"t", "ins", "crit"[, "labels"][, "option_order"]}`."""
+    t, crit = qdef["type"], qdef.get("criteria")
+    if t == "choice" and isinstance(crit, list):
+        crit = {c: None for c in crit}
+    elif t == "noul" and isinstance(crit, dict):
+        crit = {str(k).lower(): v for k, v in crit.items()}
+    ins = qdef["instructions"]
+    if not isinstance(ins, str):
+        ins = json.dumps(ins, ensure_ascii=False)
+    q: dict[str, Any] = {"t": t, "ins": ins, "crit": crit}
+    if "labels" in qdef:
+        q["labels"] = qdef["labels"]
+    if "option_order" in qdef:
+        q["option_order"] = [int(i) for i in qdef["option_order"]]
+    return q
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def serialize_state(state: Any) -> str:
+    return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+
+
+def render_criterion(value: Any) -> str:
+    """A criterion as text: strings as they are, anything structured as one line of JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), default=str)
+
+
+def render_options(q: dict[str, Any]) -> list[str]:
+    """Option texts in option-index order (noul is always [false, true])."""
+    t, crit = q["t"], q.get("crit")
+    if t == "choice":
+        # Only None and "" mean "no description": 0 and False are descriptions.
+        return [str(k) if v is None or v == "" else f"{k!s}: {render_criterion(v)}"
+                for k, v in crit.items()]
+    if t == "score":
+        return [f"level {i}: {render_criterion(c)}" for i, c in enumerate(crit)]
+    crit = crit or {}
+    false_label, true_label = resolve_noul_labels(q.get("labels"))
+    false_crit, true_crit = crit.get("false"), crit.get("true")
+    return [
+        false_label + ": " + (render_criterion(false_crit) if false_crit not in (None, "") else _NOUL_FALSE_TEXT),
+        true_label + ": " + (render_criterion(true_crit) if true_crit not in (None, "") else _NOUL_TRUE_TEXT),
+    ]
+
+
+def build_head(card: ModelCard, q: dict[str, Any], head_max_len: int) -> tuple[list[int], list[int], dict]:
+    """`[CLS] <type> question: <ins> [SEP] [MASK] opt ... [SEP]`, the marker positions and the option stats."""
+    mask = card.mask_token
+    opts = render_options(q)
+    order = q.get("option_order")
+    if order is None:
+        order = range(len(opts))
+    # The mask token must appear only as an option marker, so user text loses it.
+    ins_ids = card.encode_question_text(f"{q['t']} question: " + q["ins"].replace(mask, " "))
+    opt_ids = [(card.mask_id,) + card.encode_question_text(" " + opts[i].replace(mask, " "))[:OPTION_TOKEN_CAP]
+               for i in order]
+    budget = head_max_len - sum(len(o) for o in opt_ids)
+    per_option = None
+    if budget < _MIN_OPTION_BUDGET:
+        # The options would crowd out the instruction: cap each one evenly.
+        per_option = max(_MIN_OPTION_TOKENS, (head_max_len - _MIN_OPTION_BUDGET) // max(1, len(opt_ids)))
+        opt_ids = [o[:per_option] for o in opt_ids]
+        budget = head_max_len - sum(len(o) for o in opt_ids)
+    ids = [card.cls_id, *ins_ids[:max(_MIN_INSTRUCTION_TOKENS, budget)], card.sep_id]
+    markers = []
+    for o in opt_ids:
+        markers.append(len(ids))
+        ids.extend(o)
+    ids.append(card.sep_id)
+    # Options cut to the same span can no longer be told apart; decoding reports that in usage.
+    stats = {"options": len(opt_ids), "options_distinct": len(set(opt_ids)), "tokens_per_option": per_option}
+    return ids, markers, stats
+
+
+# ---------------------------------------------------------------- requests
+
+
+def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
+                   max_len: int | None = None, head_max_len: int | None = None) -> EncodedRequest:
+    """Token rows for `predict(state, questions)`, one per question in the caller's order.
+
+    Raises `TypeError` for a state of None or questions that are not a dict, `QuestionError` for a
+    question the SDK refuses (all are checked before the state is tokenized) or whose options do not
+    fit in `max_len`. `max_len` / `head_max_len` override the card's, as the SDK's per-call overrides do.
+    """
+    if not isinstance(questions, dict):
+        raise TypeError(f"questions must be a dict of question id -> definition, got {type(questions).__name__}")
+    if state is None:
+        raise TypeError("state must not be None; pass a string, dict, or list")
+    max_len = card.max_len if max_len is None else max_len
+    head_max_len = card.head_max_len if head_max_len is None else head_max_len
+    qids = list(questions)
+    for qid in qids:
+        check_question(qid, questions[qid])
+    internal = [to_internal(questions[qid]) for qid in qids]
+    out = EncodedRequest(qids, internal, [], [], [], max_len, head_max_len)
+    if not qids:
+        return out   # the SDK answers an empty question set without tokenizing anything
+
+    state_ids = card.encode(serialize_state(state).replace(card.mask_token, " "))
+    # A conversation is newest-last: cut it from the left so the latest turn survives.
+    from_left = isinstance(state, list)
+    for qid, q in zip(qids, internal):
+        head, markers, opt_stats = build_head(card, q, head_max_len)
+        room = max(0, max_len - len(head) - 1)                # -1: the [SEP] closing the state
+        kept = state_ids[max(0, len(state_ids) - room):] if from_left else state_ids[:room]
+        ids = (head + kept + [card.sep_id])[:max_len]
+        markers = [m for m in markers if m < max_len]
+        if len(markers) != opt_stats["options"]:
+            raise QuestionError(qid, f"only {len(markers)} of its {opt_stats['options']} option markers fit in "
+                                     f"max_len={max_len} with head_max_len={head_max_len} spent on the question; "
+                                     "lower head_max_len, raise max_len, or use fewer options")
+        out.rows.append((np.asarray(ids, dtype=np.int32), np.asarray(markers, dtype=np.int32), QTYPES[q["t"]]))
+        out.option_stats.append(opt_stats)
+        out.state_stats.append({
+            "state_tokens": len(state_ids),
+            "state_tokens_used": len(kept),
+            "state_tokens_dropped": len(state_ids) - len(kept),
+            "truncated": len(kept) < len(state_ids),
+        })
+    return out
