@@ -25,6 +25,10 @@ MODES = ("eager", "graph-fixed", "graph-cached")
 ROW_LEN_STEP = 64
 
 
+class CaptureError(RuntimeError):
+    """A CUDA graph capture that failed; its bucket runs eager from then on."""
+
+
 def _pow2(n: int, low: int) -> int:
     return max(low, 1 << max(0, n - 1).bit_length())
 
@@ -116,21 +120,29 @@ class Runtime:
         s = self.stream
         with torch.cuda.stream(s):
             self._forward(shape)          # warm-up on the capture stream: lazy handles, workspaces
-        s.synchronize()
+        # torch.cuda.graph empties the cache on entry; do it first so the growth measured across the
+        # capture is the new pool's segments and nothing else.
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        failure = None
         try:
             with torch.cuda.graph(graph, pool=pool, stream=s):
                 outputs = self._forward(shape)
                 if self.capture_fault is not None:
                     self.capture_fault()
-        except Exception:
+        except Exception as e:
+            failure = f"{type(e).__name__}: {e}"
+        if failure is not None:
+            # Out of the except block, so the traceback no longer pins the capture's tensors. A graph
+            # whose capture failed never releases its pool by itself: release it here.
             graph = outputs = None
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()       # a failed capture must not keep its pool's segments
-            raise
+            torch._C._cuda_releasePool(self.device.index, pool)
+            torch.cuda.empty_cache()
+            raise CaptureError(f"capture of {shape} failed: {failure}")
         torch.cuda.synchronize(self.device)
         nbytes = torch.cuda.memory_reserved(self.device) - before
         return GraphEntry(graph=graph, outputs=outputs, pool=pool, nbytes=nbytes, extra={"shape": shape})

@@ -1,0 +1,64 @@
+"""A batch-invariant linear layer for CUDA: one row's result never depends on the rows around it.
+
+cuBLAS picks its kernel (tile shape, split-K) from the problem size, so the same row multiplied as
+part of 48 rows or of 8192 rows can round differently, and a request padded into a CUDA graph's
+bucket would not answer exactly what it answers eagerly. This kernel has one fixed tiling and
+accumulates every output element over K in the same order whatever M is, which makes eager, fixed-
+graph and cached-graph execution byte-identical. On the CPU the plain `F.linear` is used: a CPU
+worker has one execution mode only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
+    triton = None
+
+
+if triton is not None:
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+                       sxm, sxk, swn, swk, sym, syn,
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T + b with fp32 accumulation, in x's dtype; batch-invariant on CUDA."""
+    if x.device.type != "cuda" or triton is None:
+        return F.linear(x, w, b)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    M, K = x2.shape
+    N = w.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    ieee = x.dtype == torch.float32
+    BM, BN, BK = (32, 64, 32) if ieee else (64, 128, 64)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    _linear_kernel[grid](x2, w, b if b is not None else w, y, M, N, K,
+                         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+                         HAS_BIAS=b is not None, IEEE=ieee, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+    return y.reshape(*shape[:-1], N)

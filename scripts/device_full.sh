@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call for the whole GPU story; everything it prints also lands in $OUT.
+#   bash scripts/device_full.sh [tests|cache|bench|pool]...   (default: all)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+steps=${*:-tests cache bench}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for step in $steps; do
+  case $step in
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/ 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -25 ;;
+    cache) python3 scripts/check_cache_gpu.py --report "$OUT/check_cache_gpu.json" 2>&1 | tail -14 ;;
+    bench)
+      [ -d /tmp/large ] || python3 scripts/make_checkpoint.py --out /tmp/large --preset large --seed 0
+      python3 scripts/bench.py --model /tmp/large --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -30 ;;
+  esac
+done
