@@ -10,9 +10,11 @@ host synchronisation (no `.item()`, no boolean indexing, no branching on tensor 
 can capture it into a CUDA graph for one `(T_cap, R_cap, K_cap, max_row_len)` shape.
 
 Precision: `dtype=torch.float32` runs everything in fp32. `dtype=torch.bfloat16` follows what the
-SDK's CUDA bf16 autocast does: every linear layer (and the token embedding table) in bf16, attention
-in bf16, while LayerNorms, the residual stream, RoPE, softmaxes and the confidence features stay in
-fp32.
+SDK's CUDA bf16 autocast does, op for op: every linear layer (weights, biases, outputs) and attention
+in bf16; LayerNorms, the residual stream, RoPE, softmaxes and the confidence features in fp32. The
+token embedding table stays fp32 as under autocast (an embedding lookup is not autocast): measured on
+the H200 a bf16 table moved answers 1.7x further from the SDK's bf16 path than its own bf16-vs-fp32
+noise, while an fp32 table sits at that noise floor.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.arch import Arch
+from kernels.linear import linear
 
 __all__ = ["ReferenceModel", "ABSENT_LOGIT", "HEAD_NORM_EPS"]
 
@@ -63,7 +66,7 @@ class ReferenceModel:
             return tensors[name].to(device=dev, dtype=torch.float32).contiguous()
 
         a = arch
-        self.tok_emb = mat("encoder.embeddings.tok_embeddings.weight")
+        self.tok_emb = f32("encoder.embeddings.tok_embeddings.weight")   # not autocast in the SDK either
         self.emb_norm = f32("encoder.embeddings.norm.weight")
         self.layers = []
         for i in range(a.layers):
@@ -107,7 +110,9 @@ class ReferenceModel:
     # ------------------------------------------------------------------ helpers
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x.to(w.dtype), w, b)
+        # Batch-invariant on CUDA (kernels/linear.py): a row's result must not depend on how the
+        # request was padded, or eager and graph execution would disagree in the last bit.
+        return linear(x.to(w.dtype).contiguous(), w, b)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
@@ -205,14 +210,15 @@ class ReferenceModel:
         logits = logits.masked_fill(~present, ABSENT_LOGIT)
 
         # ---- confidence features and the act head (fp32 features, as the SDK computes them)
-        p = torch.softmax(logits, -1)
+        # The confidence features reduce over the markers. Reduce over one fixed width (padding slots
+        # hold exp(-1e4 - max) == 0) so the summation order, and so every bit, is the same whatever
+        # marker width the caller or a graph bucket padded the request to.
+        wide = F.pad(logits, (0, self.max_positions + 1 - K), value=ABSENT_LOGIT)
+        p = torch.softmax(wide, -1)
         kf = present.sum(-1).clamp(min=2).float()
         ent = -(p * torch.log(p.clamp_min(1e-9))).sum(-1) / torch.log(kf)
-        if K >= 2:                                   # a static shape, not a tensor value
-            top = p.topk(2, -1).values
-            top1, top2 = top[:, 0], top[:, 1]
-        else:
-            top1, top2 = p[:, 0], torch.zeros_like(p[:, 0])
+        top = p.topk(2, -1).values                   # a single marker's top2 is a padding slot: 0
+        top1, top2 = top[:, 0], top[:, 1]
         feats = torch.stack([top1, top1 - top2, ent, kf / 255.0], -1)
         act_in = torch.cat([h[:, 0].float(), feats], -1)
         act = self._lin(F.gelu(self._lin(act_in, self.act0_w, self.act0_b)), self.act2_w, self.act2_b)
