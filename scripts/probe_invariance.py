@@ -12,11 +12,12 @@ for dt in (torch.bfloat16, torch.float32):
     base = F.linear(x[:48], w)
     for m in (64, 128, 512, 2048, 8192):
         out = F.linear(x[:m], w)[:48]
-        print(f"linear {dt} M=48 vs M={m}: equal={torch.equal(out, base)} maxdiff={(out - base).abs().max().item():.3g}")
+        diff = (out - base).abs().max().item()
+        print(f"linear {dt} M=48 vs M={m}: equal={torch.equal(out, base)} maxdiff={diff:.3g}")
     # fixed-size chunks through bmm
     C = 128
 
-    def chunked(xx):
+    def chunked(xx, C=C, w=w):
         n = xx.shape[0]
         pad = -n % C
         xp = F.pad(xx, (0, 0, 0, pad)).view(-1, C, d)

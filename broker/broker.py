@@ -1,0 +1,719 @@
+"""The broker: routes requests from clients (frontend ROUTER) to workers (backend ROUTER).
+
+What it owns:
+- the worker table: id, device, model fingerprint, capacity, credit, liveness, state
+  (ready / draining / restarting / drained / stopped / dead / mismatch);
+- the queue (bounded: a full queue answers "busy", retryable, instead of growing);
+- the in-flight table: a job sent to a worker that dies (missed heartbeats, vanished, or came back
+  with a fresh READY) is sent to another worker, at most `max_attempts` times, never dropped silently;
+- deduplication by (client id, request id): a retry of a request still queued or running waits for
+  it (the reply goes to the retry's address), a retry of a finished one gets the cached reply;
+- heartbeats both ways (Paranoid Pirate): a worker silent for `liveness` intervals is dead; a
+  message from a worker the broker does not know gets DISCONNECT, so the worker re-registers.
+
+The broker speaks only the wire protocol (client/wire.py): no torch, no worker imports.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from broker import security
+from client import wire
+from client.wire import Cmd
+
+log = logging.getLogger("laya-pool.broker")
+
+LIVE_STATES = ("ready", "draining")
+FORGET_AFTER_S = 600.0          # dead / drained entries stay in the status table this long
+
+
+@dataclass
+class BrokerConfig:
+    frontend: str = "tcp://127.0.0.1:5555"
+    backend: str = "tcp://127.0.0.1:5556"
+    heartbeat_ms: int = 1000
+    liveness: int = 3
+    queue_size: int = 1024
+    queue_timeout_s: float = 30.0
+    max_attempts: int = 3               # workers a request may be lost on before it is failed
+    max_bounces: int = 32               # "worker stopping" hand-backs before the client is told to retry
+    cache_size: int = 4096              # finished replies kept for retries
+    cache_ttl_s: float = 300.0
+    cache_max_reply_bytes: int = 1 << 20
+    max_frontend_bytes: int = 16 << 20  # ZMQ_MAXMSGSIZE (per frame): a larger frame drops the connection
+    max_backend_bytes: int = 1 << 30
+    keys: str | None = None             # CURVE key directory (laya-pool keys); needed for a non-loopback bind
+
+
+@dataclass
+class WorkerInfo:
+    id: str
+    identity: bytes
+    device: str = "?"
+    fingerprint: str = ""
+    capacity: dict[str, int] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)
+    credit: int = 1
+    pid: int | None = None
+    mode: str | None = None
+    generation: int = 0
+    state: str = "ready"
+    inflight: set[int] = field(default_factory=set)
+    expiry: float = 0.0
+    last_sent: float = 0.0
+    last_seen: float = 0.0
+    last_dispatch: float = 0.0
+    since: float = 0.0
+    registrations: int = 0
+    completed: int = 0
+    failed: int = 0
+    lost: int = 0
+    drain_restart: bool = False
+    restart_requested: bool = False     # restart-worker on a worker that is down: the supervisor starts it
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def fits(self, job: Job) -> bool:
+        if job.req is None:
+            return True
+        c = self.capacity
+        return (job.req.tokens <= c.get("max_tokens", 1 << 62) and job.req.rows <= c.get("max_rows", 1 << 62)
+                and job.req.n_markers <= c.get("max_markers", 1 << 62))
+
+    def row(self, now: float) -> dict[str, Any]:
+        return {"id": self.id, "device": self.device, "state": self.state, "pid": self.pid,
+                "fingerprint": self.fingerprint, "mode": self.mode, "capacity": self.capacity,
+                "credit": self.credit, "inflight": len(self.inflight), "completed": self.completed,
+                "failed": self.failed, "lost": self.lost, "registrations": self.registrations,
+                "generation": self.generation, "restart_requested": self.restart_requested,
+                "up_s": round(now - self.since, 3),
+                "last_seen_ms": round((now - self.last_seen) * 1e3, 1), "stats": self.stats}
+
+
+@dataclass
+class Job:
+    id: int
+    kind: str                       # "request" | "describe"
+    key: tuple[str, Any] | None     # (client id, client request id): the dedup key
+    envelope: list[bytes]           # the client's routing frames
+    client_rid: Any
+    req: wire.Request | None = None
+    payload: list[bytes] = field(default_factory=list)
+    target: str | None = None
+    attempts: int = 0               # times a worker holding it was lost
+    bounces: int = 0                # times a stopping worker handed it back
+    worker: str | None = None
+    enqueued: float = 0.0
+    dispatched: float = 0.0
+
+
+class Broker:
+    def __init__(self, cfg: BrokerConfig, ctx: zmq.Context | None = None):
+        self.cfg = cfg
+        for ep in (cfg.frontend, cfg.backend):
+            if not wire.is_loopback(ep) and not cfg.keys:
+                raise security.SecurityError(
+                    f"refusing to bind {ep}: not a loopback address and no CURVE keys are configured "
+                    "(generate them with `laya-pool keys --out DIR` and pass --keys DIR)")
+        self.ctx = ctx or zmq.Context.instance()
+        self.auth = None
+        self.frontend = self._router(cfg.frontend, cfg.max_frontend_bytes, handover=False)
+        self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=True)
+        self.hb = cfg.heartbeat_ms / 1000.0
+        self.workers: dict[str, WorkerInfo] = {}
+        self.by_identity: dict[bytes, str] = {}
+        self.queue: collections.deque[Job] = collections.deque()
+        self.inflight: dict[int, Job] = {}
+        self.pending: dict[tuple[str, Any], Job] = {}
+        self.cache: collections.OrderedDict[tuple[str, Any], tuple[float, list[bytes]]] = collections.OrderedDict()
+        self.cards: dict[str, bytes] = {}       # fingerprint -> the card body frame
+        self.pool_fp: str | None = None
+        self.next_job = int.from_bytes(os.urandom(6), "little") << 8   # a restarted broker never reuses ids
+        self.started = time.monotonic()
+        self.stopping = False
+        self.last_housekeeping = 0.0
+        self.counters = collections.Counter()
+
+    # -------------------------------------------------------------------------------------------- sockets
+
+    def _router(self, endpoint: str, max_bytes: int, handover: bool) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if handover:
+            s.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        if self.cfg.keys:
+            if self.auth is None:
+                self.auth = security.start_authenticator(self.ctx, self.cfg.keys)
+            security.curve_server(s, self.cfg.keys)
+        if endpoint.startswith("ipc://"):
+            os.makedirs(os.path.dirname(endpoint[len("ipc://"):]) or ".", exist_ok=True)
+        s.bind(endpoint)
+        return s
+
+    def _send(self, sock: zmq.Socket, frames: list[Any]) -> bool:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+
+    def _to_client(self, envelope: list[bytes], frames: list[Any]) -> None:
+        if not self._send(self.frontend, envelope + frames):
+            self.counters["client_gone"] += 1
+
+    def _client_error(self, envelope: list[bytes], rid: Any, status: str, message: str, *, field: str | None = None,
+                      row: int | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None) -> None:
+        self.counters["errors_" + status] += 1
+        self._to_client(envelope, wire.encode_error(rid, status, message, field=field, row=row, cmd=cmd,
+                                                    reason=reason))
+
+    def _to_worker(self, w: WorkerInfo, cmd: Cmd, header: dict, *frames: Any) -> bool:
+        ok = self._send(self.backend, [w.identity, *wire.encode(cmd, header, *frames)])
+        if ok:
+            w.last_sent = time.monotonic()
+        return ok
+
+    # -------------------------------------------------------------------------------------------- loop
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        log.info("broker %d: frontend %s, backend %s, heartbeat %d ms x %d", os.getpid(), self.cfg.frontend,
+                 self.cfg.backend, self.cfg.heartbeat_ms, self.cfg.liveness)
+        while not self.stopping:
+            timeout = max(1, int(self.hb * 1000 / 2))
+            events = dict(poller.poll(timeout))
+            # Workers first: replies free credit for the requests waiting behind them.
+            if events.get(self.backend):
+                for _ in range(1000):
+                    try:
+                        frames = self.backend.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._guarded(self.on_backend, frames)
+            if events.get(self.frontend):
+                for _ in range(1000):
+                    try:
+                        frames = self.frontend.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._guarded(self.on_frontend, frames)
+            self.tick()
+        self.shutdown()
+        return 0
+
+    def _guarded(self, handler, frames: list[bytes]) -> None:
+        """A bug met by one message must not take the pool's routing table down with it."""
+        try:
+            handler(frames)
+        except Exception:  # noqa: BLE001
+            self.counters["internal_errors"] += 1
+            log.exception("broker: internal error while handling a message")
+            if handler == self.on_frontend:
+                cut = 2 if len(frames) > 1 and frames[1] == b"" else 1
+                with contextlib.suppress(Exception):
+                    self._client_error(frames[:cut], wire.rid_of(frames[cut:]) if len(frames) > cut + 2 else None,
+                                       wire.STATUS_RETRYABLE, "internal broker error", reason="internal")
+
+    def shutdown(self) -> None:
+        for job in list(self.queue) + list(self.inflight.values()):
+            self._fail(job, wire.STATUS_RETRYABLE, "the broker is shutting down", reason="shutdown")
+        self.queue.clear()
+        self.inflight.clear()
+        if self.auth is not None:
+            self.auth.stop()
+        self.frontend.close(0)
+        self.backend.close(0)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self.last_housekeeping < min(0.05, self.hb / 4):
+            self.dispatch()
+            return
+        self.last_housekeeping = now
+        for w in list(self.workers.values()):
+            if w.state in LIVE_STATES or w.state == "mismatch":
+                if now > w.expiry:
+                    self._worker_lost(w, "dead", f"missed heartbeats for {now - w.last_seen:.2f} s")
+                elif now - w.last_sent >= self.hb:
+                    hdr = {"drain": "restart" if w.drain_restart else "drain"} if w.state == "draining" else {}
+                    if not self._to_worker(w, Cmd.HEARTBEAT, hdr):
+                        self._worker_lost(w, "dead", "unreachable")
+            elif now - w.last_seen > FORGET_AFTER_S:
+                self.workers.pop(w.id, None)
+                self.by_identity.pop(w.identity, None)
+        if self.queue and any(now - j.enqueued > self.cfg.queue_timeout_s for j in self.queue):
+            kept: collections.deque[Job] = collections.deque()
+            for job in self.queue:
+                if now - job.enqueued > self.cfg.queue_timeout_s:
+                    self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within "
+                               f"{self.cfg.queue_timeout_s:g} s", reason="queue-timeout")
+                else:
+                    kept.append(job)
+            self.queue = kept
+        while self.cache and self.cache[next(iter(self.cache))][0] < now:
+            self.cache.popitem(last=False)
+        self.dispatch()
+
+    # -------------------------------------------------------------------------------------------- clients
+
+    def on_frontend(self, frames: list[bytes]) -> None:
+        self.counters["frontend_messages"] += 1
+        # DEALER clients send [identity, proto, ...]; REQ clients add an empty delimiter.
+        cut = 2 if len(frames) > 1 and frames[1] == b"" else 1
+        envelope, body = frames[:cut], frames[cut:]
+        try:
+            msg = wire.decode(body)
+        except wire.ProtocolError as e:
+            self.counters["malformed"] += 1
+            self._client_error(envelope, wire.rid_of(body) if len(body) >= 3 else None, wire.STATUS_FINAL,
+                               str(e), field=e.field)
+            return
+        try:
+            if msg.cmd == Cmd.REQUEST:
+                self.on_request(envelope, msg)
+            elif msg.cmd == Cmd.DESCRIBE:
+                self.on_describe(envelope, msg)
+            elif msg.cmd == Cmd.STATUS:
+                rid = wire.get(msg.header, "rid", (int, str), default=None)
+                self._to_client(envelope, wire.encode_body_reply(Cmd.STATUS, rid, self.status()))
+            elif msg.cmd == Cmd.DRAIN:
+                self.on_drain(envelope, msg)
+            elif msg.cmd == Cmd.HEARTBEAT:
+                self._to_client(envelope, wire.encode(Cmd.HEARTBEAT, {"rid": msg.header.get("rid"),
+                                                                       "status": wire.STATUS_OK}))
+            else:
+                raise wire.ProtocolError("command", f"{msg.cmd.name} is not a client command")
+        except wire.ProtocolError as e:
+            self.counters["malformed"] += 1
+            self._client_error(envelope, wire.rid_of(body), wire.STATUS_FINAL, str(e), field=e.field, cmd=msg.cmd
+                               if msg.cmd in (Cmd.STATUS, Cmd.DRAIN, Cmd.DESCRIBE) else Cmd.REPLY)
+
+    def on_request(self, envelope: list[bytes], msg: wire.Message) -> None:
+        req = wire.parse_request(msg)
+        self.counters["requests"] += 1
+        key = (req.cid or envelope[0].hex(), req.rid)
+        now = time.monotonic()
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.counters["cache_hits"] += 1
+            self._to_client(envelope, cached[1])
+            return
+        job = self.pending.get(key)
+        if job is not None:
+            # A retry of a request still queued or running: answer it there, run it once.
+            self.counters["retries_joined"] += 1
+            job.envelope = envelope
+            return
+        if req.worker is not None:
+            w = self.workers.get(req.worker)
+            if w is None:
+                raise wire.ProtocolError("worker", f"no worker {req.worker!r} in this pool")
+            if w.state != "ready":
+                self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE, f"worker {req.worker!r} is {w.state}",
+                                   reason="worker-unavailable")
+                return
+        ready = [w for w in self.workers.values() if w.state == "ready" and w.fingerprint == self.pool_fp]
+        probe = Job(0, "request", None, [], None, req=req)
+        if ready and not any(w.fits(probe) for w in ready):
+            c = max(ready, key=lambda w: w.capacity.get("max_tokens", 0)).capacity
+            for name, have, cap in (("ids", req.tokens, "max_tokens"), ("lengths", req.rows, "max_rows"),
+                                    ("markers", req.n_markers, "max_markers")):
+                if have > c.get(cap, 1 << 62):
+                    raise wire.ProtocolError(name, f"{have} exceeds every worker's capacity ({cap} {c[cap]})")
+            raise wire.ProtocolError("ids", "the request fits no worker's capacity")
+        if len(self.queue) >= self.cfg.queue_size:
+            self.counters["busy"] += 1
+            self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE,
+                               f"the pool is busy ({len(self.queue)} requests queued)", reason="busy")
+            return
+        job = Job(self._job_id(), "request", key, envelope, req.rid, req=req, payload=list(msg.frames),
+                  target=req.worker, enqueued=now)
+        self.pending[key] = job
+        self.queue.append(job)
+        self.dispatch()
+
+    def on_describe(self, envelope: list[bytes], msg: wire.Message) -> None:
+        rid = wire.get(msg.header, "rid", (int, str), default=None)
+        if self.pool_fp in self.cards:
+            self._to_client(envelope, wire.encode(Cmd.DESCRIBE, {"rid": rid, "status": wire.STATUS_OK,
+                                                                 "fp": self.pool_fp}, self.cards[self.pool_fp]))
+            return
+        if len(self.queue) >= self.cfg.queue_size:
+            self._client_error(envelope, rid, wire.STATUS_RETRYABLE, "the pool is busy", cmd=Cmd.DESCRIBE,
+                               reason="busy")
+            return
+        job = Job(self._job_id(), "describe", None, envelope, rid, enqueued=time.monotonic())
+        self.queue.append(job)
+        self.dispatch()
+
+    def on_drain(self, envelope: list[bytes], msg: wire.Message) -> None:
+        rid = wire.get(msg.header, "rid", (int, str), default=None)
+        wid = wire.get(msg.header, "worker", str)
+        restart = wire.get(msg.header, "restart", bool, default=False)
+        w = self.workers.get(wid)
+        if w is None:
+            raise wire.ProtocolError("worker", f"no worker {wid!r} in this pool")
+        if w.state not in LIVE_STATES and w.state != "mismatch" and restart:
+            # It is down (drained, stopped, dead): the supervisor sees this flag in the status and starts it.
+            w.restart_requested = True
+            self._to_client(envelope, wire.encode_body_reply(Cmd.DRAIN, rid, {
+                "worker": wid, "state": w.state, "restart": True, "restart_requested": True, "inflight": 0,
+                "registrations": w.registrations, "pid": w.pid}))
+            return
+        if w.state not in LIVE_STATES and w.state != "mismatch":
+            self._client_error(envelope, rid, wire.STATUS_FINAL, f"worker {wid!r} is {w.state}", field="worker",
+                               cmd=Cmd.DRAIN)
+            return
+        w.state, w.drain_restart = "draining", restart
+        self._to_worker(w, Cmd.DRAIN, {"restart": restart})
+        log.info("worker %s: draining%s (%d in flight)", wid, " for a restart" if restart else "", len(w.inflight))
+        self._to_client(envelope, wire.encode_body_reply(Cmd.DRAIN, rid, {
+            "worker": wid, "state": w.state, "restart": restart, "inflight": len(w.inflight),
+            "registrations": w.registrations, "pid": w.pid}))
+        self.dispatch()
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"workers": [w.row(now) for w in sorted(self.workers.values(), key=lambda w: _natural(w.id))],
+                "broker": {"pid": os.getpid(), "frontend": self.cfg.frontend, "backend": self.cfg.backend,
+                           "fingerprint": self.pool_fp, "uptime_s": round(now - self.started, 3),
+                           "heartbeat_ms": self.cfg.heartbeat_ms, "liveness": self.cfg.liveness,
+                           "queue": len(self.queue), "queue_size": self.cfg.queue_size,
+                           "inflight": len(self.inflight), "cached_replies": len(self.cache),
+                           "counters": dict(self.counters)}}
+
+    # -------------------------------------------------------------------------------------------- workers
+
+    def on_backend(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        now = time.monotonic()
+        try:
+            msg = wire.decode(body)
+        except wire.ProtocolError as e:
+            self.counters["worker_malformed"] += 1
+            log.warning("worker %r sent a malformed message (%s)", identity, e)
+            self._confused(identity, f"malformed message: {e}")
+            return
+        wid = self.by_identity.get(identity)
+        w = self.workers.get(wid) if wid is not None else None
+        if msg.cmd == Cmd.READY:
+            try:
+                self.on_ready(identity, msg, now)
+            except wire.ProtocolError as e:
+                log.warning("worker %r sent a bad READY (%s)", identity, e)
+                self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": f"bad READY: {e}"})])
+            return
+        if w is None or w.state not in LIVE_STATES + ("mismatch",):
+            # A worker we do not know (we restarted, or declared it dead): make it register again.
+            if msg.cmd != Cmd.DISCONNECT:
+                self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": "not registered"})])
+            return
+        w.last_seen, w.expiry = now, now + self.hb * self.cfg.liveness
+        try:
+            if msg.cmd == Cmd.HEARTBEAT:
+                stats = wire.get(msg.header, "stats", dict, default=None)
+                if stats is not None:
+                    w.stats = stats
+            elif msg.cmd == Cmd.REPLY:
+                self.on_worker_reply(w, msg)
+            elif msg.cmd == Cmd.DESCRIBE:
+                self.on_worker_card(w, msg)
+            elif msg.cmd == Cmd.DRAIN:
+                # The worker drains on its own (SIGTERM): dispatch nothing more to it.
+                if w.state == "ready":
+                    w.state = "draining"
+                    log.info("worker %s: draining (%s)", w.id, msg.header.get("reason", "its own decision"))
+            elif msg.cmd == Cmd.DISCONNECT:
+                reason = wire.get(msg.header, "reason", str, default="shutdown")
+                state = {"drain": "drained", "restart": "restarting"}.get(reason, "stopped")
+                self._worker_lost(w, state, f"left ({reason})")
+            else:
+                raise wire.ProtocolError("command", f"{msg.cmd.name} is not a worker command")
+        except wire.ProtocolError as e:
+            self.counters["worker_malformed"] += 1
+            log.warning("worker %s sent a bad %s (%s)", w.id, msg.cmd.name, e)
+            self._confused(identity, str(e))
+        self.dispatch()
+
+    def _confused(self, identity: bytes, why: str) -> None:
+        wid = self.by_identity.get(identity)
+        if wid is not None and wid in self.workers:
+            self._worker_lost(self.workers[wid], "dead", why)
+        self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": why[:200]})])
+
+    def on_ready(self, identity: bytes, msg: wire.Message, now: float) -> None:
+        h = msg.header
+        wid = wire.get(h, "id", str)
+        if not wid or identity != wid.encode():
+            raise wire.ProtocolError("id", f"the worker id {wid!r} must equal its socket identity {identity!r}")
+        cap = wire.get(h, "capacity", dict)
+        for k in ("max_tokens", "max_rows", "max_markers"):
+            wire.get(cap, k, int, what="capacity")
+        fp = wire.get(h, "fingerprint", str)
+        old = self.workers.get(wid)
+        registrations = 0
+        if old is not None:
+            registrations = old.registrations
+            if old.state in LIVE_STATES and old.inflight:
+                # The same id registered again: the old process (and its work) is gone.
+                self._requeue_from(old, "re-registered")
+        w = WorkerInfo(id=wid, identity=identity, device=wire.get(h, "device", str, default="?"), fingerprint=fp,
+                       capacity={k: int(v) for k, v in cap.items() if isinstance(v, int)},
+                       limits={k: int(v) for k, v in wire.get(h, "limits", dict, default={}).items()
+                               if isinstance(v, int)},
+                       credit=max(1, wire.get(h, "credit", int, default=1)),
+                       pid=wire.get(h, "pid", int, default=None), mode=wire.get(h, "mode", str, default=None),
+                       generation=wire.get(h, "generation", int, default=0), expiry=now + self.hb * self.cfg.liveness,
+                       last_seen=now, since=now, registrations=registrations + 1)
+        live_fps = {x.fingerprint for x in self.workers.values() if x.state in LIVE_STATES and x.id != wid}
+        if self.pool_fp is None or not live_fps or self.pool_fp not in live_fps:
+            self.pool_fp = fp
+        if fp != self.pool_fp:
+            w.state = "mismatch"
+            log.error("worker %s serves model %s but the pool serves %s: not dispatching to it", wid, fp[:12],
+                      self.pool_fp[:12])
+        self.workers[wid] = w
+        self.by_identity[identity] = wid
+        self._to_worker(w, Cmd.HEARTBEAT, {})
+        log.info("worker %s ready: %s pid %s, credit %d, fingerprint %s (registration %d)", wid, w.device, w.pid,
+                 w.credit, fp[:12], w.registrations)
+        self.dispatch()
+
+    def on_worker_reply(self, w: WorkerInfo, msg: wire.Message) -> None:
+        rep = wire.parse_reply(msg)
+        job = self.inflight.get(rep.rid) if isinstance(rep.rid, int) else None
+        if job is None or job.worker != w.id or job.kind != "request":
+            self.counters["late_replies"] += 1    # a job already re-run elsewhere, or from before a restart
+            return
+        del self.inflight[job.id]
+        w.inflight.discard(job.id)
+        if rep.status == wire.STATUS_RETRYABLE:
+            # The worker is stopping (or could not take it): another worker runs it.
+            job.bounces += 1
+            job.worker = None
+            if job.bounces > self.cfg.max_bounces:
+                self._fail(job, wire.STATUS_RETRYABLE, rep.message or "workers keep handing this request back",
+                           reason="bounced")
+            else:
+                job.enqueued = time.monotonic()
+                self.queue.appendleft(job)
+            return
+        if rep.status == wire.STATUS_OK:
+            w.completed += 1
+        else:
+            w.failed += 1
+        header = dict(msg.header)
+        header["rid"] = job.client_rid
+        header["worker"] = w.id
+        self._finish(job, wire.encode(Cmd.REPLY, header, *msg.frames))
+
+    def on_worker_card(self, w: WorkerInfo, msg: wire.Message) -> None:
+        rid = wire.get(msg.header, "rid", int, default=None)
+        status = wire.get(msg.header, "status", str, default=wire.STATUS_OK)
+        if status == wire.STATUS_OK:
+            body = wire.body_of(msg)       # raises before anything changes: the worker is then confused
+            if not isinstance(body, dict) or body.get("fingerprint") != w.fingerprint:
+                raise wire.ProtocolError("body", "the card does not carry this worker's fingerprint")
+            self.cards[w.fingerprint] = bytes(msg.frames[0])
+        job = self.inflight.get(rid) if rid is not None else None
+        if job is None or job.kind != "describe" or job.worker != w.id:
+            return
+        del self.inflight[job.id]
+        w.inflight.discard(job.id)
+        if status == wire.STATUS_OK and w.fingerprint == self.pool_fp:
+            self._to_client(job.envelope, wire.encode(Cmd.DESCRIBE, {"rid": job.client_rid, "status": wire.STATUS_OK,
+                                                                     "fp": w.fingerprint}, self.cards[w.fingerprint]))
+            return
+        job.worker = None
+        job.bounces += 1
+        if job.bounces > self.cfg.max_bounces:
+            self._fail(job, wire.STATUS_RETRYABLE, "no worker could describe the model")
+        else:
+            job.enqueued = time.monotonic()
+            self.queue.appendleft(job)
+
+    def _worker_lost(self, w: WorkerInfo, state: str, why: str) -> None:
+        prev = w.state
+        w.state = state
+        if state in ("dead",) or w.inflight:
+            log.warning("worker %s (%s, pid %s) %s: %s; %d requests to re-send", w.id, prev, w.pid, state, why,
+                        len(w.inflight))
+        else:
+            log.info("worker %s %s: %s", w.id, state, why)
+        self._requeue_from(w, why)
+
+    def _requeue_from(self, w: WorkerInfo, why: str) -> None:
+        for jid in sorted(w.inflight, reverse=True):
+            job = self.inflight.pop(jid, None)
+            if job is None:
+                continue
+            job.worker = None
+            job.attempts += 1
+            w.lost += 1
+            self.counters["requeued"] += 1
+            if job.attempts >= self.cfg.max_attempts:
+                self._fail(job, wire.STATUS_FINAL, f"{job.attempts} workers were lost while running this request "
+                                                   f"(last: worker {w.id}, {why})", reason="workers-lost")
+            else:
+                job.enqueued = time.monotonic()
+                self.queue.appendleft(job)
+        w.inflight.clear()
+
+    # -------------------------------------------------------------------------------------------- dispatch
+
+    def _job_id(self) -> int:
+        self.next_job += 1
+        return self.next_job
+
+    def _candidates(self) -> list[WorkerInfo]:
+        return [w for w in self.workers.values()
+                if w.state == "ready" and w.fingerprint == self.pool_fp and len(w.inflight) < w.credit]
+
+    def dispatch(self) -> None:
+        if not self.queue:
+            return
+        free = self._candidates()
+        if not free and not any(j.kind == "describe" for j in self.queue):
+            return
+        kept: collections.deque[Job] = collections.deque()
+        while self.queue:
+            job = self.queue.popleft()
+            w = self._pick(job, free)
+            if w is None:
+                kept.append(job)
+                continue
+            if self._send_job(w, job):
+                if len(w.inflight) >= w.credit and w in free:
+                    free.remove(w)
+            else:
+                # Unreachable: it is dead now (its jobs went back to the front of the queue).
+                if w in free:
+                    free.remove(w)
+                kept.append(job)
+            if not free and not any(j.kind == "describe" for j in self.queue):
+                break
+        kept.extend(self.queue)
+        self.queue = kept
+
+    def _pick(self, job: Job, free: list[WorkerInfo]) -> WorkerInfo | None:
+        if job.kind == "describe":
+            pool = [w for w in self.workers.values() if w.state == "ready" and w.fingerprint == self.pool_fp]
+            return min(pool, key=lambda w: len(w.inflight), default=None)
+        best = None
+        for w in free:
+            if job.target is not None and w.id != job.target:
+                continue
+            if not w.fits(job):
+                continue
+            if best is None or (len(w.inflight) / w.credit, w.last_dispatch) < (len(best.inflight) / best.credit,
+                                                                                  best.last_dispatch):
+                best = w
+        return best
+
+    def _send_job(self, w: WorkerInfo, job: Job) -> bool:
+        if job.kind == "describe":
+            ok = self._to_worker(w, Cmd.DESCRIBE, {"rid": job.id})
+        else:
+            ok = self._to_worker(w, Cmd.REQUEST, wire.request_header_for_worker(job.req, job.id), *job.payload)
+        if not ok:
+            self._worker_lost(w, "dead", "unreachable")
+            return False
+        job.worker, job.dispatched = w.id, time.monotonic()
+        w.last_dispatch = job.dispatched
+        w.inflight.add(job.id)
+        self.inflight[job.id] = job
+        return True
+
+    def _finish(self, job: Job, frames: list[Any]) -> None:
+        if job.key is not None:
+            self.pending.pop(job.key, None)
+            size = sum(len(f) for f in frames)
+            if size <= self.cfg.cache_max_reply_bytes:
+                self.cache[job.key] = (time.monotonic() + self.cfg.cache_ttl_s, frames)
+                self.cache.move_to_end(job.key)
+                while len(self.cache) > self.cfg.cache_size:
+                    self.cache.popitem(last=False)
+        self.counters["replies"] += 1
+        self._to_client(job.envelope, frames)
+
+    def _fail(self, job: Job, status: str, message: str, reason: str | None = None) -> None:
+        if job.key is not None:
+            self.pending.pop(job.key, None)
+        cmd = Cmd.DESCRIBE if job.kind == "describe" else Cmd.REPLY
+        self._client_error(job.envelope, job.client_rid, status, message, cmd=cmd, reason=reason)
+
+
+def _natural(s: str) -> tuple:
+    return (0, int(s), "") if s.isdigit() else (1, 0, s)
+
+
+# ------------------------------------------------------------------------------------------------ process
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BrokerConfig()
+    p.add_argument("--frontend", default=os.environ.get("LAYA_POOL_FRONTEND", d.frontend),
+                   help="endpoint clients connect to (default %(default)s)")
+    p.add_argument("--backend", default=d.backend, help="endpoint workers connect to (default %(default)s)")
+    p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms)
+    p.add_argument("--liveness", type=int, default=d.liveness, help="heartbeats missed before a worker is dead")
+    p.add_argument("--queue-size", type=int, default=d.queue_size)
+    p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s)
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--max-message-bytes", type=int, default=d.max_frontend_bytes)
+    p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys --out DIR)")
+
+
+def config_from_args(a: argparse.Namespace) -> BrokerConfig:
+    return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
+                        queue_size=a.queue_size, queue_timeout_s=a.queue_timeout, max_attempts=a.max_attempts,
+                        max_frontend_bytes=a.max_message_bytes, keys=a.keys)
+
+
+def serve(cfg: BrokerConfig) -> int:
+    try:
+        broker = Broker(cfg)
+    except security.SecurityError as e:
+        log.error("%s", e)
+        return wire.EXIT_USAGE
+    except zmq.ZMQError as e:
+        log.error("cannot bind %s / %s: %s", cfg.frontend, cfg.backend, e)
+        return wire.EXIT_CONFIG
+
+    def stop(signum, _frame):
+        broker.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return broker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m broker.broker", description="the laya-pool broker")
+    add_arguments(p)
+    p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", "INFO"))
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return serve(config_from_args(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

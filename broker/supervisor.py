@@ -1,0 +1,279 @@
+"""The supervisor (`laya-pool up`): the broker and the worker processes, restarts and a graceful stop.
+
+- starts the broker (`python -m broker.broker`) and one worker per device slot (`python -m worker.server`),
+  each GPU worker with CUDA_VISIBLE_DEVICES set to its GPU, CPU workers pinned to disjoint cores;
+- restarts a worker that exits: at once when it drained for a restart (exit 75), with exponential
+  backoff after a crash (any other non-zero exit or a signal), never after a configuration error
+  (exit 78: the checkpoint is unusable) or a clean drain (exit 0: the operator took it out);
+- restarts the broker if it dies (workers re-register with the new one by themselves);
+- brings back a drained worker when `laya-pool restart-worker ID` asks for it (seen in the broker's status);
+- on SIGINT/SIGTERM: every worker finishes its in-flight work and leaves, then the broker; exit 0.
+
+The supervisor imports neither torch nor the worker package: workers are subprocesses started by module name.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from client import wire
+
+log = logging.getLogger("laya-pool.supervisor")
+ROOT = Path(__file__).resolve().parents[1]
+BACKOFF_START = 0.5
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 60.0     # a worker up this long has its backoff reset
+
+
+@dataclass
+class SupervisorConfig:
+    model: str
+    devices: list[str]
+    workers_per_device: int = 1
+    frontend: str = "tcp://127.0.0.1:5555"
+    backend: str | None = None          # default: an ipc socket in a private temporary directory
+    heartbeat_ms: int = 1000
+    liveness: int = 3
+    mode: str | None = None
+    credit: int = 2
+    keys: str | None = None
+    broker_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    drain_timeout: float = 60.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    restarts: int = 0
+    backoff: float = BACKOFF_START
+    next_start: float = 0.0
+    state: str = "starting"      # running | backoff | down (drained / config error) | stopped
+    last_exit: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the supervisor dies (Linux), so nothing is orphaned."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def _cpu_sets(devices: list[str], per_device: int) -> list[list[int] | None]:
+    """Disjoint core sets for the CPU workers (GPU workers pick the cores near their GPU themselves)."""
+    try:
+        import psutil
+        cores = sorted(psutil.Process().cpu_affinity())
+    except Exception:  # noqa: BLE001
+        cores = list(range(os.cpu_count() or 1))
+    slots = [d for d in devices for _ in range(per_device)]
+    n_cpu = sum(1 for d in slots if d == "cpu")
+    out: list[list[int] | None] = []
+    i = 0
+    chunk = max(1, len(cores) // max(1, n_cpu))
+    for d in slots:
+        if d != "cpu":
+            out.append(None)
+            continue
+        out.append([cores[(i * chunk + k) % len(cores)] for k in range(chunk)])
+        i += 1
+    return out
+
+
+class Supervisor:
+    def __init__(self, cfg: SupervisorConfig):
+        self.cfg = cfg
+        self.tmp: Path | None = None
+        if cfg.backend is None:
+            self.tmp = Path(tempfile.mkdtemp(prefix="laya-pool-"))
+            os.chmod(self.tmp, 0o700)
+            cfg.backend = f"ipc://{self.tmp}/backend"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.env = env
+        common = ["--heartbeat-ms", str(cfg.heartbeat_ms), "--liveness", str(cfg.liveness)]
+        keys = ["--keys", cfg.keys] if cfg.keys else []
+        self.broker = Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
+                                       "--backend", cfg.backend, *common, *keys, *cfg.broker_args], env)
+        self.workers: dict[str, Child] = {}
+        cpus = _cpu_sets(cfg.devices, cfg.workers_per_device)
+        slots = [d for d in cfg.devices for _ in range(cfg.workers_per_device)]
+        for i, (device, cpu) in enumerate(zip(slots, cpus)):
+            wid = str(i)
+            wenv = dict(env)
+            if device.startswith("cuda"):
+                wenv["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
+            argv = [sys.executable, "-m", "worker.server", "--model", cfg.model, "--device", device,
+                    "--backend", cfg.backend, "--id", wid, "--credit", str(cfg.credit), *common, *keys]
+            if cfg.mode:
+                argv += ["--mode", cfg.mode]
+            if cpu:
+                argv += ["--cpus", ",".join(map(str, cpu))]
+            argv += cfg.worker_args
+            self.workers[wid] = Child(f"worker {wid}", argv, wenv)
+        self.stopping = False
+        self.status_client = None
+        self.last_poll = 0.0
+        self.announced = False
+
+    # ------------------------------------------------------------------------------------------------ children
+
+    def _start(self, child: Child, extra: list[str] | None = None) -> None:
+        child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env, preexec_fn=_die_with_parent,
+                                      start_new_session=True)
+        child.started = time.monotonic()
+        child.state = "running"
+        log.info("%s started (pid %d)", child.name, child.proc.pid)
+
+    def _start_worker(self, wid: str) -> None:
+        child = self.workers[wid]
+        self._start(child, ["--generation", str(child.restarts)])
+
+    def _reap(self, child: Child, is_worker: bool) -> None:
+        if child.state != "running" or child.proc is None:
+            return
+        code = child.proc.poll()
+        if code is None:
+            return
+        child.last_exit = code
+        now = time.monotonic()
+        if now - child.started > STABLE_AFTER:
+            child.backoff = BACKOFF_START
+        if self.stopping:
+            child.state = "stopped"
+            return
+        if not is_worker and code in (wire.EXIT_USAGE, wire.EXIT_CONFIG):
+            log.error("the broker cannot start (exit %d: an endpoint is in use or refused); stopping", code)
+            child.state = "down"
+        elif is_worker and code == wire.EXIT_RESTART:
+            log.info("%s drained for a restart; starting it again", child.name)
+            child.restarts += 1
+            child.state, child.next_start = "backoff", now
+        elif is_worker and code == wire.EXIT_OK:
+            log.info("%s drained and left; it stays down (laya-pool restart-worker %s brings it back)", child.name,
+                     child.name.split()[-1])
+            child.state = "down"
+        elif is_worker and code == wire.EXIT_CONFIG:
+            log.error("%s cannot serve this model or configuration (exit %d); not restarting it", child.name, code)
+            child.state = "down"
+        else:
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            log.warning("%s (pid %d) died (%s); restarting in %.1f s", child.name, child.proc.pid, how,
+                        child.backoff)
+            child.restarts += 1
+            child.state, child.next_start = "backoff", now + child.backoff
+            child.backoff = min(BACKOFF_MAX, child.backoff * 2)
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        if self.broker.state == "backoff" and now >= self.broker.next_start:
+            self._start(self.broker)
+        for wid, child in self.workers.items():
+            if child.state == "backoff" and now >= child.next_start:
+                self._start_worker(wid)
+
+    def _poll_broker(self) -> None:
+        """Readiness announcement, and workers an operator asked back (restart-worker on a drained worker)."""
+        now = time.monotonic()
+        if now - self.last_poll < 1.0 or self.broker.state != "running":
+            return
+        self.last_poll = now
+        try:
+            if self.status_client is None:
+                from client.pool import Client
+                self.status_client = Client(self.cfg.frontend, timeout=1.0, retries=0, keys=self.cfg.keys)
+            st = self.status_client.status()
+        except Exception:  # noqa: BLE001 - the broker may be starting or restarting
+            return
+        rows = {w.get("id"): w for w in st.get("workers", [])}
+        for wid, child in self.workers.items():
+            if child.state == "down" and rows.get(wid, {}).get("restart_requested"):
+                log.info("worker %s: restart requested by an operator", wid)
+                child.restarts += 1
+                self._start_worker(wid)
+        ready = sum(1 for w in rows.values() if w.get("state") == "ready")
+        if not self.announced and ready >= len(self.workers):
+            self.announced = True
+            log.info("pool ready: %d workers on %s, frontend %s", ready, ",".join(self.cfg.devices),
+                     self.cfg.frontend)
+
+    # ------------------------------------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        def on_signal(signum, _frame):
+            if not self.stopping:
+                log.info("received %s: draining", signal.Signals(signum).name)
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self._start(self.broker)
+        for wid in self.workers:
+            self._start_worker(wid)
+        try:
+            while not self.stopping:
+                self._reap(self.broker, False)
+                if self.broker.state == "down":
+                    self._shutdown()
+                    return 1
+                for child in self.workers.values():
+                    self._reap(child, True)
+                if all(c.state == "down" and c.last_exit == wire.EXIT_CONFIG for c in self.workers.values()):
+                    log.error("no worker can start (configuration errors); stopping")
+                    self._shutdown()
+                    return 1
+                self._restart_due()
+                self._poll_broker()
+                time.sleep(0.1)
+            self._shutdown()
+            return 0
+        finally:
+            if self.status_client is not None:
+                self.status_client.close()
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _shutdown(self) -> None:
+        """Workers first (each finishes what it holds and leaves), then the broker."""
+        self.stopping = True
+        live = [c for c in self.workers.values() if c.proc is not None and c.proc.poll() is None]
+        for c in live:
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        for c in live:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", c.name, self.cfg.drain_timeout)
+                c.proc.kill()
+                c.proc.wait(10)
+            if c.proc.returncode not in (0, None):
+                log.warning("%s exited with code %s while stopping", c.name, c.proc.returncode)
+        b = self.broker.proc
+        if b is not None and b.poll() is None:
+            b.send_signal(signal.SIGTERM)
+            try:
+                b.wait(10)
+            except subprocess.TimeoutExpired:
+                b.kill()
+                b.wait(10)
+        log.info("pool stopped")

@@ -1,0 +1,555 @@
+"""Talking to a laya-pool: `Client` (blocking), `AsyncClient` (asyncio) and `local_pool` (a pool for a `with`).
+
+    from client import Client
+    c = Client("tcp://127.0.0.1:5555")
+    c.predict("the printer on floor 3 is broken", {"team": {...}})   # the SDK's Agent.predict() dict
+
+Each client holds ONE long-lived DEALER socket. A call sends one request with a fresh request id and
+waits; on a timeout or a "retryable" reply (busy, a worker lost, no worker yet) it sends the same
+request again with the SAME request id after a short backoff (Lazy Pirate, without recreating the
+socket: replies carrying another id are stale answers to earlier attempts and are dropped). The broker
+deduplicates by (client id, request id), so a retry never runs a request twice. A "final" reply (the
+request itself is wrong) raises `RequestFailed` naming the field and row; running out of attempts raises
+`PoolUnavailable`.
+
+The model card (tokenizer and config) comes from the pool with a describe call, so a client needs no
+files. This module imports neither torch nor anything from the worker or broker packages.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from client import wire
+from client.wire import Cmd
+
+DEFAULT_ENDPOINT = os.environ.get("LAYA_POOL_FRONTEND", "tcp://127.0.0.1:5555")
+MAX_FRAME_BYTES = 16 << 20      # the broker's default frontend MAXMSGSIZE
+
+
+class PoolError(RuntimeError):
+    """Base class of the errors a pool call raises."""
+
+
+class RequestFailed(PoolError, ValueError):
+    """The pool refused the request for good ("final"): retrying the same request cannot help."""
+
+    def __init__(self, message: str, field: str | None = None, row: int | None = None,
+                 worker: str | None = None, reason: str | None = None):
+        self.field, self.row, self.worker, self.reason = field, row, worker, reason
+        super().__init__(message)
+
+
+class PoolUnavailable(PoolError):
+    """Every attempt timed out or was answered "retryable" (busy, worker lost, no worker)."""
+
+    def __init__(self, message: str, last: str | None = None, attempts: int = 0):
+        self.last, self.attempts = last, attempts
+        super().__init__(message)
+
+
+@dataclass
+class ForwardResult:
+    """Logits per row (float32 arrays, one logit per option marker) and act probabilities [R, n_act].
+
+    Unpacks as a pair: `logits, act = client.forward(rows)`.
+    """
+    logits: list[np.ndarray]
+    act: np.ndarray
+    flat: np.ndarray                 # all logits back to back, rows in order (float32 [M])
+    worker: str | None = None
+    fingerprint: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    taps: dict[str, np.ndarray] | None = None
+    attempts: int = 1
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.logits, self.act))
+
+
+def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike) -> None:
+    """Make `sock` a CURVE client with the key directory `laya-pool keys --out DIR` wrote."""
+    import zmq.auth
+
+    keys = Path(keys)
+    for name in ("client.key_secret", "server.key"):
+        if not (keys / name).is_file():
+            raise PoolError(f"{keys / name}: missing (generate keys with `laya-pool keys --out DIR`)")
+    public, secret = zmq.auth.load_certificate(str(keys / "client.key_secret"))
+    server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
+
+
+def _split_rows(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    bounds = np.cumsum(counts)[:-1] if len(counts) else []
+    return [np.array(x, dtype=np.float32) for x in np.split(flat, bounds)] if len(counts) else []
+
+
+class _Base:
+    """What the blocking and the asyncio clients share: request building and reply interpretation."""
+
+    def __init__(self, endpoint: str | None, timeout: float, retries: int, backoff: float, max_backoff: float,
+                 keys: str | None):
+        self.endpoint = endpoint or DEFAULT_ENDPOINT
+        if timeout <= 0 or retries < 0:
+            raise ValueError("timeout must be positive and retries non-negative")
+        self.timeout, self.retries, self.backoff, self.max_backoff = timeout, retries, backoff, max_backoff
+        self.keys = keys
+        self.max_frame_bytes = MAX_FRAME_BYTES
+        self.cid = uuid.uuid4().hex
+        self._rids = itertools.count(1)
+        self._card_dict: dict[str, Any] | None = None
+        self._card: Any = None
+
+    def _socket(self, ctx: zmq.Context) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
+        if self.keys:
+            configure_curve_client(s, self.keys)
+        s.connect(self.endpoint)
+        return s
+
+    def _sleep_for(self, attempt: int) -> float:
+        return min(self.max_backoff, self.backoff * (2 ** (attempt - 1))) * (0.5 + random.random() / 2)
+
+    def _request_frames(self, rows: Sequence[tuple[Any, Any, int]] | dict[str, Any], worker: str | None,
+                        mode: str | None, taps: bool) -> Callable[[int, str], list[Any]]:
+        arrays = rows if isinstance(rows, dict) else wire.pack_rows(rows)
+        for name in wire.REQUEST_ARRAYS:
+            n = 4 * int(np.asarray(arrays[name]).size)
+            if n > self.max_frame_bytes:
+                # The broker's MAXMSGSIZE would drop the connection without a word: refuse it here instead.
+                raise RequestFailed(f"{name}: {n} bytes exceed the {self.max_frame_bytes}-byte frame limit",
+                                    field=name, reason="too-large")
+
+        def build(rid: int, cid: str) -> list[Any]:
+            return wire.encode_request(rid, arrays, cid=cid, worker=worker, mode=mode, taps=taps)
+        return build
+
+    @staticmethod
+    def _forward_result(reply: wire.Reply, counts: np.ndarray, attempts: int) -> ForwardResult:
+        if reply.logits is None or reply.act is None:
+            raise PoolError("an ok reply without logits")
+        if reply.logits.shape[0] != int(counts.sum()) or reply.act.shape[0] != len(counts):
+            raise wire.ProtocolError("reply", f"{reply.logits.shape[0]} logits and {reply.act.shape[0]} act rows "
+                                              f"for a request of {int(counts.sum())} markers in {len(counts)} rows")
+        flat = np.array(reply.logits, dtype=np.float32)
+        return ForwardResult(logits=_split_rows(flat, counts), act=np.array(reply.act, dtype=np.float32), flat=flat,
+                             worker=reply.worker, fingerprint=reply.fingerprint, metrics=reply.metrics,
+                             taps=None if reply.taps is None else {k: np.array(v) for k, v in reply.taps.items()},
+                             attempts=attempts)
+
+    @staticmethod
+    def _raise_final(reply: wire.Reply) -> None:
+        err = reply.error or {}
+        raise RequestFailed(err.get("message", "request refused"), field=err.get("field"), row=err.get("row"),
+                            worker=reply.worker, reason=err.get("reason"))
+
+    def _set_card(self, card: dict[str, Any]) -> Any:
+        from client.card import ModelCard
+
+        if not isinstance(card, dict):
+            raise wire.ProtocolError("body", f"a model card is a map, got {type(card).__name__}")
+        self._card_dict, self._card = card, ModelCard.from_card(card)
+        return self._card
+
+    @staticmethod
+    def _encode(card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None) -> Any:
+        from client.semantics import encode_request
+        return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len)
+
+    @staticmethod
+    def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray) -> dict[str, Any]:
+        from client.decode import decode_answers
+        return decode_answers(card, encoded, flat, act)
+
+
+class Client(_Base):
+    """A blocking client over one DEALER socket. Thread-safe: calls from several threads take turns
+    (use one client per thread, or `AsyncClient`, for concurrent requests from one process)."""
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
+                 backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
+                 context: zmq.Context | None = None):
+        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock = self._socket(self._ctx)
+        self._pid = os.getpid()
+
+    # -- transport -------------------------------------------------------------------------------------
+    def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
+             retries: int | None = None) -> tuple[wire.Message, int]:
+        """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts."""
+        timeout = self.timeout if timeout is None else timeout
+        retries = self.retries if retries is None else retries
+        rid = next(self._rids)
+        frames = build(rid, self.cid)
+        last = "no reply"
+        with self._lock:
+            if self._sock is None:
+                raise PoolError("the client is closed")
+            if os.getpid() != self._pid:
+                raise PoolError("a Client cannot be used across fork(); create one in the child")
+            for attempt in range(1, retries + 2):
+                try:
+                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    last = "the socket's send queue is full"
+                    time.sleep(self._sleep_for(attempt))
+                    continue
+                msg = self._wait(rid, time.monotonic() + timeout)
+                if msg is None:
+                    last = f"no reply within {timeout:g} s"
+                    continue
+                status = msg.header.get("status")
+                if status == wire.STATUS_RETRYABLE:
+                    err = msg.header.get("error")
+                    last = err.get("message", "retryable") if isinstance(err, dict) else "retryable"
+                    if attempt <= retries:
+                        time.sleep(self._sleep_for(attempt))
+                    continue
+                return msg, attempt
+        raise PoolUnavailable(f"{self.endpoint}: no answer after {retries + 1} attempts ({last})", last=last,
+                              attempts=retries + 1)
+
+    def _wait(self, rid: int, deadline: float) -> wire.Message | None:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
+                return None
+            frames = self._sock.recv_multipart()
+            msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
+            if msg.header.get("rid") == rid:
+                return msg
+            # a stale reply to an earlier attempt or an abandoned call: drop it
+
+    # -- the pool's API ----------------------------------------------------------------------------------
+    def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
+                retries: int | None = None, worker: str | None = None, mode: str | None = None,
+                taps: bool = False) -> ForwardResult:
+        """Run pre-encoded rows `(ids, markers, qtype)`; returns per-row logits and act probabilities."""
+        arrays = wire.pack_rows(rows)
+        msg, attempts = self.call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries)
+        reply = wire.parse_reply(msg)
+        if reply.status == wire.STATUS_FINAL:
+            self._raise_final(reply)
+        return self._forward_result(reply, arrays["marker_counts"], attempts)
+
+    def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
+                retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
+                worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
+        """The SDK's `Agent.predict(state, questions)` result, computed by the pool."""
+        card = self.card(timeout=timeout)
+        for refreshed in (False, True):
+            encoded = self._encode(card, state, questions, max_len, head_max_len)
+            if not encoded.rows:
+                return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
+            res = self.forward(encoded.rows, timeout=timeout, retries=retries, worker=worker, mode=mode)
+            if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
+                return self._decode(card, encoded, res.flat, res.act)
+            if refreshed:
+                break
+            card = self.card(timeout=timeout, refresh=True)   # the pool now serves another model
+        raise PoolError(f"the pool answered with model {res.fingerprint[:12]} but describes {card.fingerprint[:12]}")
+
+    def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
+        """The model card (what `Checkpoint.card()` returns), fetched once from the pool and cached."""
+        if self._card_dict is None or refresh:
+            msg, _ = self.call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
+                               timeout, None)
+            self._set_card(self._body(msg))
+        return self._card_dict
+
+    def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
+        """The `client.card.ModelCard` built from `describe()`."""
+        if self._card is None or refresh:
+            self.describe(timeout=timeout, refresh=True)
+        return self._card
+
+    def status(self, *, timeout: float | None = None, retries: int | None = None) -> dict[str, Any]:
+        """`{"workers": [{"id", "device", "state", ...}], "broker": {...}}`."""
+        msg, _ = self.call(Cmd.STATUS, lambda rid, cid: wire.encode(Cmd.STATUS, {"rid": rid}), timeout, retries)
+        return self._body(msg)
+
+    def drain(self, worker: str, *, restart: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """Stop dispatching to `worker`; it finishes its in-flight work and leaves (and with `restart`,
+        the supervisor starts it again and it re-registers)."""
+        msg, _ = self.call(Cmd.DRAIN, lambda rid, cid: wire.encode(Cmd.DRAIN, {"rid": rid, "worker": str(worker),
+                                                                               "restart": bool(restart)}),
+                           timeout, 0)
+        return self._body(msg)
+
+    def ping(self, *, timeout: float | None = None) -> float:
+        """Round trip to the broker, in seconds."""
+        t = time.perf_counter()
+        self.call(Cmd.HEARTBEAT, lambda rid, cid: wire.encode(Cmd.HEARTBEAT, {"rid": rid}), timeout, 0)
+        return time.perf_counter() - t
+
+    def _body(self, msg: wire.Message) -> Any:
+        reply = wire.parse_any_reply(msg)
+        if reply.status == wire.STATUS_FINAL:
+            self._raise_final(reply)
+        return wire.body_of(msg)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._sock is not None and os.getpid() == self._pid:
+                self._sock.close(0)
+
+
+class AsyncClient(_Base):
+    """The asyncio flavour: many concurrent calls over one socket, replies matched by request id."""
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
+                 backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
+                 context: Any = None):
+        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+        import zmq.asyncio
+
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock = self._socket(self._ctx)
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._card_lock: asyncio.Lock | None = None
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = wire.decode(frames)
+            except wire.ProtocolError as e:
+                for fut in list(self._waiters.values()):
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            fut = self._waiters.get(msg.header.get("rid"))
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
+                   retries: int | None = None) -> tuple[wire.Message, int]:
+        if self._sock is None:
+            raise PoolError("the client is closed")
+        timeout = self.timeout if timeout is None else timeout
+        retries = self.retries if retries is None else retries
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read())
+        rid = next(self._rids)
+        frames = build(rid, self.cid)
+        last = "no reply"
+        loop = asyncio.get_running_loop()
+        try:
+            for attempt in range(1, retries + 2):
+                fut = loop.create_future()
+                self._waiters[rid] = fut
+                await self._sock.send_multipart(frames, copy=False)
+                try:
+                    msg = await asyncio.wait_for(fut, timeout)
+                except asyncio.TimeoutError:
+                    last = f"no reply within {timeout:g} s"
+                    continue
+                if msg.header.get("status") == wire.STATUS_RETRYABLE:
+                    err = msg.header.get("error")
+                    last = err.get("message", "retryable") if isinstance(err, dict) else "retryable"
+                    if attempt <= retries:
+                        await asyncio.sleep(self._sleep_for(attempt))
+                    continue
+                return msg, attempt
+        finally:
+            self._waiters.pop(rid, None)
+        raise PoolUnavailable(f"{self.endpoint}: no answer after {retries + 1} attempts ({last})", last=last,
+                              attempts=retries + 1)
+
+    async def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
+                      retries: int | None = None, worker: str | None = None, mode: str | None = None,
+                      taps: bool = False) -> ForwardResult:
+        arrays = wire.pack_rows(rows)
+        msg, attempts = await self.call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout,
+                                        retries)
+        reply = wire.parse_reply(msg)
+        if reply.status == wire.STATUS_FINAL:
+            self._raise_final(reply)
+        return self._forward_result(reply, arrays["marker_counts"], attempts)
+
+    async def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
+                      retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
+                      worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
+        card = await self.card(timeout=timeout)
+        for refreshed in (False, True):
+            encoded = self._encode(card, state, questions, max_len, head_max_len)
+            if not encoded.rows:
+                return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
+            res = await self.forward(encoded.rows, timeout=timeout, retries=retries, worker=worker, mode=mode)
+            if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
+                return self._decode(card, encoded, res.flat, res.act)
+            if refreshed:
+                break
+            card = await self.card(timeout=timeout, refresh=True)
+        raise PoolError(f"the pool answered with model {res.fingerprint[:12]} but describes {card.fingerprint[:12]}")
+
+    async def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
+        if self._card_lock is None:
+            self._card_lock = asyncio.Lock()
+        async with self._card_lock:
+            if self._card_dict is None or refresh:
+                msg, _ = await self.call(Cmd.DESCRIBE,
+                                         lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}), timeout)
+                self._set_card(self._body(msg))
+        return self._card_dict
+
+    async def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
+        if self._card is None or refresh:
+            await self.describe(timeout=timeout, refresh=True)
+        return self._card
+
+    async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
+        msg, _ = await self.call(Cmd.STATUS, lambda rid, cid: wire.encode(Cmd.STATUS, {"rid": rid}), timeout)
+        return self._body(msg)
+
+    _body = Client._body
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------- local pool
+
+@dataclass
+class LocalPool:
+    endpoint: str
+    process: subprocess.Popen
+    log_path: Path | None
+    keys: str | None = None
+
+    def client(self, **kwargs: Any) -> Client:
+        return Client(self.endpoint, keys=self.keys, **kwargs)
+
+    def status(self) -> dict[str, Any]:
+        with self.client(timeout=5.0, retries=1) as c:
+            return c.status()
+
+    def log(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM the supervisor (it drains and stops everything); SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_per_device: int = 1,
+               frontend: str | None = None, heartbeat_ms: int | None = None, liveness: int | None = None,
+               startup_timeout: float = 180.0, log: str | os.PathLike | None = None, keys: str | None = None,
+               extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Iterator[LocalPool]:
+    """Start a pool (`laya-pool up` as a subprocess) for the life of a `with` block.
+
+    Returns once every worker has registered. The endpoints default to ipc sockets in a private
+    temporary directory. `log` is a file for the pool's output (default: a file in that directory,
+    read with `pool.log()`). With `keys` (a `laya-pool keys` directory) everything speaks CURVE."""
+    tmp = Path(tempfile.mkdtemp(prefix="laya-pool-"))
+    os.chmod(tmp, 0o700)
+    frontend = frontend or f"ipc://{tmp}/frontend"
+    backend = f"ipc://{tmp}/backend"
+    n_workers = len([d for d in devices.split(",") if d.strip()]) * workers_per_device
+    cmd = [sys.executable, "-m", "broker.cli", "up", "--model", str(model_dir), "--devices", devices,
+           "--workers-per-device", str(workers_per_device), "--frontend", frontend, "--backend", backend]
+    if heartbeat_ms is not None:
+        cmd += ["--heartbeat-ms", str(heartbeat_ms)]
+    if liveness is not None:
+        cmd += ["--liveness", str(liveness)]
+    if keys is not None:
+        cmd += ["--keys", str(keys)]
+    cmd += list(extra_args)
+    full_env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    full_env.update(env or {})
+    log_path = Path(log) if log is not None else tmp / "pool.log"
+    out = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    out.close()
+    pool = LocalPool(frontend, proc, log_path, keys=None if keys is None else str(keys))
+    failed = True
+    try:
+        deadline = time.monotonic() + startup_timeout
+        with pool.client(timeout=2.0, retries=0) as c:
+            while True:
+                if proc.poll() is not None:
+                    raise PoolError(f"the pool exited with code {proc.returncode} while starting "
+                                    f"(log: {log_path}):\n{pool.log()[-4000:]}")
+                try:
+                    st = c.status()
+                    if sum(1 for w in st["workers"] if w["state"] == "ready") >= n_workers:
+                        break
+                except PoolUnavailable:
+                    pass
+                if time.monotonic() > deadline:
+                    raise PoolError(f"the pool did not get {n_workers} workers ready within {startup_timeout:g} s "
+                                    f"(log: {log_path}):\n{pool.log()[-4000:]}")
+                time.sleep(0.2)
+        yield pool
+        failed = False
+    finally:
+        pool.stop()
+        # The private directory goes away with the pool; its log stays when something went wrong.
+        for p in tmp.iterdir():
+            if p != log_path or not failed:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        with contextlib.suppress(OSError):
+            tmp.rmdir()

@@ -1,0 +1,506 @@
+"""The laya-pool wire protocol: the one module the client, the broker and the workers all import.
+
+A message is a list of ZeroMQ frames (after the ROUTER envelope, which this module never sees):
+
+    [b"LAYA1", command (1 byte), msgpack header (a map), payload frames ...]
+
+Payload frames are raw little-endian int32 / float32 buffers (request arrays, reply logits) or one
+msgpack "body" frame (status tables, the model card). Nothing is ever pickled. Decoding is strict:
+a wrong version, an unknown command, a header that is not a small msgpack map of the expected keys
+and types, a missing or extra frame, or a buffer whose size does not match the header's counts raise
+`ProtocolError` naming the problem. See docs/protocol.md for the full description.
+
+Pure Python + numpy + msgpack: no zmq, no torch, so every process (and `import client`) can import it.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL = b"LAYA1"
+
+# Limits. The header is small by construction; bodies carry a model card (tokenizer.json, a few MB).
+MAX_HEADER_BYTES = 64 * 1024
+MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_STR = 4096                  # a header string (ids, modes, messages)
+MAX_COUNT = 1 << 26             # any row / token / marker count on the wire (a sanity bound, not a capacity)
+MAX_TAPS = 256
+MAX_METRIC_ITEMS = 256
+
+I32 = np.dtype("<i4")
+F32 = np.dtype("<f4")
+
+STATUS_OK = "ok"
+STATUS_RETRYABLE = "retryable"   # try again (same request id): busy, worker lost, worker stopping, no workers
+STATUS_FINAL = "final"           # do not retry: the request itself is wrong (names field and row)
+STATUSES = (STATUS_OK, STATUS_RETRYABLE, STATUS_FINAL)
+
+MODES = ("eager", "graph-fixed", "graph-cached")
+
+# Worker process exit codes (the supervisor reads them; a dead worker never looks like a clean exit).
+EXIT_OK = 0          # SIGTERM / drain: finished its in-flight work and left
+EXIT_FATAL = 1       # crashed or hit a fatal device error: restart with backoff
+EXIT_USAGE = 2       # bad command line
+EXIT_RESTART = 75    # drained for `laya-pool restart-worker`: restart now
+EXIT_CONFIG = 78     # the checkpoint or the configuration is unusable: restarting will not help
+REQUEST_ARRAYS = ("ids", "lengths", "types", "marker_counts", "markers")
+
+
+class Cmd(enum.IntEnum):
+    READY = 1        # worker -> broker: register (id, device, fingerprint, capacity, pid)
+    REQUEST = 2      # client -> broker -> worker: one group of rows
+    REPLY = 3        # worker -> broker -> client: logits + act, or an error
+    HEARTBEAT = 4    # both ways between broker and worker; client -> broker is a ping
+    DISCONNECT = 5   # broker -> worker: re-register; worker -> broker: leaving
+    STATUS = 6       # client -> broker: the pool's state (reply carries a body)
+    DRAIN = 7        # client -> broker: drain (and optionally restart) a worker; broker -> worker: drain
+    DESCRIBE = 8     # client -> broker -> worker: the model card (reply carries a body)
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol; `field` names the part that is wrong."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+# ---------------------------------------------------------------------------------------------- msgpack
+
+def pack(obj: Any) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError("header", f"cannot encode {type(obj).__name__}: {e}") from e
+
+
+def unpack(data: Any, limit: int, what: str = "header") -> Any:
+    """msgpack-decode `data` with hard bounds: no ext types, string keys only, sizes within `limit`."""
+    buf = _bytes(data)
+    if len(buf) > limit:
+        raise ProtocolError(what, f"{len(buf)} bytes exceed the limit of {limit}")
+    if not buf:
+        raise ProtocolError(what, "empty frame")
+    try:
+        return msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True,
+                               max_str_len=limit, max_bin_len=limit, max_array_len=min(limit, 1 << 20),
+                               max_map_len=min(limit, 1 << 16), max_ext_len=0)
+    except msgpack.ExtraData as e:
+        raise ProtocolError(what, "trailing bytes after the msgpack value") from e
+    except Exception as e:  # msgpack raises several types for garbage (FormatError, StackError, ValueError ...)
+        raise ProtocolError(what, f"not valid msgpack ({type(e).__name__}: {e})") from e
+
+
+def _bytes(frame: Any) -> bytes | memoryview:
+    if isinstance(frame, (bytes, bytearray)):
+        return frame
+    if hasattr(frame, "buffer"):   # zmq.Frame
+        return frame.buffer
+    return memoryview(frame)
+
+
+def _nbytes(frame: Any) -> int:
+    b = _bytes(frame)
+    return b.nbytes if isinstance(b, memoryview) else len(b)
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+@dataclass
+class Message:
+    cmd: Cmd
+    header: dict[str, Any]
+    frames: list[Any] = field(default_factory=list)   # payload frames (bytes / zmq.Frame / memoryview)
+
+
+def encode(cmd: Cmd, header: dict[str, Any], *frames: Any) -> list[Any]:
+    """Frames for one message; payload frames are passed through untouched (zero copy)."""
+    h = pack(header)
+    if len(h) > MAX_HEADER_BYTES:
+        raise ProtocolError("header", f"{len(h)} bytes exceed the limit of {MAX_HEADER_BYTES}")
+    return [PROTOCOL, bytes((int(cmd),)), h, *frames]
+
+
+def decode(frames: Sequence[Any], max_frames: int = 8 + MAX_TAPS) -> Message:
+    """Parse the protocol frame, the command and the header; payload frames are checked by the caller."""
+    if len(frames) < 3:
+        if frames and bytes(_bytes(frames[0])[:4]) != PROTOCOL[:4]:
+            raise ProtocolError("version", f"not a laya-pool message (first frame {_show(frames[0])})")
+        raise ProtocolError("frames", f"a message has at least 3 frames (protocol, command, header), got {len(frames)}")
+    if len(frames) > max_frames:
+        raise ProtocolError("frames", f"{len(frames)} frames exceed the limit of {max_frames}")
+    proto = bytes(_bytes(frames[0])[:32])
+    if proto != PROTOCOL:
+        raise ProtocolError("version", f"expected protocol {PROTOCOL.decode()}, got {_show(frames[0])}")
+    c = _bytes(frames[1])
+    if len(c) != 1:
+        raise ProtocolError("command", f"the command frame is one byte, got {len(c)} bytes")
+    try:
+        cmd = Cmd(c[0])
+    except ValueError:
+        raise ProtocolError("command", f"unknown command {c[0]}") from None
+    header = unpack(frames[2], MAX_HEADER_BYTES)
+    if not isinstance(header, dict):
+        raise ProtocolError("header", f"must be a msgpack map, got {type(header).__name__}")
+    return Message(cmd, header, list(frames[3:]))
+
+
+def _show(frame: Any) -> str:
+    b = bytes(_bytes(frame)[:16])
+    return repr(b) + ("..." if _nbytes(frame) > 16 else "")
+
+
+# ---------------------------------------------------------------------------------------------- header fields
+
+_MISSING = object()
+
+
+def get(header: dict, key: str, kind: type | tuple, *, default: Any = _MISSING, what: str = "header") -> Any:
+    """`header[key]`, checked: right type (bool is never an int), strings bounded, ints non-negative."""
+    if key not in header or header[key] is None:
+        if default is _MISSING:
+            raise ProtocolError(key, f"missing from the {what}")
+        return default
+    v = header[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(v, bool) and bool not in kinds:
+        raise ProtocolError(key, f"must be {_kind_name(kinds)}, got a bool")
+    if not isinstance(v, kinds):
+        raise ProtocolError(key, f"must be {_kind_name(kinds)}, got {type(v).__name__}")
+    if isinstance(v, str) and len(v) > MAX_STR:
+        raise ProtocolError(key, f"string of {len(v)} characters exceeds {MAX_STR}")
+    if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+        raise ProtocolError(key, f"must not be negative, got {v}")
+    return v
+
+
+def _kind_name(kinds: tuple) -> str:
+    return " or ".join({int: "an integer", str: "a string", bool: "a bool", dict: "a map", list: "a list",
+                        float: "a number"}.get(k, k.__name__) for k in kinds)
+
+
+def _count(header: dict, key: str) -> int:
+    v = get(header, key, int)
+    if v > MAX_COUNT:
+        raise ProtocolError(key, f"{v} exceeds the wire limit of {MAX_COUNT}")
+    return v
+
+
+def _array(frame: Any, dtype: np.dtype, count: int, name: str) -> np.ndarray:
+    buf = _bytes(frame)
+    n = buf.nbytes if isinstance(buf, memoryview) else len(buf)
+    if n != count * dtype.itemsize:
+        raise ProtocolError(name, f"buffer holds {n} bytes; the header's count {count} needs "
+                                  f"{count * dtype.itemsize} ({dtype.itemsize}-byte {dtype.kind}{dtype.itemsize * 8})")
+    return np.frombuffer(buf, dtype=dtype, count=count)
+
+
+def _i32(a: Any, name: str) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.ndim != 1:
+        raise ProtocolError(name, f"must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ProtocolError(name, f"must hold integers, got {arr.dtype}")
+    if arr.size and (arr.min() < -(1 << 31) or arr.max() >= (1 << 31)):
+        raise ProtocolError(name, "values do not fit in int32")
+    return np.ascontiguousarray(arr, dtype=I32)
+
+
+def _rid(header: dict) -> int | str:
+    return get(header, "rid", (int, str))
+
+
+def rid_of(frames: Sequence[Any]) -> Any:
+    """Best effort: the request id of a message we otherwise refuse, so the error reply can name it."""
+    try:
+        h = unpack(frames[2], MAX_HEADER_BYTES)
+        rid = h.get("rid") if isinstance(h, dict) else None
+        return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+@dataclass
+class Request:
+    rid: int | str
+    cid: str | None
+    ids: np.ndarray            # int32 [T]
+    lengths: np.ndarray        # int32 [R]
+    types: np.ndarray          # int32 [R]
+    marker_counts: np.ndarray  # int32 [R]
+    markers: np.ndarray        # int32 [M]
+    worker: str | None = None  # run on this worker only
+    mode: str | None = None    # override the worker's execution mode
+    taps: bool = False         # return intermediate activations (eager only)
+    header: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def n_markers(self) -> int:
+        return int(self.markers.shape[0])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: getattr(self, k) for k in REQUEST_ARRAYS}
+
+
+def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
+    """`(ids, markers, qtype)` rows -> the five request arrays."""
+    rows = list(rows)
+    ids = [_i32(r[0], f"rows[{i}].ids") for i, r in enumerate(rows)]
+    mks = [_i32(r[1], f"rows[{i}].markers") for i, r in enumerate(rows)]
+    types = []
+    for i, r in enumerate(rows):
+        q = r[2]
+        if isinstance(q, bool) or not isinstance(q, (int, np.integer)):
+            raise ProtocolError(f"rows[{i}].qtype", f"must be an integer, got {type(q).__name__}")
+        types.append(int(q))
+    empty = np.zeros(0, I32)
+    return {"ids": np.concatenate(ids) if ids else empty,
+            "lengths": np.array([len(x) for x in ids], I32),
+            "types": _i32(np.array(types, np.int64), "types") if types else empty,
+            "marker_counts": np.array([len(m) for m in mks], I32),
+            "markers": np.concatenate(mks) if mks else empty}
+
+
+def encode_request(rid: int | str, arrays: dict[str, Any], *, cid: str | None = None, worker: str | None = None,
+                   mode: str | None = None, taps: bool = False, extra: dict | None = None) -> list[Any]:
+    """A REQUEST message. `arrays` holds the five int32 arrays (see `pack_rows`)."""
+    a = {k: _i32(arrays[k], k) for k in REQUEST_ARRAYS}
+    header: dict[str, Any] = {"rid": rid, "rows": int(a["lengths"].shape[0]), "tokens": int(a["ids"].shape[0]),
+                              "markers": int(a["markers"].shape[0])}
+    if cid is not None:
+        header["cid"] = cid
+    if worker is not None:
+        header["worker"] = str(worker)
+    if mode is not None:
+        header["mode"] = mode
+    if taps:
+        header["taps"] = True
+    if extra:
+        header.update(extra)
+    return encode(Cmd.REQUEST, header, *(a[k].data for k in REQUEST_ARRAYS))
+
+
+def parse_request(msg: Message, need_cid: bool = False) -> Request:
+    """Check a REQUEST's header and its five buffers against each other; arrays are zero-copy views."""
+    if msg.cmd != Cmd.REQUEST:
+        raise ProtocolError("command", f"expected REQUEST, got {msg.cmd.name}")
+    h = msg.header
+    rid = _rid(h)
+    cid = get(h, "cid", str, default=None)
+    if need_cid and not cid:
+        raise ProtocolError("cid", "missing from the header (a client id is needed to deduplicate retries)")
+    rows, tokens, markers = _count(h, "rows"), _count(h, "tokens"), _count(h, "markers")
+    worker = get(h, "worker", str, default=None)
+    mode = get(h, "mode", str, default=None)
+    if mode is not None and mode not in MODES:
+        raise ProtocolError("mode", f"must be one of {MODES}, got {mode!r}")
+    taps = get(h, "taps", bool, default=False)
+    if len(msg.frames) != len(REQUEST_ARRAYS):
+        raise ProtocolError("frames", f"a request carries {len(REQUEST_ARRAYS)} buffers "
+                                      f"({', '.join(REQUEST_ARRAYS)}), got {len(msg.frames)}")
+    counts = {"ids": tokens, "lengths": rows, "types": rows, "marker_counts": rows, "markers": markers}
+    arrays = {k: _array(f, I32, counts[k], k) for k, f in zip(REQUEST_ARRAYS, msg.frames)}
+    return Request(rid=rid, cid=cid, worker=worker, mode=mode, taps=taps, header=h, **arrays)
+
+
+def request_header_for_worker(req: Request, job: int) -> dict[str, Any]:
+    """The header the broker forwards: its own job id as rid, the client's cid dropped."""
+    h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers}
+    if req.mode is not None:
+        h["mode"] = req.mode
+    if req.taps:
+        h["taps"] = True
+    return h
+
+
+# ---------------------------------------------------------------------------------------------- replies
+
+@dataclass
+class Reply:
+    rid: int | str | None
+    status: str
+    logits: np.ndarray | None = None    # float32 [M]
+    act: np.ndarray | None = None       # float32 [R, n_act]
+    error: dict[str, Any] | None = None  # {"field", "row", "message"} (final) or {"message"} (retryable)
+    worker: str | None = None
+    fingerprint: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    taps: dict[str, np.ndarray] | None = None
+    header: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def message(self) -> str:
+        return (self.error or {}).get("message", "")
+
+
+def encode_reply(rid: Any, logits: np.ndarray, act: np.ndarray, *, worker: str | None = None,
+                 fingerprint: str | None = None, metrics: dict | None = None,
+                 taps: dict[str, np.ndarray] | None = None) -> list[Any]:
+    """An "ok" REPLY: logits float32 [M] and act float32 [R, n_act] as raw frames (+ taps, if any)."""
+    lg = np.ascontiguousarray(np.asarray(logits, np.float32).reshape(-1), dtype=F32)
+    ac = np.asarray(act, np.float32)
+    if ac.ndim != 2:
+        raise ProtocolError("act", f"must be [R, n_act], got shape {ac.shape}")
+    ac = np.ascontiguousarray(ac, dtype=F32)
+    h: dict[str, Any] = {"rid": rid, "status": STATUS_OK, "markers": int(lg.shape[0]), "rows": int(ac.shape[0]),
+                         "n_act": int(ac.shape[1])}
+    if worker is not None:
+        h["worker"] = worker
+    if fingerprint is not None:
+        h["fp"] = fingerprint
+    if metrics:
+        h["metrics"] = _plain(metrics)
+    frames = [lg.data, ac.data]
+    if taps:
+        specs = []
+        for name, t in taps.items():
+            a = np.ascontiguousarray(np.asarray(t, np.float32), dtype=F32)
+            specs.append([str(name), [int(s) for s in a.shape]])
+            frames.append(a.data)
+        h["taps"] = specs
+    return encode(Cmd.REPLY, h, *frames)
+
+
+def encode_error(rid: Any, status: str, message: str, *, field: str | None = None, row: int | None = None,
+                 worker: str | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None) -> list[Any]:
+    """A "final" (bad request: names field and row) or "retryable" (busy, worker lost ...) reply."""
+    if status not in (STATUS_RETRYABLE, STATUS_FINAL):
+        raise ValueError(f"an error reply is retryable or final, not {status!r}")
+    err: dict[str, Any] = {"message": str(message)[:MAX_STR]}
+    if field is not None:
+        err["field"] = str(field)[:256]
+    if row is not None:
+        err["row"] = int(row)
+    if reason is not None:
+        err["reason"] = reason
+    h: dict[str, Any] = {"rid": rid, "status": status, "error": err}
+    if worker is not None:
+        h["worker"] = worker
+    return encode(cmd, h)
+
+
+def parse_reply(msg: Message) -> Reply:
+    """Check a REPLY: status, error shape, and that every buffer matches the header's counts."""
+    if msg.cmd != Cmd.REPLY:
+        raise ProtocolError("command", f"expected REPLY, got {msg.cmd.name}")
+    h = msg.header
+    rid = h.get("rid")
+    if rid is not None:
+        rid = _rid(h)
+    status = get(h, "status", str)
+    if status not in STATUSES:
+        raise ProtocolError("status", f"must be one of {STATUSES}, got {status!r}")
+    worker = get(h, "worker", str, default=None)
+    fp = get(h, "fp", str, default=None)
+    metrics = get(h, "metrics", dict, default={})
+    if status != STATUS_OK:
+        err = get(h, "error", dict)
+        get(err, "message", str, what="error")
+        if msg.frames:
+            raise ProtocolError("frames", f"an error reply carries no buffers, got {len(msg.frames)}")
+        return Reply(rid, status, error=err, worker=worker, fingerprint=fp, metrics=metrics, header=h)
+    m, r, n_act = _count(h, "markers"), _count(h, "rows"), _count(h, "n_act")
+    specs = get(h, "taps", list, default=[])
+    if len(specs) > MAX_TAPS:
+        raise ProtocolError("taps", f"{len(specs)} taps exceed the limit of {MAX_TAPS}")
+    if len(msg.frames) != 2 + len(specs):
+        raise ProtocolError("frames", f"an ok reply carries logits, act and {len(specs)} taps "
+                                      f"({2 + len(specs)} buffers), got {len(msg.frames)}")
+    logits = _array(msg.frames[0], F32, m, "logits")
+    act = _array(msg.frames[1], F32, r * n_act, "act").reshape(r, n_act)
+    taps = None
+    if specs:
+        taps = {}
+        for spec, frame in zip(specs, msg.frames[2:]):
+            if (not isinstance(spec, list) or len(spec) != 2 or not isinstance(spec[0], str)
+                    or not isinstance(spec[1], list) or not all(isinstance(s, int) and s >= 0 for s in spec[1])):
+                raise ProtocolError("taps", f"each tap is [name, shape], got {spec!r}")
+            n = int(np.prod(spec[1], dtype=np.int64)) if spec[1] else 1
+            if n > MAX_COUNT * 64:
+                raise ProtocolError("taps", f"tap {spec[0]!r} is too large")
+            taps[spec[0]] = _array(frame, F32, n, f"taps[{spec[0]}]").reshape(spec[1])
+    return Reply(rid, status, logits=logits, act=act, worker=worker, fingerprint=fp, metrics=metrics,
+                 taps=taps, header=h)
+
+
+def parse_any_reply(msg: Message) -> Reply:
+    """A reply of any command (REPLY, STATUS, DESCRIBE, DRAIN, HEARTBEAT): status + error + body."""
+    if msg.cmd == Cmd.REPLY:
+        return parse_reply(msg)
+    h = msg.header
+    rid = h.get("rid")
+    if rid is not None:
+        rid = _rid(h)
+    status = get(h, "status", str, default=STATUS_OK)
+    if status not in STATUSES:
+        raise ProtocolError("status", f"must be one of {STATUSES}, got {status!r}")
+    err = get(h, "error", dict, default=None)
+    if status != STATUS_OK and err is None:
+        raise ProtocolError("error", f"a {status} reply must say why")
+    return Reply(rid, status, error=err, worker=get(h, "worker", str, default=None), header=h)
+
+
+# ---------------------------------------------------------------------------------------------- bodies
+
+def encode_body_reply(cmd: Cmd, rid: Any, body: Any, **header: Any) -> list[Any]:
+    """An "ok" reply to STATUS / DESCRIBE / DRAIN: the body travels msgpack-encoded in its own frame."""
+    data = pack(body)
+    if len(data) > MAX_BODY_BYTES:
+        raise ProtocolError("body", f"{len(data)} bytes exceed the limit of {MAX_BODY_BYTES}")
+    return encode(cmd, {"rid": rid, "status": STATUS_OK, **header}, data)
+
+
+def body_of(msg: Message, limit: int = MAX_BODY_BYTES) -> Any:
+    if len(msg.frames) != 1:
+        raise ProtocolError("frames", f"a {msg.cmd.name} reply carries one body frame, got {len(msg.frames)}")
+    return unpack(msg.frames[0], limit, "body")
+
+
+def _plain(obj: Any, depth: int = 0) -> Any:
+    """Metrics as msgpack-safe plain values (numpy scalars become Python numbers)."""
+    if depth > 8:
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in list(obj.items())[:MAX_METRIC_ITEMS]}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v, depth + 1) for v in obj[:MAX_METRIC_ITEMS]]
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return str(obj)
+
+
+plain = _plain
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    if ";" in host:   # "tcp://src;dst": judge the destination / bind address
+        host = host.split(";", 1)[1]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")

@@ -1,0 +1,608 @@
+"""The pool as processes: a supervisor, a broker and CPU workers on loopback tcp and ipc.
+
+Every test is bounded (pytest-timeout plus explicit deadlines); heartbeats are short so a lost worker or
+broker is noticed in about a second. Two pools live for the whole module (one on tcp, one on ipc); tests
+that kill or restart processes leave them whole again (the supervisor restarts what dies) and check so.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from client import wire
+from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
+from client.wire import Cmd
+
+ROOT = Path(__file__).resolve().parents[1]
+HB_MS, LIVENESS = 250, 4
+pytestmark = pytest.mark.timeout(240)
+
+CASES = [
+    ("the printer on floor 3 is broken and nobody can print the quarterly report",
+     {"team": {"type": "choice", "instructions": "Which team handles this ticket?",
+               "criteria": {"it": "hardware and software problems", "hr": "people matters", "sales": "deals"}},
+      "urgent": {"type": "noul", "instructions": "Is this urgent?"}}),
+    ({"ticket": 4411, "text": "please refund order 99, it arrived broken", "customer": "vip"},
+     {"severity": {"type": "score", "instructions": "How severe is it?", "criteria": ["minor", "major", "critical"]},
+      "refund": {"type": "noul", "instructions": "Does the customer ask for money back?",
+                 "criteria": {"true": "asks for a refund", "false": "no refund"}}}),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello, how can I help?"},
+      {"role": "user", "content": "cancel my plan today"}],
+     {"intent": {"type": "choice", "instructions": "What does the user want?",
+                 "criteria": ["cancel", "upgrade", "question", "complaint"], "option_order": [2, 0, 3, 1]}}),
+    ("word " * 700,
+     {"long": {"type": "noul", "instructions": "Is the text repetitive?", "labels": {"false": "no", "true": "yes"}},
+      "pick": {"type": "choice", "instructions": "pick one", "criteria": ["a", "b"]}}),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _close(a, b, path="") -> None:
+    """Equal structure; numbers within 2e-4 (answers are rounded to 4 decimals)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and not isinstance(b, bool):
+        assert abs(a - b) <= 2e-4, f"{path}: {a} != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _start(ckpt: Path, frontend: str | None, log: Path):
+    return local_pool(ckpt, "cpu", workers_per_device=2, frontend=frontend, heartbeat_ms=HB_MS, liveness=LIVENESS,
+                      startup_timeout=180, log=log)
+
+
+def _module_pool(tiny_ckpt, tmp_path_factory, frontend):
+    log = tmp_path_factory.mktemp("pool") / "pool.log"
+    with _start(tiny_ckpt, frontend, log) as pool:
+        yield pool
+    text = log.read_text()
+    assert pool.process.returncode == 0, text[-3000:]          # SIGTERM: drained, exit 0
+    assert "Traceback" not in text, text[-5000:]
+    assert "pool stopped" in text
+
+
+@pytest.fixture(scope="module")
+def tcp_pool(tiny_ckpt, tmp_path_factory):
+    yield from _module_pool(tiny_ckpt, tmp_path_factory, f"tcp://127.0.0.1:{_free_port()}")
+
+
+@pytest.fixture(scope="module")
+def ipc_pool(tiny_ckpt, tmp_path_factory):
+    yield from _module_pool(tiny_ckpt, tmp_path_factory, None)
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def pool(request):
+    return request.getfixturevalue(f"{request.param}_pool")
+
+
+def _workers(pool) -> dict[str, dict]:
+    return {w["id"]: w for w in pool.status()["workers"]}
+
+
+def _wait_ready(pool, n: int = 2, timeout: float = 90.0, pred=None) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ws = _workers(pool)
+            if sum(w["state"] == "ready" for w in ws.values()) >= n and (pred is None or pred(ws)):
+                return ws
+        except PoolUnavailable:
+            pass
+        assert time.monotonic() < deadline, f"pool not ready:\n{pool.log()[-3000:]}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def expected(sdk_agent):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [sdk_agent.predict(state, qs) for state, qs in CASES]
+
+
+def _rows(seed: int, n_rows: int = 3, length: int = 40) -> list:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(5, 1000, length).astype(np.int32), np.array([1, 4, 9][: 1 + i % 3], np.int32), i % 3)
+            for i in range(n_rows)]
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_ckpt):
+    import torch
+
+    from worker.checkpoint import load_checkpoint
+    from worker.runtime import Runtime
+    torch.set_num_threads(1)
+    return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
+
+
+def _reference(runtime, rows):
+    from worker.batch import Batch
+    r = runtime.run(Batch.from_rows(rows))
+    return r.logits, r.act
+
+
+class Raw:
+    """A bare DEALER on the frontend, for sending what no Client would."""
+
+    def __init__(self, endpoint: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def ask(self, frames, timeout: float = 10.0) -> wire.Message | None:
+        self.sock.send_multipart(frames)
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return wire.decode(self.sock.recv_multipart())
+
+    def close(self):
+        self.sock.close(0)
+
+
+# ------------------------------------------------------------------------------------------------ answers
+
+def test_predict_equals_sdk(pool, expected):
+    with pool.client(timeout=30) as c:
+        for (state, qs), want in zip(CASES, expected):
+            got = c.predict(state, qs)
+            _close(want, got)
+        assert c.predict("x", {}) == expected_empty()
+
+
+def expected_empty():
+    return {"model": "laya-rl-agent", "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0}}
+
+
+def test_forward_equals_runtime_on_every_worker(tcp_pool, runtime, tiny_ckpt):
+    rows = _rows(1)
+    want_logits, want_act = _reference(runtime, rows)
+    with tcp_pool.client(timeout=30) as c:
+        seen = set()
+        for wid in ("0", "1"):
+            res = c.forward(rows, worker=wid)
+            assert res.worker == wid
+            seen.add(res.worker)
+            logits, act = res
+            assert [len(x) for x in logits] == [len(r[1]) for r in rows]
+            np.testing.assert_allclose(np.concatenate(logits), want_logits, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(act, want_act, rtol=1e-5, atol=1e-6)
+            assert res.metrics["mode"] == "eager"
+        assert seen == {"0", "1"}
+        res = c.forward(rows, taps=True)                      # intermediate activations travel as frames
+        assert {"embeddings", "final_norm", "logits", "act"} <= set(res.taps)
+        assert res.taps["final_norm"].shape[0] >= len(rows) and res.taps["final_norm"].dtype == np.float32
+        with pytest.raises(RequestFailed) as e:               # graph modes need a CUDA worker
+            c.forward(rows, mode="graph-cached")
+        assert e.value.field == "mode"
+        card = c.describe()
+        from client.card import directory_fingerprint
+        assert card["fingerprint"] == directory_fingerprint(tiny_ckpt) == tcp_pool.status()["broker"]["fingerprint"]
+        assert {"agent_config", "tokenizer_json", "tokenizer_config", "vocab_size"} <= set(card)
+
+
+def test_async_client(ipc_pool, expected):
+    async def go():
+        async with AsyncClient(ipc_pool.endpoint, timeout=30) as c:
+            return await asyncio.gather(*(c.predict(s, q) for s, q in CASES * 2))
+
+    got = asyncio.run(go())
+    for want, have in zip(expected * 2, got):
+        _close(want, have)
+
+
+# ------------------------------------------------------------------------------------------------ dedup
+
+def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):
+    _wait_ready(tcp_pool)
+    raw = Raw(tcp_pool.endpoint)
+    try:
+        frames = wire.encode_request(42, wire.pack_rows(_rows(2)), cid="dedup-client", worker="1")
+        first = raw.ask(frames)
+        assert first is not None and first.header["status"] == "ok"
+        time.sleep(3 * HB_MS / 1000)          # let the worker's heartbeat report its count
+        before = _workers(tcp_pool)["1"]
+        again = raw.ask(frames)                # the same (client id, request id): not run again
+        assert again.header == first.header and [bytes(f) for f in again.frames] == [bytes(f) for f in first.frames]
+        time.sleep(3 * HB_MS / 1000)
+        after = _workers(tcp_pool)["1"]
+        assert after["completed"] == before["completed"]
+        assert after["stats"]["ok"] == before["stats"]["ok"]
+        assert tcp_pool.status()["broker"]["counters"]["cache_hits"] >= 1
+        # a retry that arrives while the request is still running joins it: one execution, one reply
+        big = wire.encode_request(43, wire.pack_rows(_rows(3, 16, 256)), cid="dedup-client", worker="1")
+        raw.sock.send_multipart(big)
+        raw.sock.send_multipart(big)
+        assert raw.sock.poll(30000)
+        assert wire.decode(raw.sock.recv_multipart()).header["rid"] == 43
+        assert not raw.sock.poll(500)
+        time.sleep(3 * HB_MS / 1000)
+        assert _workers(tcp_pool)["1"]["completed"] == after["completed"] + 1
+    finally:
+        raw.close()
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+def test_malformed_input_gets_errors_and_the_pool_stays_up(tcp_pool, runtime):
+    ws0 = _wait_ready(tcp_pool)
+    raw = Raw(tcp_pool.endpoint)
+    good = [bytes(f) for f in wire.encode_request(1, wire.pack_rows(_rows(4)), cid="bad-client")]
+    h = msgpack.unpackb(good[2])
+    cases = [
+        ([b"garbage"], "version"),
+        ([b"LAYA0", bytes([Cmd.REQUEST]), msgpack.packb({"rid": 1})], "version"),
+        ([b"LAYA1", bytes([200]), msgpack.packb({"rid": 2})], "command"),
+        ([b"LAYA1", bytes([Cmd.REQUEST]), b"\xc1not msgpack"], "header"),
+        (good[:3] + [good[3][:-3]] + good[4:], "ids"),                      # truncated buffer
+        (good[:-1], "frames"),
+        ([good[0], good[1], msgpack.packb({**h, "rows": 5})] + good[3:], "lengths"),
+        ([good[0], good[1], msgpack.packb({**h, "mode": "warp"})] + good[3:], "mode"),
+        ([good[0], bytes([Cmd.READY]), msgpack.packb({"rid": 3})], "command"),   # a worker command from a client
+        ([good[0], bytes([Cmd.DRAIN]), msgpack.packb({"rid": 4, "worker": "nope"})], "worker"),
+    ]
+    try:
+        for frames, field in cases:
+            rep = raw.ask(frames)
+            assert rep is not None, f"no reply for a bad {field}"
+            assert rep.header["status"] == "final", rep.header
+            assert rep.header["error"]["field"] == field, rep.header
+        # semantically wrong requests: the worker refuses them, naming field and row
+        with tcp_pool.client(timeout=30, retries=0) as c:
+            rows = _rows(5)
+            rows[1] = (np.array([1, 2, 99999, 3], np.int32), np.array([0], np.int32), 0)     # id out of vocab
+            with pytest.raises(RequestFailed) as e:
+                c.forward(rows)
+            assert (e.value.field, e.value.row) == ("ids", 1) and "vocabulary" in str(e.value)
+            rows = _rows(6)
+            rows[2] = (rows[2][0], np.array([3, 200], np.int32), 1)                          # marker past the row
+            with pytest.raises(RequestFailed) as e:
+                c.forward(rows)
+            assert (e.value.field, e.value.row) == ("markers", 2)
+            with pytest.raises(RequestFailed) as e:                                           # qtype 7
+                c.forward([(np.array([1, 2, 3], np.int32), np.array([0], np.int32), 7)])
+            assert e.value.field == "types"
+            with pytest.raises(RequestFailed) as e:                                           # over capacity
+                c.forward([(np.ones(600, np.int32), np.array([0], np.int32), 0)] * 30)
+            assert e.value.field == "ids" and "capacity" in str(e.value)
+            with pytest.raises(RequestFailed) as e:                                           # unknown worker
+                c.forward(_rows(7), worker="nope")
+            assert e.value.field == "worker"
+            with pytest.raises(RequestFailed) as e:                                           # over MAXMSGSIZE
+                c.forward([(np.ones(5 << 20, np.int32), np.array([0], np.int32), 0)])
+            assert e.value.field == "ids" and e.value.reason == "too-large"
+            # a frame over the broker's MAXMSGSIZE from a raw socket: the connection is dropped, nothing else
+            huge = wire.encode_request(9, {"ids": np.zeros(5 << 20, np.int32), "lengths": np.array([5 << 20]),
+                                           "types": np.zeros(1, np.int32), "marker_counts": np.ones(1, np.int32),
+                                           "markers": np.zeros(1, np.int32)}, cid="huge")
+            assert raw.ask(huge, timeout=1.0) is None
+            # and the next request is right
+            rows = _rows(8)
+            want_logits, want_act = _reference(runtime, rows)
+            logits, act = c.forward(rows)
+            np.testing.assert_allclose(np.concatenate(logits), want_logits, rtol=1e-5, atol=1e-5)
+    finally:
+        raw.close()
+    ws = _wait_ready(tcp_pool)
+    assert {k: w["pid"] for k, w in ws.items()} == {k: w["pid"] for k, w in ws0.items()}
+    assert {k: w["registrations"] for k, w in ws.items()} == {k: w["registrations"] for k, w in ws0.items()}
+    assert tcp_pool.process.poll() is None
+
+
+# ------------------------------------------------------------------------------------------------ failures
+
+def _load(pool, runtime, n_threads: int, stop: threading.Event, results: list, errors: list, shape=(3, 40)):
+    cases = [_rows(100 + i, *shape) for i in range(4)]
+    want = [_reference(runtime, r) for r in cases]
+
+    def run(k: int):
+        with pool.client(timeout=10, retries=8) as c:
+            i = k
+            while not stop.is_set():
+                j = i % len(cases)
+                try:
+                    res = c.forward(cases[j])
+                    np.testing.assert_allclose(res.flat, want[j][0], rtol=1e-5, atol=1e-5)
+                    np.testing.assert_allclose(res.act, want[j][1], rtol=1e-5, atol=1e-6)
+                    results.append(res.worker)
+                except Exception as e:  # noqa: BLE001 - every failure is a test failure
+                    errors.append(repr(e))
+                i += 1
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_kill_9_of_a_worker_holding_requests(ipc_pool, runtime):
+    ws = _wait_ready(ipc_pool)
+    stop, results, errors = threading.Event(), [], []
+    threads = _load(ipc_pool, runtime, 4, stop, results, errors, shape=(16, 256))
+    try:
+        deadline = time.monotonic() + 60
+        while _workers(ipc_pool)["0"]["inflight"] == 0:
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.02)
+        os.kill(ws["0"]["pid"], signal.SIGKILL)
+        n = len(results)
+        deadline = time.monotonic() + 60
+        while len(results) < n + 8:              # keeps answering, on the other worker
+            assert time.monotonic() < deadline, "the pool stopped answering"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:3]
+    st = ipc_pool.status()
+    assert st["broker"]["counters"].get("requeued", 0) >= 1      # what worker 0 held was re-sent
+    # the supervisor restarts the killed worker and it registers again
+    ws2 = _wait_ready(ipc_pool, pred=lambda w: w["0"]["pid"] != ws["0"]["pid"])
+    assert ws2["0"]["registrations"] == ws["0"]["registrations"] + 1
+
+
+def test_a_silent_worker_is_declared_dead_and_rejoins(tcp_pool, runtime):
+    """SIGSTOP: the connection stays open but heartbeats stop; the broker must notice by liveness alone."""
+    ws = _wait_ready(tcp_pool)
+    pid = ws["1"]["pid"]
+    stop, results, errors = threading.Event(), [], []
+    threads = _load(tcp_pool, runtime, 3, stop, results, errors, shape=(16, 256))
+    stopped = False
+    try:
+        deadline = time.monotonic() + 60
+        while _workers(tcp_pool)["1"]["inflight"] == 0:
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        t0 = time.monotonic()
+        while _workers(tcp_pool)["1"]["state"] != "dead":
+            assert time.monotonic() - t0 < 20, "a silent worker was never declared dead"
+            time.sleep(0.05)
+        n = len(results)
+        while len(results) < n + 6:
+            assert time.monotonic() - t0 < 60, "requests held by the silent worker were not re-sent"
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:3]
+    # awake again, it hears it is unknown (or that the broker went quiet) and registers again: same process
+    ws2 = _wait_ready(tcp_pool, pred=lambda w: w["1"]["registrations"] > ws["1"]["registrations"])
+    assert ws2["1"]["pid"] == pid
+    assert tcp_pool.status()["broker"]["counters"].get("requeued", 0) >= 1
+
+
+def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "broker.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(ROOT))
+
+
+def test_restart_worker_under_load_fails_nothing(tcp_pool, runtime):
+    ws = _wait_ready(tcp_pool)
+    stop, results, errors = threading.Event(), [], []
+    threads = _load(tcp_pool, runtime, 3, stop, results, errors)
+    try:
+        time.sleep(0.5)
+        r = _cli("restart-worker", "0", "--frontend", tcp_pool.endpoint, "--wait-timeout", "120", timeout=150)
+        assert r.returncode == 0, r.stdout + r.stderr + tcp_pool.log()[-3000:]
+        assert "ready again" in r.stdout
+        n = len(results)
+        deadline = time.monotonic() + 30
+        while len(results) < n + 10:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:3]
+    ws2 = _wait_ready(tcp_pool)
+    assert ws2["0"]["pid"] != ws["0"]["pid"] and ws2["0"]["registrations"] == ws["0"]["registrations"] + 1
+    assert ws2["1"]["pid"] == ws["1"]["pid"]
+    assert results.count("1") > 0
+
+
+def test_drain_then_restart_brings_a_worker_back(tcp_pool):
+    ws = _wait_ready(tcp_pool)
+    r = _cli("drain", "1", "--wait", "--frontend", tcp_pool.endpoint)
+    assert r.returncode == 0, r.stderr
+    assert _workers(tcp_pool)["1"]["state"] == "drained"
+    with tcp_pool.client(timeout=30) as c:        # the other worker serves everything meanwhile
+        assert {c.forward(_rows(9)).worker for _ in range(4)} == {"0"}
+    r = _cli("restart-worker", "1", "--frontend", tcp_pool.endpoint, "--wait-timeout", "120", timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ws2 = _wait_ready(tcp_pool)
+    assert ws2["1"]["pid"] != ws["1"]["pid"]
+
+
+def test_sigterm_finishes_in_flight_work_and_exits_0(ipc_pool, runtime):
+    ws = _wait_ready(ipc_pool)
+    rows = _rows(12, 16, 256)
+    want, _ = _reference(runtime, rows)
+    raw = Raw(ipc_pool.endpoint)
+    try:
+        raw.sock.send_multipart(wire.encode_request(1, wire.pack_rows(rows), cid="term", worker="1"))
+        deadline = time.monotonic() + 30
+        while _workers(ipc_pool)["1"]["inflight"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(ws["1"]["pid"], signal.SIGTERM)
+        assert raw.sock.poll(30000)
+        rep = wire.parse_reply(wire.decode(raw.sock.recv_multipart()))
+        assert rep.status == "ok" and rep.worker == "1"
+        np.testing.assert_allclose(rep.logits, want, rtol=1e-5, atol=1e-5)
+    finally:
+        raw.close()
+    deadline = time.monotonic() + 30
+    while _workers(ipc_pool)["1"]["state"] != "stopped":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while "worker 1 drained and left" not in ipc_pool.log():      # exit code 0: the supervisor leaves it down
+        assert time.monotonic() < deadline, ipc_pool.log()[-2000:]
+        time.sleep(0.05)
+    r = _cli("restart-worker", "1", "--frontend", ipc_pool.endpoint, "--wait-timeout", "120", timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    _wait_ready(ipc_pool)
+
+
+def test_broker_killed_and_restarted(ipc_pool, runtime):
+    _wait_ready(ipc_pool)
+    old = ipc_pool.status()["broker"]["pid"]
+    rows = _rows(11)
+    want, _ = _reference(runtime, rows)
+    with ipc_pool.client(timeout=2, retries=30) as c:
+        c.forward(rows)
+        os.kill(old, signal.SIGKILL)
+        res = c.forward(rows)                      # retried with the same id until the new broker answers
+        np.testing.assert_allclose(res.flat, want, rtol=1e-5, atol=1e-5)
+        st = c.status()
+    assert st["broker"]["pid"] != old
+    ws = _wait_ready(ipc_pool)
+    assert all(w["registrations"] == 1 for w in ws.values())     # re-registered with the new broker
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def test_cli_status_and_predict(tcp_pool, expected):
+    _wait_ready(tcp_pool)
+    r = _cli("status", "--json", "--frontend", tcp_pool.endpoint)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert {w["id"] for w in st["workers"]} == {"0", "1"}
+    assert all({"id", "device", "state"} <= set(w) and w["device"] == "cpu" for w in st["workers"])
+    r = _cli("status", "--frontend", tcp_pool.endpoint)
+    assert r.returncode == 0 and "STATE" in r.stdout and "ready" in r.stdout
+    state, qs = CASES[0]
+    r = _cli("predict", "--state", state, "--questions", json.dumps(qs), "--frontend", tcp_pool.endpoint)
+    assert r.returncode == 0, r.stderr
+    _close(expected[0], json.loads(r.stdout))
+    r = _cli("status", "--frontend", "tcp://127.0.0.1:1", "--timeout", "0.3")
+    assert r.returncode == 1 and "no answer" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ broker alone
+
+def _broker(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "broker.broker", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_busy_queue_and_no_workers(tmp_path):
+    fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
+    p = _broker("--frontend", fe, "--backend", be, "--queue-size", "2", "--queue-timeout", "1.0",
+                "--heartbeat-ms", "100")
+    raw = Raw(fe)
+    try:
+        with Client(fe, timeout=5, retries=0) as c:
+            c.status()                                    # up
+        for rid in (1, 2):
+            raw.sock.send_multipart(wire.encode_request(rid, wire.pack_rows(_rows(rid)), cid="q"))
+        rep = raw.ask(wire.encode_request(3, wire.pack_rows(_rows(3)), cid="q"), timeout=5)
+        assert rep.header["rid"] == 3 and rep.header["status"] == "retryable"
+        assert rep.header["error"]["reason"] == "busy"
+        # the two queued ones time out in the queue (no worker ever came) and are told to retry
+        got = [wire.decode(raw.sock.recv_multipart()) for _ in range(2)] if raw.sock.poll(5000) else []
+        assert sorted(r.header["rid"] for r in got) == [1, 2]
+        assert all(r.header["error"]["reason"] == "queue-timeout" for r in got)
+        with Client(fe, timeout=0.5, retries=1, backoff=0.01) as c:
+            with pytest.raises(PoolUnavailable):
+                c.forward(_rows(4))
+    finally:
+        raw.close()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
+
+
+def test_security_refusal_and_curve(tmp_path):
+    r = _cli("up", "--model", str(tmp_path), "--frontend", "tcp://0.0.0.0:5999")
+    assert r.returncode == 2 and "refusing to bind" in r.stderr
+    p = _broker("--frontend", "tcp://0.0.0.0:5999", "--backend", f"ipc://{tmp_path}/be")
+    assert p.wait(30) == 2 and "refusing to bind" in p.stdout.read()
+    keys = tmp_path / "keys"
+    r = _cli("keys", "--out", str(keys))
+    assert r.returncode == 0, r.stderr
+    assert {f.name for f in keys.iterdir()} >= {"server.key", "server.key_secret", "client.key",
+                                                 "client.key_secret", "authorized"}
+    assert (keys / "server.key_secret").stat().st_mode & 0o077 == 0
+    assert _cli("keys", "--out", str(keys)).returncode == 1      # never overwrites secrets silently
+    port = _free_port()
+    fe = f"tcp://127.0.0.1:{port}"
+    p = _broker("--frontend", fe, "--backend", f"ipc://{tmp_path}/be2", "--keys", str(keys))
+    try:
+        with Client(fe, timeout=10, retries=1, keys=str(keys)) as c:
+            assert c.status()["workers"] == []
+        with Client(fe, timeout=0.5, retries=0) as c:               # no keys: no conversation
+            with pytest.raises(PoolUnavailable):
+                c.status()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
+
+
+def test_a_curve_pool_serves_key_holders_only(tmp_path, tiny_ckpt, runtime):
+    keys = tmp_path / "keys"
+    assert _cli("keys", "--out", str(keys)).returncode == 0
+    fe = f"tcp://127.0.0.1:{_free_port()}"
+    with local_pool(tiny_ckpt, "cpu", frontend=fe, heartbeat_ms=HB_MS, liveness=LIVENESS, keys=str(keys)) as pool:
+        rows = _rows(13)
+        want, _ = _reference(runtime, rows)
+        with pool.client(timeout=30) as c:                     # workers and clients are CURVE clients
+            np.testing.assert_allclose(c.forward(rows).flat, want, rtol=1e-5, atol=1e-5)
+        with Client(fe, timeout=0.5, retries=0) as c:
+            with pytest.raises(PoolUnavailable):
+                c.forward(rows)
+    assert pool.process.returncode == 0
+
+
+def test_up_fails_fast_on_what_cannot_work(tmp_path, tiny_ckpt):
+    port = _free_port()
+    r = _cli("up", "--model", str(tiny_ckpt), "--frontend", f"tcp://127.0.0.1:{port}",
+             "--backend", f"tcp://127.0.0.1:{port}", timeout=120)          # the broker cannot bind
+    assert r.returncode == 1 and "cannot bind" in r.stderr
+    r = _cli("up", "--model", str(tmp_path), "--frontend", f"ipc://{tmp_path}/fe", "--workers-per-device", "2",
+             timeout=120)                                                   # no checkpoint there
+    assert r.returncode == 1 and "configuration" in r.stderr and "missing file" in r.stderr
+
+
+def test_worker_exit_codes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "worker.server", "--model", str(tmp_path / "missing"), "--device", "cpu",
+                        "--backend", f"ipc://{tmp_path}/be", "--id", "x"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == wire.EXIT_CONFIG and "missing" in r.stderr

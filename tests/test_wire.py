@@ -1,0 +1,197 @@
+"""The wire protocol (client/wire.py): round trips, and strict refusal of everything else."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from client import wire
+from client.wire import Cmd, ProtocolError
+
+ROWS = [(np.array([1, 5, 9, 2], np.int32), np.array([1, 3], np.int32), 0),
+        (np.array([7, 8, 9], np.int32), np.array([0], np.int32), 2)]
+
+
+def _request(**kw) -> list:
+    return [bytes(f) for f in wire.encode_request(7, wire.pack_rows(ROWS), cid="c1", **kw)]
+
+
+def _raises(frames, field: str, parse=wire.parse_request):
+    with pytest.raises(ProtocolError) as e:
+        parse(wire.decode(frames))
+    assert e.value.field == field, str(e.value)
+    assert str(e.value).startswith(field)
+    return e.value
+
+
+def test_request_round_trip():
+    frames = _request(worker="1", mode="eager", taps=True)
+    assert frames[0] == b"LAYA1" and frames[1] == bytes([Cmd.REQUEST])
+    assert len(frames) == 8      # protocol, command, header, 5 buffers
+    req = wire.parse_request(wire.decode(frames), need_cid=True)
+    assert (req.rid, req.cid, req.worker, req.mode, req.taps) == (7, "c1", "1", "eager", True)
+    assert req.ids.tolist() == [1, 5, 9, 2, 7, 8, 9]
+    assert req.lengths.tolist() == [4, 3] and req.types.tolist() == [0, 2]
+    assert req.marker_counts.tolist() == [2, 1] and req.markers.tolist() == [1, 3, 0]
+    assert all(a.dtype == np.dtype("<i4") for a in req.arrays().values())
+    # the buffers are raw little-endian int32, not msgpack
+    assert frames[3] == np.array([1, 5, 9, 2, 7, 8, 9], "<i4").tobytes()
+
+
+def test_reply_round_trip_with_taps():
+    logits = np.array([0.5, -1.0, 2.0], np.float32)
+    act = np.array([[0.25, 0.75], [0.5, 0.5]], np.float32)
+    taps = {"final_norm": np.arange(12, dtype=np.float32).reshape(2, 3, 2)}
+    frames = wire.encode_reply(3, logits, act, worker="0", fingerprint="ab", metrics={"mode": "eager",
+                               "n": np.int64(4)}, taps=taps)
+    rep = wire.parse_reply(wire.decode([bytes(f) for f in frames]))
+    assert rep.status == "ok" and rep.rid == 3 and rep.worker == "0" and rep.fingerprint == "ab"
+    assert rep.metrics == {"mode": "eager", "n": 4}
+    np.testing.assert_array_equal(rep.logits, logits)
+    np.testing.assert_array_equal(rep.act, act)
+    np.testing.assert_array_equal(rep.taps["final_norm"], taps["final_norm"])
+
+
+def test_error_replies():
+    rep = wire.parse_reply(wire.decode(wire.encode_error(9, "final", "ids (row 1): token 5000 is outside",
+                                                         field="ids", row=1)))
+    assert (rep.status, rep.error["field"], rep.error["row"]) == ("final", "ids", 1)
+    rep = wire.parse_reply(wire.decode(wire.encode_error("x", "retryable", "busy", reason="busy")))
+    assert rep.status == "retryable" and rep.error["reason"] == "busy" and rep.rid == "x"
+    with pytest.raises(ValueError):
+        wire.encode_error(1, "ok", "not an error")
+
+
+def test_body_round_trip():
+    frames = wire.encode_body_reply(Cmd.STATUS, 4, {"workers": [{"id": "0", "state": "ready"}]})
+    msg = wire.decode(frames)
+    assert wire.parse_any_reply(msg).status == "ok"
+    assert wire.body_of(msg) == {"workers": [{"id": "0", "state": "ready"}]}
+
+
+@pytest.mark.parametrize("frames, field", [
+    ([b"garbage"], "version"),
+    ([b"LAYA0", bytes([2]), msgpack.packb({})], "version"),
+    ([b"LAYA2", bytes([2]), msgpack.packb({})], "version"),
+    ([b"LAYA1", bytes([2])], "frames"),
+    ([b"LAYA1", bytes([99]), msgpack.packb({})], "command"),
+    ([b"LAYA1", b"\x02\x02", msgpack.packb({})], "command"),
+    ([b"LAYA1", bytes([2]), b"\xc1\xc1"], "header"),
+    ([b"LAYA1", bytes([2]), msgpack.packb([1, 2])], "header"),
+    ([b"LAYA1", bytes([2]), msgpack.packb({1: 2})], "header"),
+    ([b"LAYA1", bytes([2]), msgpack.packb(msgpack.ExtType(3, b"x"))], "header"),
+    ([b"LAYA1", bytes([2]), msgpack.packb({"a": 1}) + b"junk"], "header"),
+    ([b"LAYA1", bytes([2]), b""], "header"),
+    ([b"LAYA1", bytes([2]), msgpack.packb({"s": "x" * (wire.MAX_HEADER_BYTES + 1)})], "header"),
+    ([b"LAYA1", bytes([2]), msgpack.packb({})] + [b""] * 300, "frames"),
+])
+def test_envelope_refused(frames, field):
+    with pytest.raises(ProtocolError) as e:
+        wire.decode(frames)
+    assert e.value.field == field, str(e.value)
+
+
+def test_request_buffers_must_match_the_header():
+    good = _request()
+    short = list(good)
+    short[3] = short[3][:-2]                                   # truncated ids
+    e = _raises(short, "ids")
+    assert "holds 26 bytes" in str(e) and "28" in str(e)
+    odd = list(good)
+    odd[7] = odd[7] + b"\0\0\0\0"                             # one marker too many
+    _raises(odd, "markers")
+    _raises(good[:-1], "frames")                               # a buffer missing
+    _raises(good + [b""], "frames")                            # a buffer too many
+    for key, value, field in [("rows", 3, "lengths"), ("rows", -1, "rows"), ("tokens", True, "tokens"),
+                              ("markers", "3", "markers"), ("rows", wire.MAX_COUNT + 1, "rows"),
+                              ("rid", None, "rid"), ("rid", 1.5, "rid"), ("mode", "turbo", "mode"),
+                              ("taps", 1, "taps"), ("worker", 3, "worker"), ("cid", 5, "cid")]:
+        h = msgpack.unpackb(good[2])
+        h[key] = value
+        _raises(good[:2] + [msgpack.packb(h)] + good[3:], field)
+    h = msgpack.unpackb(good[2])
+    del h["cid"]
+    with pytest.raises(ProtocolError) as e:
+        wire.parse_request(wire.decode(good[:2] + [msgpack.packb(h)] + good[3:]), need_cid=True)
+    assert e.value.field == "cid"
+
+
+def test_reply_buffers_must_match_the_header():
+    frames = [bytes(f) for f in wire.encode_reply(1, np.ones(3, np.float32), np.ones((2, 2), np.float32))]
+    bad = list(frames)
+    bad[3] = bad[3][:8]
+    _raises(bad, "logits", wire.parse_reply)
+    bad = list(frames)
+    bad[4] = bad[4] + b"\0" * 4
+    _raises(bad, "act", wire.parse_reply)
+    h = msgpack.unpackb(frames[2])
+    h["status"] = "maybe"
+    _raises(frames[:2] + [msgpack.packb(h)] + frames[3:], "status", wire.parse_reply)
+    h = msgpack.unpackb(frames[2])
+    h["taps"] = [["x", [2, 2]]]
+    _raises(frames[:2] + [msgpack.packb(h)] + frames[3:], "frames", wire.parse_reply)
+    err = [bytes(f) for f in wire.encode_error(1, "final", "no")]
+    h = msgpack.unpackb(err[2])
+    del h["error"]
+    _raises(err[:2] + [msgpack.packb(h)], "error", wire.parse_reply)
+
+
+def test_pack_rows_is_strict():
+    with pytest.raises(ProtocolError):
+        wire.pack_rows([(np.array([1.5, 2.0]), np.array([0]), 0)])          # float ids
+    with pytest.raises(ProtocolError):
+        wire.pack_rows([(np.array([1, 2]), np.array([0]), "choice")])       # qtype not an int
+    with pytest.raises(ProtocolError):
+        wire.pack_rows([(np.array([1 << 40]), np.array([0]), 0)])           # does not fit int32
+    with pytest.raises(ProtocolError):
+        wire.pack_rows([(np.array([object()]), np.array([0]), 0)])          # no objects, ever
+    empty = wire.pack_rows([])
+    assert all(a.size == 0 for a in empty.values())
+
+
+def test_no_pickle_and_no_torch():
+    code = ("import sys, client, client.wire, client.pool, broker.broker, broker.cli, broker.supervisor; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "import inspect; src = inspect.getsource(client.wire) + inspect.getsource(client.pool); "
+            "assert 'import pickle' not in src and 'recv_pyobj' not in src and 'send_pyobj' not in src")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+def test_loopback():
+    for ep in ("tcp://127.0.0.1:5555", "tcp://localhost:1", "tcp://[::1]:5", "ipc:///tmp/x", "inproc://a",
+               "tcp://127.0.0.2:9"):
+        assert wire.is_loopback(ep), ep
+    for ep in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5", "tcp://eth0:5", "udp://127.0.0.1:5"):
+        assert not wire.is_loopback(ep), ep
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=10))
+def test_fuzz_only_protocol_errors(frames):
+    """Whatever arrives, decoding either succeeds or raises ProtocolError: never another exception."""
+    for prefix in ([], [b"LAYA1", bytes([2])], [b"LAYA1", bytes([3])]):
+        try:
+            msg = wire.decode(prefix + frames)
+            if msg.cmd == Cmd.REQUEST:
+                wire.parse_request(msg)
+            elif msg.cmd == Cmd.REPLY:
+                wire.parse_reply(msg)
+        except ProtocolError:
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["rid", "rows", "tokens", "markers", "mode", "taps", "cid", "x"]),
+                       st.one_of(st.integers(-5, 1 << 40), st.text(max_size=5), st.booleans(), st.none(),
+                                 st.floats(allow_nan=True), st.lists(st.integers(-9, 1 << 40), max_size=3))),
+       st.lists(st.binary(max_size=40), min_size=0, max_size=6))
+def test_fuzz_request_headers(header, buffers):
+    try:
+        wire.parse_request(wire.decode([b"LAYA1", bytes([2]), msgpack.packb(header)] + buffers))
+    except ProtocolError:
+        pass
