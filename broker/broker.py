@@ -326,7 +326,7 @@ class Broker:
             w = self.workers.get(req.worker)
             if w is None:
                 raise wire.ProtocolError("worker", f"no worker {req.worker!r} in this pool")
-            if w.state != "ready":
+            if w.state not in ("ready", "mismatch"):   # a named mismatched worker is reachable: diagnostics
                 self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE, f"worker {req.worker!r} is {w.state}",
                                    reason="worker-unavailable")
                 return
@@ -584,8 +584,10 @@ class Broker:
         return self.next_job
 
     def _candidates(self) -> list[WorkerInfo]:
-        return [w for w in self.workers.values()
-                if w.state == "ready" and w.fingerprint == self.pool_fp and len(w.inflight) < w.credit]
+        # A worker serving another model ("mismatch") only takes requests that name it: that is how
+        # compare_workers examines it, and ordinary traffic never lands there.
+        return [w for w in self.workers.values() if len(w.inflight) < w.credit and (
+            (w.state == "ready" and w.fingerprint == self.pool_fp) or w.state == "mismatch")]
 
     def dispatch(self) -> None:
         if not self.queue:
@@ -620,6 +622,8 @@ class Broker:
         best = None
         for w in free:
             if job.target is not None and w.id != job.target:
+                continue
+            if w.fingerprint != self.pool_fp and job.target != w.id:
                 continue
             if not w.fits(job):
                 continue

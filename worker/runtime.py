@@ -25,6 +25,13 @@ MODES = ("eager", "graph-fixed", "graph-cached")
 ROW_LEN_STEP = 64
 
 
+def pool_bytes(pool) -> int:
+    """Bytes of the segments the caching allocator holds for one private graph pool."""
+    pool = tuple(pool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == pool)
+
+
 class CaptureError(RuntimeError):
     """A CUDA graph capture that failed; its bucket runs eager from then on."""
 
@@ -120,11 +127,7 @@ class Runtime:
         s = self.stream
         with torch.cuda.stream(s):
             self._forward(shape)          # warm-up on the capture stream: lazy handles, workspaces
-        # torch.cuda.graph empties the cache on entry; do it first so the growth measured across the
-        # capture is the new pool's segments and nothing else.
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         failure = None
@@ -138,13 +141,19 @@ class Runtime:
         if failure is not None:
             # Out of the except block, so the traceback no longer pins the capture's tensors. A graph
             # whose capture failed never releases its pool by itself: release it here.
+            # torch's capture_end throws before it stops routing the capture stream's allocations into the
+            # pool, so later eager work on our stream would land in a pool nobody frees: stop it first.
             graph = outputs = None
             torch.cuda.synchronize(self.device)
+            try:
+                torch._C._cuda_endAllocateToPool(self.device.index, pool)
+            except RuntimeError:
+                pass                       # capture_end got far enough to do it itself
             torch._C._cuda_releasePool(self.device.index, pool)
             torch.cuda.empty_cache()
             raise CaptureError(f"capture of {shape} failed: {failure}")
         torch.cuda.synchronize(self.device)
-        nbytes = torch.cuda.memory_reserved(self.device) - before
+        nbytes = pool_bytes(pool)
         return GraphEntry(graph=graph, outputs=outputs, pool=pool, nbytes=nbytes, extra={"shape": shape})
 
     def _release(self, entry: GraphEntry) -> int:

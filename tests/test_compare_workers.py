@@ -1,0 +1,96 @@
+"""compare_workers.py on real CPU pools: agreeing workers pass, a planted difference is found and named."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "compare_workers.py"
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def test_agreeing_workers_pass(tiny_ckpt, tmp_path):
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_ckpt), "--devices", "cpu",
+                           "--report", str(report)], capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(report.read_text())
+    assert len(data["workers"]) == 2 and not data["failures"] and len(data["cases"]) >= 13
+    assert data["reference"].startswith("official SDK")
+    assert all(r["max_dp"] <= data["tolerances"]["fp32"]["dp"] for r in data["results"])
+
+
+def _perturbed(src: Path, dst: Path, tensor: str) -> Path:
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    noise = np.random.default_rng(5).standard_normal(t[tensor].shape).astype(np.float32)
+    t[tensor] = t[tensor] + 0.05 * noise
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _wait(client, pred, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = client.status()
+            if pred(st):
+                return st
+        except Exception:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("pool did not reach the expected state")
+
+
+def test_planted_difference_is_named(tiny_ckpt, tmp_path):
+    from client.pool import Client
+    bad = _perturbed(tiny_ckpt, tmp_path / "bad", "encoder.layers.2.mlp.Wo.weight")
+    fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
+    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+                               "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)]
+    try:
+        worker = [sys.executable, "-m", "worker.server", "--backend", be, "--device", "cpu", "--heartbeat-ms", "300",
+                  "--threads", "1"]
+        procs.append(subprocess.Popen(worker + ["--model", str(tiny_ckpt), "--id", "good0"], env=ENV, cwd=ROOT))
+        with Client(fe, timeout=3.0, retries=1) as c:
+            _wait(c, lambda st: any(w["id"] == "good0" and w["state"] == "ready" for w in st["workers"]))
+            procs.append(subprocess.Popen(worker + ["--model", str(bad), "--id", "bad1"], env=ENV, cwd=ROOT))
+            _wait(c, lambda st: any(w["id"] == "bad1" and w["state"] == "mismatch" for w in st["workers"]))
+            # ordinary traffic never reaches the mismatched worker
+            res = c.forward([(np.arange(5, 40, dtype=np.int32), np.array([1, 3], np.int32), 0)])
+            assert res.worker == "good0"
+        report = tmp_path / "report.json"
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--frontend", fe, "--model", str(tiny_ckpt),
+                               "--report", str(report)], capture_output=True, text=True, timeout=600, env=ENV)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and report.exists(), out
+        data = json.loads(report.read_text())
+        assert [f for f in data["failures"] if f.startswith("worker bad1")], data["failures"]
+        assert not [f for f in data["failures"] if f.startswith("worker good0")], data["failures"]
+        assert "first diverging tap: encoder.2 " in out, out
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.mark.gpu
+def test_gpu_pool_workers_agree_in_every_mode(tiny_ckpt, tmp_path):
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_ckpt), "--devices", "cuda:0",
+                           "--report", str(report)], capture_output=True, text=True, timeout=900, env=ENV)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    modes = {(r["worker"], r["mode"]) for r in json.loads(report.read_text())["results"]}
+    assert len(modes) == 6
