@@ -139,8 +139,10 @@ def main(argv=None) -> int:
             violations.append(f"{name}: eviction returned {c.bytes_returned} B, evicted graphs held {evicted_bytes}")
         if mismatched:
             violations.append(f"{name}: {mismatched} of 48 answers differ from eager")
-        if name == "exact budget" and keys[3] not in rt.cache.keys():
-            violations.append("exact budget: the entry exactly at the budget was not cached")
+        if name == "exact budget" and (keys[3] in rt.cache.uncacheable or c.oversized != sum(
+                1 for k in set(stream) if sizes[k] > budget)):
+            # It may be evicted later by LRU; what matters is that it was admitted, not refused as oversized.
+            violations.append("exact budget: the entry exactly at the budget was refused as oversized")
         rows.append({"policy": name, "max_entries": entries, "max_bytes": budget, **got_state,
                      "expected_survivors": len(want["survivors"]), "bytes_returned": c.bytes_returned,
                      "evicted_bytes_expected": evicted_bytes, "captures": c.captures, "oversized": c.oversized,

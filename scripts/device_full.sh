@@ -5,7 +5,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-steps=${*:-tests cache bench}
+steps=${*:-tests cache bench demo}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for step in $steps; do
   case $step in
@@ -13,6 +13,14 @@ for step in $steps; do
     cache) python3 scripts/check_cache_gpu.py --report "$OUT/check_cache_gpu.json" 2>&1 | tail -14 ;;
     bench)
       [ -d /tmp/large ] || python3 scripts/make_checkpoint.py --out /tmp/large --preset large --seed 0
-      python3 scripts/bench.py --model /tmp/large --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -30 ;;
+      FE=tcp://127.0.0.1:5599
+      python3 -m broker.cli up --model /tmp/large --devices cuda:0 --frontend $FE > "$OUT/pool.log" 2>&1 &
+      POOL=$!
+      for i in $(seq 120); do
+        python3 -m broker.cli status --frontend $FE --json 2>/dev/null | grep -q '"state": "ready"' && break; sleep 1
+      done
+      python3 scripts/bench.py --model /tmp/large --device cuda --frontend $FE --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -32
+      kill -TERM $POOL; wait $POOL; echo "pool exit code $?" ;;
+    demo) timeout 300 python3 scripts/demo.py 2>&1 | tail -25; echo "demo exit code $?" ;;
   esac
 done

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compare_workers.py"
-ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+# Keep whatever PYTHONPATH already holds (the device carries pyzmq and laya there) behind the repo.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def test_agreeing_workers_pass(tiny_ckpt, tmp_path):
