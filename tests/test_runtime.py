@@ -209,3 +209,12 @@ def test_eviction_reports_returned_bytes():
     cache.lookup("x")
     cache.lookup("y")
     assert cache.counters.evictions == 1 and cache.counters.bytes_returned == 3000 and cache.keys() == ["y"]
+
+
+def test_warmup_shapes_parse_and_refuse_garbage():
+    from worker.runtime import DEFAULT_WARMUP, parse_shapes
+    shapes = parse_shapes(DEFAULT_WARMUP)
+    assert Shape(16, 512, 16) in shapes and all(s.row_len % 64 == 0 for s in shapes)
+    assert parse_shapes(" 2x128x4 ,") == (Shape(2, 128, 4),)
+    with pytest.raises(ValueError, match="bad shape '4x2'"):
+        parse_shapes("1x64x2,4x2")

@@ -23,6 +23,21 @@ from .workspace import Capacity, Shape, Workspace
 
 MODES = ("eager", "graph-fixed", "graph-cached")
 ROW_LEN_STEP = 64
+# Buckets a graph-cached worker captures before it reports ready: the request classes a decision loop
+# sends most (one to sixteen questions, short to full-length states), so steady traffic sees no capture.
+DEFAULT_WARMUP = "1x64x2,1x64x4,1x128x4,2x128x4,4x256x4,4x256x8,8x256x8,16x512x8,16x512x16"
+
+
+def parse_shapes(text: str) -> tuple[Shape, ...]:
+    """`"1x64x4,16x512x8"` -> Shapes (rows x padded row length x markers per row)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            rows, row_len, markers = (int(x) for x in part.lower().split("x"))
+        except ValueError as e:
+            raise ValueError(f"bad shape {part!r}: expected ROWSxLENGTHxMARKERS, e.g. 4x256x8") from e
+        out.append(Shape(rows, row_len, markers))
+    return tuple(out)
 
 
 def pool_bytes(pool) -> int:
@@ -181,7 +196,10 @@ class Runtime:
             self.fixed = self._capture(self.fixed_shape)
             out[f"fixed {self.fixed_shape}"] = (time.perf_counter() - t) * 1e3
         if self.config.mode == "graph-cached":
-            for shape in sorted(self.config.warmup_shapes, reverse=True):
+            cap, max_len = self.capacity, self.checkpoint.arch.max_len
+            shapes = [sh for sh in self.config.warmup_shapes
+                      if sh.rows <= cap.max_rows and sh.row_len <= max_len and sh.row_markers <= cap.row_markers]
+            for shape in sorted(shapes, reverse=True):
                 t = time.perf_counter()
                 self.cache.lookup(shape, count=False)
                 out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3

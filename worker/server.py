@@ -373,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--max-markers", type=int, default=None)
     p.add_argument("--max-message-bytes", type=int, default=1 << 30)
+    p.add_argument("--warmup-shapes", default=None,
+                   help="graph-cached: buckets captured before READY, ROWSxLENGTHxMARKERS,... (default: a common set)")
     p.add_argument("--generation", type=int, default=0, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", "INFO"))
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from worker.checkpoint import CheckpointError, load_checkpoint
-        from worker.runtime import Runtime
+        from worker.runtime import Runtime, RuntimeConfig, parse_shapes
         from worker.workspace import Capacity
     except Exception as e:  # noqa: BLE001
         log.error("cannot import the runtime: %s", e)
@@ -425,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                    max_markers=args.max_markers or d.max_markers, row_markers=d.row_markers)
     mode = args.mode or ("graph-cached" if torch_device.startswith("cuda") else "eager")
     try:
-        rt = Runtime(ck, device=torch_device, mode=mode, capacity=cap)
+        from worker.runtime import DEFAULT_WARMUP
+        warm = parse_shapes(args.warmup_shapes or DEFAULT_WARMUP) if mode == "graph-cached" else ()
+        rt = Runtime(ck, device=torch_device, config=RuntimeConfig(mode=mode, capacity=cap, warmup_shapes=warm))
     except ValueError as e:
         log.error("cannot build the runtime: %s", e)
         return wire.EXIT_CONFIG
