@@ -48,6 +48,7 @@ class BrokerConfig:
     queue_timeout_s: float = 30.0
     max_attempts: int = 3               # workers a request may be lost on before it is failed
     max_bounces: int = 32               # "worker stopping" hand-backs before the client is told to retry
+    job_timeout_s: float = 300.0        # a worker holding one request longer than this is declared hung
     cache_size: int = 4096              # finished replies kept for retries
     cache_ttl_s: float = 300.0
     cache_max_reply_bytes: int = 1 << 20
@@ -250,8 +251,15 @@ class Broker:
         self.last_housekeeping = now
         for w in list(self.workers.values()):
             if w.state in LIVE_STATES or w.state == "mismatch":
+                stuck = [self.inflight[j] for j in w.inflight if j in self.inflight
+                         and now - self.inflight[j].dispatched > self.cfg.job_timeout_s]
                 if now > w.expiry:
                     self._worker_lost(w, "dead", f"missed heartbeats for {now - w.last_seen:.2f} s")
+                elif stuck:
+                    # Heartbeats come from the worker's I/O thread, so a hung device still looks alive:
+                    # judge it by its oldest job, re-send its work, and make it register again.
+                    self._worker_lost(w, "dead", f"held a request for over {self.cfg.job_timeout_s:g} s")
+                    self._send(self.backend, [w.identity, *wire.encode(Cmd.DISCONNECT, {"reason": "hung"})])
                 elif now - w.last_sent >= self.hb:
                     hdr = {"drain": "restart" if w.drain_restart else "drain"} if w.state == "draining" else {}
                     if not self._to_worker(w, Cmd.HEARTBEAT, hdr):
@@ -505,6 +513,11 @@ class Broker:
             return
         del self.inflight[job.id]
         w.inflight.discard(job.id)
+        if rep.status == wire.STATUS_RETRYABLE and (rep.error or {}).get("reason") == "worker-fault":
+            # The worker failed running it (and is going down): that is a lost attempt, bounded by
+            # max_attempts, so one poisonous request cannot take down worker after worker.
+            self._requeue(job, w, "the worker failed running it")
+            return
         if rep.status == wire.STATUS_RETRYABLE:
             # The worker is stopping (or could not take it): another worker runs it.
             job.bounces += 1
@@ -563,19 +576,22 @@ class Broker:
     def _requeue_from(self, w: WorkerInfo, why: str) -> None:
         for jid in sorted(w.inflight, reverse=True):
             job = self.inflight.pop(jid, None)
-            if job is None:
-                continue
-            job.worker = None
-            job.attempts += 1
-            w.lost += 1
-            self.counters["requeued"] += 1
-            if job.attempts >= self.cfg.max_attempts:
-                self._fail(job, wire.STATUS_FINAL, f"{job.attempts} workers were lost while running this request "
-                                                   f"(last: worker {w.id}, {why})", reason="workers-lost")
-            else:
-                job.enqueued = time.monotonic()
-                self.queue.appendleft(job)
+            if job is not None:
+                self._requeue(job, w, why)
         w.inflight.clear()
+
+    def _requeue(self, job: Job, w: WorkerInfo, why: str) -> None:
+        """Send a job `w` lost to another worker, or fail it once `max_attempts` workers have lost it."""
+        job.worker = None
+        job.attempts += 1
+        w.lost += 1
+        self.counters["requeued"] += 1
+        if job.attempts >= self.cfg.max_attempts:
+            self._fail(job, wire.STATUS_FINAL, f"{job.attempts} workers were lost while running this request "
+                                               f"(last: worker {w.id}, {why})", reason="workers-lost")
+        else:
+            job.enqueued = time.monotonic()
+            self.queue.appendleft(job)
 
     # -------------------------------------------------------------------------------------------- dispatch
 
@@ -681,6 +697,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--job-timeout", type=float, default=d.job_timeout_s,
+                   help="seconds a worker may hold one request before it is declared hung")
     p.add_argument("--max-message-bytes", type=int, default=d.max_frontend_bytes)
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys --out DIR)")
 
@@ -688,7 +706,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                         queue_size=a.queue_size, queue_timeout_s=a.queue_timeout, max_attempts=a.max_attempts,
-                        max_frontend_bytes=a.max_message_bytes, keys=a.keys)
+                        job_timeout_s=a.job_timeout, max_frontend_bytes=a.max_message_bytes, keys=a.keys)
 
 
 def serve(cfg: BrokerConfig) -> int:

@@ -70,11 +70,17 @@ class Child:
         return self.proc.pid if self.proc is not None else None
 
 
+try:  # loaded here, in the parent: dlopen after fork, with zmq's threads about, can deadlock the child
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the supervisor dies (Linux), so nothing is orphaned."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    if _LIBC is not None:
+        with contextlib.suppress(Exception):
+            _LIBC.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def _cpu_sets(devices: list[str], per_device: int) -> list[list[int] | None]:

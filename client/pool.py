@@ -86,17 +86,10 @@ class ForwardResult:
 
 def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike) -> None:
     """Make `sock` a CURVE client with the key directory `laya-pool keys --out DIR` wrote."""
-    import zmq.auth
-
-    keys = Path(keys)
-    for name in ("client.key_secret", "server.key"):
-        if not (keys / name).is_file():
-            raise PoolError(f"{keys / name}: missing (generate keys with `laya-pool keys --out DIR`)")
-    public, secret = zmq.auth.load_certificate(str(keys / "client.key_secret"))
-    server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_serverkey = server_public
+    try:
+        wire.configure_curve_client(sock, keys)
+    except FileNotFoundError as e:
+        raise PoolError(str(e)) from e
 
 
 def _split_rows(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:

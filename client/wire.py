@@ -15,8 +15,10 @@ Pure Python + numpy + msgpack: no zmq, no torch, so every process (and `import c
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -407,7 +409,7 @@ def parse_reply(msg: Message) -> Reply:
         raise ProtocolError("status", f"must be one of {STATUSES}, got {status!r}")
     worker = get(h, "worker", str, default=None)
     fp = get(h, "fp", str, default=None)
-    metrics = get(h, "metrics", dict, default={})
+    metrics = get(h, "metrics", dict, default=None) or {}
     if status != STATUS_OK:
         err = get(h, "error", dict)
         get(err, "message", str, what="error")
@@ -504,3 +506,21 @@ def is_loopback(endpoint: str) -> bool:
     if ";" in host:   # "tcp://src;dst": judge the destination / bind address
         host = host.split(";", 1)[1]
     return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def configure_curve_client(sock: Any, keys: str | os.PathLike) -> None:
+    """Make a zmq socket a CURVE client with the key directory `laya-pool keys --out DIR` wrote.
+
+    Here, in the one module every process imports, so clients and workers authenticate the same way.
+    """
+    import zmq.auth
+
+    keys = Path(keys)
+    for name in ("client.key_secret", "server.key"):
+        if not (keys / name).is_file():
+            raise FileNotFoundError(f"{keys / name}: missing (generate keys with `laya-pool keys --out DIR`)")
+    public, secret = zmq.auth.load_certificate(str(keys / "client.key_secret"))
+    server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public

@@ -2,8 +2,8 @@
 
 The policy (`CacheLedger`) is a plain LRU over (key, bytes) with no CUDA in it, so it can be tested on
 its own; `GraphCache` puts captured graphs behind it. An entry's bytes are its private memory pool's
-segments, measured as the reserved-memory growth across the capture, and evicting it destroys the
-graph and its pool and gives the segments back to the driver.
+segments as the caching allocator lists them, and evicting it destroys the graph and its pool and
+gives the segments back to the driver.
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ class GraphCache:
         self._capture, self._release = capture, release
         self.graphs: dict[Hashable, GraphEntry] = {}
         self.uncacheable: set[Hashable] = set()   # oversized or failed: run eager, never re-capture
+        self.last_error: str | None = None          # the last failed capture, for status and the log
 
     @property
     def policy(self) -> CachePolicy:
@@ -114,7 +115,8 @@ class GraphCache:
             return None
         try:
             entry = self._capture(key)
-        except Exception:
+        except Exception as e:
+            self.last_error = f"{key}: {type(e).__name__}: {e}"
             c.capture_failures += 1
             self.uncacheable.add(key)
             if count:

@@ -8,7 +8,7 @@ in place.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -75,15 +75,12 @@ class RuntimeConfig:
 
 
 class Runtime:
-    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu", mode: str = "eager",
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu", mode: str | None = None,
                  cache_policy: CachePolicy | None = None, capacity: Capacity | None = None,
                  config: RuntimeConfig | None = None):
-        cfg = config or RuntimeConfig()
-        cfg.mode = mode if config is None else cfg.mode
-        if cache_policy is not None:
-            cfg.cache_policy = cache_policy
-        if capacity is not None:
-            cfg.capacity = capacity
+        overrides = {k: v for k, v in (("mode", mode), ("cache_policy", cache_policy), ("capacity", capacity))
+                     if v is not None}
+        cfg = replace(config or RuntimeConfig(), **overrides)
         if cfg.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
         self.config, self.checkpoint = cfg, checkpoint
@@ -111,6 +108,11 @@ class Runtime:
         # The default fixed graph holds the "16 questions at full length" class of request.
         self.fixed_shape = cfg.fixed_shape or Shape(min(16, cap.max_rows), arch.max_len, min(32, cap.row_markers))
         self.fixed: GraphEntry | None = None
+        self.fixed_failed: str | None = None
+        if self.is_cuda:
+            # Weights, tables and the zeroed mirror were queued on the default stream; our stream is
+            # non-blocking, so make it wait once before it reads any of them.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.capture_fault = None          # test hook: called inside a capture, may break it
         self.served = 0
         self.first_call_ms: dict[str, float] = {}
@@ -191,9 +193,12 @@ class Runtime:
             self._forward(Shape(1, ROW_LEN_STEP, 2))
         self.stream.synchronize()
         out["eager"] = (time.perf_counter() - t) * 1e3
-        if self.config.mode == "graph-fixed" and self.fixed is None:
+        if self.config.mode == "graph-fixed" and self.fixed is None and self.fixed_failed is None:
             t = time.perf_counter()
-            self.fixed = self._capture(self.fixed_shape)
+            try:
+                self.fixed = self._capture(self.fixed_shape)
+            except CaptureError as e:
+                self.fixed_failed = str(e)
             out[f"fixed {self.fixed_shape}"] = (time.perf_counter() - t) * 1e3
         if self.config.mode == "graph-cached":
             cap, max_len = self.capacity, self.checkpoint.arch.max_len
@@ -210,10 +215,16 @@ class Runtime:
         if mode == "eager":
             return self.exact(batch), None, {}
         if mode == "graph-fixed":
-            if self.fixed_shape.fits(batch):
+            if self.fixed_shape.fits(batch) and self.fixed_failed is None:
                 if self.fixed is None:
-                    self.fixed = self._capture(self.fixed_shape)
+                    try:
+                        self.fixed = self._capture(self.fixed_shape)
+                    except CaptureError as e:
+                        self.fixed_failed = str(e)      # the fixed graph cannot exist: serve eager from now on
+                        return self.exact(batch), None, {"graph": "fixed-failed"}
                 return self.fixed_shape, self.fixed, {"graph": "fixed"}
+            if self.fixed_failed is not None:
+                return self.exact(batch), None, {"graph": "fixed-failed"}
             if self.config.oversize == "reject":
                 raise RequestError("lengths", f"request shape {self.exact(batch)} exceeds the fixed graph "
                                               f"{self.fixed_shape} and this worker rejects oversize requests")
@@ -296,12 +307,16 @@ class Runtime:
         return {"served": self.served, "mode": self.config.mode, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "cache": asdict(self.cache.counters),
                 "cached_shapes": [list(asdict(k).values()) for k in self.cache.keys()],
-                "first_call_ms": dict(self.first_call_ms),
+                "first_call_ms": dict(self.first_call_ms), "fixed_failed": self.fixed_failed,
+                "last_capture_error": self.cache.last_error,
                 "uploads": None if self.upload is None else {"submitted": self.upload.submitted,
                                                              "drains": self.upload.drains}}
 
     def close(self) -> None:
         if self.is_cuda:
             self.cache.clear()
+            if self.fixed is not None:
+                self._release(self.fixed)
+                self.fixed = None
             self.stream.synchronize()
         self.workspace.close()

@@ -59,8 +59,8 @@ class Worker:
         self.stop_requested = False           # set by the signal handler; acted on by the I/O loop
         self.stop_reason: str | None = None   # "shutdown" | "drain" | "restart"
         self.fatal: str | None = None
-        self.counts = {"received": 0, "ok": 0, "request_errors": 0, "internal_errors": 0, "dropped": 0,
-                       "protocol_errors": 0, "handed_back": 0, "registrations": 0}
+        self.counts = {"received": 0, "ok": 0, "request_errors": 0, "internal_errors": 0, "upload_errors": 0,
+                       "dropped": 0, "protocol_errors": 0, "handed_back": 0, "registrations": 0}
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
         self.pair_io = self.ctx.socket(zmq.PAIR)
@@ -82,8 +82,7 @@ class Worker:
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if self.args.keys:
-            from client.pool import configure_curve_client
-            configure_curve_client(s, self.args.keys)
+            wire.configure_curve_client(s, self.args.keys)
         s.connect(self.args.backend)
         self.dealer = s
         self.poller = zmq.Poller()
@@ -148,6 +147,10 @@ class Worker:
                         last_ready = now
             if self.stop_requested and self.stop_reason is None:
                 self._drain("shutdown", tell_broker=True)
+            if self.fatal is None and not self.compute.is_alive():
+                # Heartbeats come from this thread; without this check a dead compute thread would keep
+                # the worker looking healthy with its requests never answered.
+                self.fatal = "the compute thread died"
             if self.fatal is not None:
                 log.error("worker %s: fatal: %s", self.id, self.fatal)
                 self._send(wire.encode(Cmd.DISCONNECT, {"reason": "fatal"}))
@@ -160,6 +163,11 @@ class Worker:
                 return wire.EXIT_RESTART if self.stop_reason == "restart" else wire.EXIT_OK
             if now - self.last_sent >= self.hb:
                 self._send(wire.encode(Cmd.HEARTBEAT, {"stats": wire.plain(self._stats())}))
+            if now > self.broker_expiry and self.stop_reason is not None:
+                # Draining with no broker to hand replies to: registering again would only invite new work.
+                log.warning("worker %s: the broker went silent while %s; leaving", self.id, self.stop_reason)
+                self._close()
+                return wire.EXIT_RESTART if self.stop_reason == "restart" else wire.EXIT_OK
             if now > self.broker_expiry:
                 # Paranoid Pirate: the broker is gone; a fresh socket and a fresh registration, with backoff.
                 log.warning("worker %s: no word from the broker for %.1f s; reconnecting", self.id,
@@ -243,6 +251,7 @@ class Worker:
 
     def _compute_loop(self) -> None:
         from worker.batch import Batch, RequestError
+        from worker.upload import UploadError
 
         pair = self.pair_compute
         while True:
@@ -274,6 +283,13 @@ class Worker:
                 self.counts["request_errors"] += 1
                 frames = wire.encode_error(req.rid, wire.STATUS_FINAL, str(e), field=e.field, row=e.row,
                                            worker=self.id)
+            except UploadError as e:
+                # The group drained before raising, so the staging is safe to reuse: keep serving, and let
+                # the broker run this request elsewhere.
+                self.counts["upload_errors"] += 1
+                log.warning("worker %s: %s", self.id, e)
+                frames = wire.encode_error(req.rid, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
+                                           worker=self.id, reason="upload-failed")
             except Exception as e:  # noqa: BLE001 - every failure must be answered
                 self.counts["internal_errors"] += 1
                 if self.rt.is_cuda:

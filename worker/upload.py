@@ -28,7 +28,7 @@ class UploadGroup:
         self.fault: Callable[[int], bool] | None = None
         self.submitted = 0
         self.drains = 0
-        self.last_drained_after = None
+        self.last_drained_after: int | None = None
 
     def submit(self, spans: list[tuple[int, int]]) -> None:
         host, dev = self.ws.host_in.ctypes.data, self.ws.dev_in.data_ptr()
@@ -45,7 +45,7 @@ class UploadGroup:
         except CudaError as e:
             if done:
                 stream_synchronize(self.stream)
-            self.drains += 1
+                self.drains += 1
             self.last_drained_after = done
             raise UploadError(f"upload failed after {done} of {len(spans)} copies were submitted "
                               f"(drained before the staging is reused): {e}") from e
