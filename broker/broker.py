@@ -128,8 +128,8 @@ class Broker:
                     "(generate them with `laya-pool keys --out DIR` and pass --keys DIR)")
         self.ctx = ctx or zmq.Context.instance()
         self.auth = None
-        self.frontend = self._router(cfg.frontend, cfg.max_frontend_bytes, handover=False)
-        self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=True)
+        self.frontend = self._router(cfg.frontend, cfg.max_frontend_bytes, handover=False, role="clients")
+        self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=True, role="workers")
         self.hb = cfg.heartbeat_ms / 1000.0
         self.workers: dict[str, WorkerInfo] = {}
         self.by_identity: dict[bytes, str] = {}
@@ -147,7 +147,7 @@ class Broker:
 
     # -------------------------------------------------------------------------------------------- sockets
 
-    def _router(self, endpoint: str, max_bytes: int, handover: bool) -> zmq.Socket:
+    def _router(self, endpoint: str, max_bytes: int, handover: bool, role: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if handover:
@@ -160,6 +160,8 @@ class Broker:
             if self.auth is None:
                 self.auth = security.start_authenticator(self.ctx, self.cfg.keys)
             security.curve_server(s, self.cfg.keys)
+            # Each socket authenticates its own kind of peer: a client key cannot register as a worker.
+            s.zap_domain = role.encode()
         if endpoint.startswith("ipc://"):
             os.makedirs(os.path.dirname(endpoint[len("ipc://"):]) or ".", exist_ok=True)
         s.bind(endpoint)

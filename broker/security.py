@@ -2,11 +2,14 @@
 
 `laya-pool keys --out DIR` writes:
     server.key / server.key_secret   the broker's key pair (the public half is given to clients and workers)
-    client.key / client.key_secret   one key pair clients and workers use
-    authorized/client.key            the client public keys the broker accepts (add more files to admit more)
+    client.key / client.key_secret   the key pair clients use
+    worker.key / worker.key_secret   the key pair workers use
+    authorized/client.key            the client public keys the frontend accepts (add files to admit more)
+    authorized-workers/worker.key    the worker public keys the backend accepts
 
-A broker refuses to bind a non-loopback address without keys (see `Broker.__init__`). With keys it is a
-CURVE server that accepts only the public keys under `authorized/`; clients and workers are CURVE clients.
+A broker refuses to bind a non-loopback address without keys (see `Broker.__init__`). With keys both its
+sockets are CURVE servers, each checking its own directory (separate ZAP domains), so a client's key cannot
+register a worker and receive other clients' requests. Give client hosts server.key and the client pair only.
 Files use ZeroMQ's certificate format, so `zmq.auth.load_certificate` reads them.
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -41,16 +45,17 @@ def generate(out: str | Path, overwrite: bool = False) -> dict[str, str]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
-    if not overwrite and any((out / f"{n}.key_secret").exists() for n in ("server", "client")):
+    if not overwrite and any((out / f"{n}.key_secret").exists() for n in ("server", "client", "worker")):
         raise SecurityError(f"{out}: keys already exist (pass --force to replace them)")
-    (out / "authorized").mkdir(exist_ok=True)
     written = {}
-    for name in ("server", "client"):
+    for name in ("server", "client", "worker"):
         public, secret = zmq.curve_keypair()
         _write_cert(out / f"{name}.key", public, None)
         _write_cert(out / f"{name}.key_secret", public, secret)
         written[name] = public.decode("ascii")
-    (out / "authorized" / "client.key").write_bytes((out / "client.key").read_bytes())
+    for role, folder in (("client", "authorized"), ("worker", "authorized-workers")):
+        (out / folder).mkdir(exist_ok=True)
+        (out / folder / f"{role}.key").write_bytes((out / f"{role}.key").read_bytes())
     return written
 
 
@@ -72,14 +77,16 @@ def curve_server(sock: zmq.Socket, keys: str | Path) -> None:
     sock.curve_server = True
 
 
-def start_authenticator(ctx: zmq.Context, keys: str | Path):
-    """A ZAP handler (thread) admitting only the client public keys under `keys/authorized`."""
+def start_authenticator(ctx: zmq.Context, keys: str | Path) -> Any:
+    """A ZAP handler (thread): the frontend admits `authorized/`, the backend `authorized-workers/`."""
     from zmq.auth.thread import ThreadAuthenticator
 
-    allowed = Path(keys) / "authorized"
-    if not allowed.is_dir():
-        raise SecurityError(f"{allowed}: missing (the client public keys the broker accepts)")
+    folders = {"clients": Path(keys) / "authorized", "workers": Path(keys) / "authorized-workers"}
+    for folder in folders.values():
+        if not folder.is_dir():
+            raise SecurityError(f"{folder}: missing (the public keys the broker accepts; `laya-pool keys`)")
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=str(allowed))
+    for domain, folder in folders.items():
+        auth.configure_curve(domain=domain, location=str(folder))
     return auth

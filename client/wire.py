@@ -508,18 +508,20 @@ def is_loopback(endpoint: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def configure_curve_client(sock: Any, keys: str | os.PathLike) -> None:
-    """Make a zmq socket a CURVE client with the key directory `laya-pool keys --out DIR` wrote.
+def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "client") -> None:
+    """Make a zmq socket a CURVE client (role "client" or "worker") with keys from `laya-pool keys --out DIR`.
 
     Here, in the one module every process imports, so clients and workers authenticate the same way.
     """
     import zmq.auth
 
+    if role not in ("client", "worker"):
+        raise ValueError(f"role must be 'client' or 'worker', got {role!r}")
     keys = Path(keys)
-    for name in ("client.key_secret", "server.key"):
+    for name in (f"{role}.key_secret", "server.key"):
         if not (keys / name).is_file():
             raise FileNotFoundError(f"{keys / name}: missing (generate keys with `laya-pool keys --out DIR`)")
-    public, secret = zmq.auth.load_certificate(str(keys / "client.key_secret"))
+    public, secret = zmq.auth.load_certificate(str(keys / f"{role}.key_secret"))
     server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
     sock.curve_secretkey = secret
     sock.curve_publickey = public

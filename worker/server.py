@@ -82,7 +82,7 @@ class Worker:
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if self.args.keys:
-            wire.configure_curve_client(s, self.args.keys)
+            wire.configure_curve_client(s, self.args.keys, role="worker")
         s.connect(self.args.backend)
         self.dealer = s
         self.poller = zmq.Poller()

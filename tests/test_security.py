@@ -1,0 +1,63 @@
+"""CURVE roles: a client's key reaches the frontend only; registering a worker needs the worker key."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from broker.security import generate
+from client import wire
+from client.pool import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready_frames(wid: str) -> list:
+    return wire.encode(wire.Cmd.READY, {"id": wid, "device": "cpu", "fingerprint": "f" * 64, "pid": 1,
+                                        "credit": 1, "capacity": {"max_tokens": 64, "max_rows": 1,
+                                                                  "max_markers": 4}})
+
+
+def test_client_key_cannot_register_a_worker(tmp_path):
+    keys = tmp_path / "keys"
+    generate(keys)
+    assert (keys / "authorized-workers" / "worker.key").is_file() and (keys / "worker.key_secret").is_file()
+    fe, be = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    broker = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+                               "--keys", str(keys), "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)
+    ctx = zmq.Context()
+    try:
+        socks = {}
+        for role, wid in (("client", "intruder"), ("worker", "honest")):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, wid.encode())
+            s.setsockopt(zmq.LINGER, 0)
+            wire.configure_curve_client(s, keys, role=role)
+            s.connect(be)
+            socks[wid] = s
+        with Client(fe, keys=str(keys), timeout=2.0, retries=3) as c:
+            deadline = time.monotonic() + 30
+            ids = set()
+            while time.monotonic() < deadline and "honest" not in ids:
+                for wid, s in socks.items():
+                    s.send_multipart(_ready_frames(wid))
+                time.sleep(0.3)
+                ids = {w["id"] for w in c.status()["workers"]}
+            assert "honest" in ids, "the worker key must be admitted on the backend"
+            assert "intruder" not in ids, "a client key must not register a worker"
+    finally:
+        for s in socks.values():
+            s.close(0)
+        ctx.term()
+        broker.terminate()
+        broker.wait(20)
