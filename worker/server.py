@@ -203,6 +203,11 @@ class Worker:
             # queued work from the old session (its clients retry through the new one).
             if self.stop_reason is not None:
                 return False
+            if msg.header.get("reason") == "hung":
+                # A request outlived the broker's deadline here: a stuck device does not recover in-process,
+                # so leave with a fatal code and let the supervisor start a fresh worker.
+                self.fatal = "the broker declared this worker hung (a request outlived its deadline)"
+                return False
             if now - last_ready < self.hb / 2:
                 return False
             log.info("worker %s: broker asked us to re-register (%s)", self.id, msg.header.get("reason"))
@@ -254,6 +259,9 @@ class Worker:
         from worker.upload import UploadError
 
         pair = self.pair_compute
+        # Test hook for a fault no CPU can cause: a device that hangs. LAYA_WORKER_HANG_ROWS=N makes this
+        # compute thread block on any request of N rows, while the I/O thread keeps heartbeating.
+        hang_rows = int(os.environ.get("LAYA_WORKER_HANG_ROWS", "0") or 0)
         while True:
             try:
                 job = self.jobs.get(timeout=0.5)
@@ -269,6 +277,9 @@ class Worker:
                                                       worker=self.id, reason="stale"))
                 continue
             t0 = time.monotonic()
+            if hang_rows and len(req.lengths) == hang_rows:
+                log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %r", self.id, req.rid)
+                threading.Event().wait()
             try:
                 batch = Batch(ids=req.ids, lengths=req.lengths, types=req.types, marker_counts=req.marker_counts,
                               markers=req.markers)
