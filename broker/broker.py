@@ -35,7 +35,7 @@ from client.wire import Cmd
 log = logging.getLogger("laya-pool.broker")
 
 LIVE_STATES = ("ready", "draining")
-FORGET_AFTER_S = 600.0          # dead / drained entries stay in the status table this long
+FORGET_AFTER_S = 600.0          # dead entries stay in the status table this long
 
 
 @dataclass
@@ -50,6 +50,8 @@ class BrokerConfig:
     max_bounces: int = 32               # "worker stopping" hand-backs before the client is told to retry
     job_timeout_s: float = 300.0        # a worker holding one request longer than this is declared hung
     cache_size: int = 4096              # finished replies kept for retries
+    cache_max_bytes: int = 256 << 20    # ... and the bytes they may hold together
+    queue_max_bytes: int = 1 << 30      # request payloads waiting or running, together
     cache_ttl_s: float = 300.0
     cache_max_reply_bytes: int = 1 << 20
     max_frontend_bytes: int = 16 << 20  # ZMQ_MAXMSGSIZE (per frame): a larger frame drops the connection
@@ -116,6 +118,7 @@ class Job:
     worker: str | None = None
     enqueued: float = 0.0
     dispatched: float = 0.0
+    nbytes: int = 0                 # payload bytes, held until the job is finished
 
 
 class Broker:
@@ -137,6 +140,8 @@ class Broker:
         self.inflight: dict[int, Job] = {}
         self.pending: dict[tuple[str, Any], Job] = {}
         self.cache: collections.OrderedDict[tuple[str, Any], tuple[float, list[bytes]]] = collections.OrderedDict()
+        self.cache_bytes = 0
+        self.queue_bytes = 0
         self.cards: dict[str, bytes] = {}       # fingerprint -> the card body frame
         self.pool_fp: str | None = None
         self.next_job = int.from_bytes(os.urandom(6), "little") << 8   # a restarted broker never reuses ids
@@ -266,7 +271,8 @@ class Broker:
                     hdr = {"drain": "restart" if w.drain_restart else "drain"} if w.state == "draining" else {}
                     if not self._to_worker(w, Cmd.HEARTBEAT, hdr):
                         self._worker_lost(w, "dead", "unreachable")
-            elif now - w.last_seen > FORGET_AFTER_S:
+            elif w.state == "dead" and now - w.last_seen > FORGET_AFTER_S:
+                # Drained and stopped workers stay listed: `restart-worker` must still find them.
                 self.workers.pop(w.id, None)
                 self.by_identity.pop(w.identity, None)
         if self.queue and any(now - j.enqueued > self.cfg.queue_timeout_s for j in self.queue):
@@ -279,7 +285,8 @@ class Broker:
                     kept.append(job)
             self.queue = kept
         while self.cache and self.cache[next(iter(self.cache))][0] < now:
-            self.cache.popitem(last=False)
+            _, (_, dropped) = self.cache.popitem(last=False)
+            self.cache_bytes -= _frames_bytes(dropped)
         self.dispatch()
 
     # -------------------------------------------------------------------------------------------- clients
@@ -317,7 +324,7 @@ class Broker:
                                if msg.cmd in (Cmd.STATUS, Cmd.DRAIN, Cmd.DESCRIBE) else Cmd.REPLY)
 
     def on_request(self, envelope: list[bytes], msg: wire.Message) -> None:
-        req = wire.parse_request(msg)
+        req = wire.parse_request(msg, need_cid=True)   # dedup needs an id that survives reconnects
         self.counters["requests"] += 1
         key = (req.cid or envelope[0].hex(), req.rid)
         now = time.monotonic()
@@ -349,14 +356,17 @@ class Broker:
                 if have > c.get(cap, 1 << 62):
                     raise wire.ProtocolError(name, f"{have} exceeds every worker's capacity ({cap} {c[cap]})")
             raise wire.ProtocolError("ids", "the request fits no worker's capacity")
-        if len(self.queue) >= self.cfg.queue_size:
+        size = sum(len(f) for f in msg.frames)
+        if len(self.queue) >= self.cfg.queue_size or self.queue_bytes + size > self.cfg.queue_max_bytes:
             self.counters["busy"] += 1
             self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE,
-                               f"the pool is busy ({len(self.queue)} requests queued)", reason="busy")
+                               f"the pool is busy ({len(self.queue)} requests, {self.queue_bytes} B queued)",
+                               reason="busy")
             return
         job = Job(self._job_id(), "request", key, envelope, req.rid, req=req, payload=list(msg.frames),
-                  target=req.worker, enqueued=now)
+                  target=req.worker, enqueued=now, nbytes=size)
         self.pending[key] = job
+        self.queue_bytes += size
         self.queue.append(job)
         self.dispatch()
 
@@ -407,6 +417,7 @@ class Broker:
                            "fingerprint": self.pool_fp, "uptime_s": round(now - self.started, 3),
                            "heartbeat_ms": self.cfg.heartbeat_ms, "liveness": self.cfg.liveness,
                            "queue": len(self.queue), "queue_size": self.cfg.queue_size,
+                           "queue_bytes": self.queue_bytes, "cached_reply_bytes": self.cache_bytes,
                            "inflight": len(self.inflight), "cached_replies": len(self.cache),
                            "counters": dict(self.counters)}}
 
@@ -666,21 +677,30 @@ class Broker:
 
     def _finish(self, job: Job, frames: list[Any]) -> None:
         if job.key is not None:
-            self.pending.pop(job.key, None)
+            if self.pending.pop(job.key, None) is not None:
+                self.queue_bytes -= job.nbytes
             size = sum(len(f) for f in frames)
             if size <= self.cfg.cache_max_reply_bytes:
+                old = self.cache.pop(job.key, None)
+                self.cache_bytes -= _frames_bytes(old[1]) if old else 0
                 self.cache[job.key] = (time.monotonic() + self.cfg.cache_ttl_s, frames)
-                self.cache.move_to_end(job.key)
-                while len(self.cache) > self.cfg.cache_size:
-                    self.cache.popitem(last=False)
+                self.cache_bytes += size
+                while len(self.cache) > self.cfg.cache_size or self.cache_bytes > self.cfg.cache_max_bytes:
+                    _, (_, dropped) = self.cache.popitem(last=False)
+                    self.cache_bytes -= _frames_bytes(dropped)
         self.counters["replies"] += 1
         self._to_client(job.envelope, frames)
 
     def _fail(self, job: Job, status: str, message: str, reason: str | None = None) -> None:
         if job.key is not None:
-            self.pending.pop(job.key, None)
+            if self.pending.pop(job.key, None) is not None:
+                self.queue_bytes -= job.nbytes
         cmd = Cmd.DESCRIBE if job.kind == "describe" else Cmd.REPLY
         self._client_error(job.envelope, job.client_rid, status, message, cmd=cmd, reason=reason)
+
+
+def _frames_bytes(frames: list[Any]) -> int:
+    return sum(len(f) for f in frames)
 
 
 def _natural(s: str) -> tuple:
@@ -698,6 +718,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness", type=int, default=d.liveness, help="heartbeats missed before a worker is dead")
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s)
+    p.add_argument("--queue-max-bytes", type=int, default=d.queue_max_bytes)
+    p.add_argument("--cache-max-bytes", type=int, default=d.cache_max_bytes)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--job-timeout", type=float, default=d.job_timeout_s,
                    help="seconds a worker may hold one request before it is declared hung")
@@ -708,7 +730,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                         queue_size=a.queue_size, queue_timeout_s=a.queue_timeout, max_attempts=a.max_attempts,
-                        job_timeout_s=a.job_timeout, max_frontend_bytes=a.max_message_bytes, keys=a.keys)
+                        job_timeout_s=a.job_timeout, max_frontend_bytes=a.max_message_bytes, keys=a.keys,
+                        queue_max_bytes=a.queue_max_bytes, cache_max_bytes=a.cache_max_bytes)
 
 
 def serve(cfg: BrokerConfig) -> int:
