@@ -662,6 +662,9 @@ class Broker:
         return best
 
     def _send_job(self, w: WorkerInfo, job: Job) -> bool:
+        # A fresh id per dispatch: a late reply to an earlier attempt (the job went back to the queue and,
+        # perhaps, to the same worker id) can never be taken for the answer to this one.
+        job.id = self._job_id()
         if job.kind == "describe":
             ok = self._to_worker(w, Cmd.DESCRIBE, {"rid": job.id})
         else:
