@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import random
 import signal
@@ -42,6 +43,8 @@ from client.wire import Cmd
 
 DEFAULT_ENDPOINT = os.environ.get("LAYA_POOL_FRONTEND", "tcp://127.0.0.1:5555")
 MAX_FRAME_BYTES = 16 << 20      # the broker's default frontend MAXMSGSIZE
+
+log = logging.getLogger("laya-pool.client")
 
 
 class PoolError(RuntimeError):
@@ -346,9 +349,9 @@ class AsyncClient(_Base):
             try:
                 msg = wire.decode(frames)
             except wire.ProtocolError as e:
-                for fut in list(self._waiters.values()):
-                    if not fut.done():
-                        fut.set_exception(e)
+                # It cannot be matched to a call, so it fails none of them: each waits for its own reply
+                # (or times out and retries with the same id, which the broker answers from its cache).
+                log.warning("dropped an undecodable message from the pool (%s)", e)
                 continue
             fut = self._waiters.get(msg.header.get("rid"))
             if fut is not None and not fut.done():
