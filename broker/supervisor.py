@@ -64,6 +64,7 @@ class Child:
     next_start: float = 0.0
     state: str = "starting"      # running | backoff | down (drained / config error) | stopped
     last_exit: int | None = None
+    operator_start: float = float("-inf")   # when an operator's restart-worker last started it
 
     @property
     def pid(self) -> int | None:
@@ -74,6 +75,9 @@ try:  # loaded here, in the parent: dlopen after fork, with zmq's threads about,
     _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 except OSError:
     _LIBC = None
+
+
+OPERATOR_RESTART_HOLD_S = 30.0
 
 
 def _die_with_parent() -> None:
@@ -211,9 +215,13 @@ class Supervisor:
             return
         rows = {w.get("id"): w for w in st.get("workers", [])}
         for wid, child in self.workers.items():
-            if child.state == "down" and rows.get(wid, {}).get("restart_requested"):
+            # The broker's flag stays up until the worker registers; a worker that dies before that
+            # (a bad checkpoint, say) must not be started again every second on the same request.
+            if (child.state == "down" and rows.get(wid, {}).get("restart_requested")
+                    and now - child.operator_start > OPERATOR_RESTART_HOLD_S):
                 log.info("worker %s: restart requested by an operator", wid)
                 child.restarts += 1
+                child.operator_start = now
                 self._start_worker(wid)
         ready = sum(1 for w in rows.values() if w.get("state") == "ready")
         if not self.announced and ready >= len(self.workers):
