@@ -49,6 +49,7 @@ class BrokerConfig:
     max_attempts: int = 3               # workers a request may be lost on before it is failed
     max_bounces: int = 32               # "worker stopping" hand-backs before the client is told to retry
     job_timeout_s: float = 300.0        # a worker holding one request longer than this is declared hung
+    fingerprint: str | None = None      # the model this pool serves; None: the first worker's
     cache_size: int = 4096              # finished replies kept for retries
     cache_max_bytes: int = 256 << 20    # ... and the bytes they may hold together
     queue_max_bytes: int = 1 << 30      # request payloads waiting or running, together
@@ -143,7 +144,7 @@ class Broker:
         self.cache_bytes = 0
         self.queue_bytes = 0
         self.cards: dict[str, bytes] = {}       # fingerprint -> the card body frame
-        self.pool_fp: str | None = None
+        self.pool_fp: str | None = cfg.fingerprint or None
         self.next_job = int.from_bytes(os.urandom(6), "little") << 8   # a restarted broker never reuses ids
         self.started = time.monotonic()
         self.stopping = False
@@ -505,7 +506,9 @@ class Broker:
                        generation=wire.get(h, "generation", int, default=0), expiry=now + self.hb * self.cfg.liveness,
                        last_seen=now, since=now, registrations=registrations + 1)
         live_fps = {x.fingerprint for x in self.workers.values() if x.state in LIVE_STATES and x.id != wid}
-        if self.pool_fp is None or not live_fps or self.pool_fp not in live_fps:
+        # A pool started for one model (`--fingerprint`, which `laya-pool up` passes) never changes model;
+        # a bare broker follows the workers it has.
+        if not self.cfg.fingerprint and (self.pool_fp is None or not live_fps or self.pool_fp not in live_fps):
             self.pool_fp = fp
         if fp != self.pool_fp:
             w.state = "mismatch"
@@ -722,6 +725,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s)
     p.add_argument("--queue-max-bytes", type=int, default=d.queue_max_bytes)
+    p.add_argument("--fingerprint", default=None, help="serve only this model (sha256 of the checkpoint)")
     p.add_argument("--cache-max-bytes", type=int, default=d.cache_max_bytes)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--job-timeout", type=float, default=d.job_timeout_s,
@@ -734,7 +738,8 @@ def config_from_args(a: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                         queue_size=a.queue_size, queue_timeout_s=a.queue_timeout, max_attempts=a.max_attempts,
                         job_timeout_s=a.job_timeout, max_frontend_bytes=a.max_message_bytes, keys=a.keys,
-                        queue_max_bytes=a.queue_max_bytes, cache_max_bytes=a.cache_max_bytes)
+                        queue_max_bytes=a.queue_max_bytes, cache_max_bytes=a.cache_max_bytes,
+                        fingerprint=a.fingerprint)
 
 
 def serve(cfg: BrokerConfig) -> int:

@@ -121,8 +121,16 @@ class Supervisor:
         self.env = env
         common = ["--heartbeat-ms", str(cfg.heartbeat_ms), "--liveness", str(cfg.liveness)]
         keys = ["--keys", cfg.keys] if cfg.keys else []
+        # Pin the pool to this model: after a broker restart, a stray worker registering first must not
+        # redefine what the pool serves.
+        from client.card import CardError, directory_fingerprint
+        try:
+            fingerprint = ["--fingerprint", directory_fingerprint(cfg.model)]
+        except CardError:
+            fingerprint = []       # an unreadable checkpoint: the workers report exactly what is wrong
         self.broker = Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
-                                       "--backend", cfg.backend, *common, *keys, *cfg.broker_args], env)
+                                       "--backend", cfg.backend, *common, *keys, *fingerprint, *cfg.broker_args],
+                            env)
         self.workers: dict[str, Child] = {}
         cpus = _cpu_sets(cfg.devices, cfg.workers_per_device)
         slots = [d for d in cfg.devices for _ in range(cfg.workers_per_device)]

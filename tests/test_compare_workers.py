@@ -95,3 +95,31 @@ def test_gpu_pool_workers_agree_in_every_mode(tiny_ckpt, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     modes = {(r["worker"], r["mode"]) for r in json.loads(report.read_text())["results"]}
     assert len(modes) == 6
+
+
+def test_pool_pinned_to_its_model_keeps_a_stray_worker_out(tiny_ckpt, tmp_path):
+    """`laya-pool up` pins the broker to its checkpoint's fingerprint: a worker of another model that
+    registers while no right worker is ready cannot redefine what the pool serves."""
+    from client.card import directory_fingerprint
+    from client.pool import Client
+    stray = _perturbed(tiny_ckpt, tmp_path / "stray", "scorer.1.weight")
+    fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
+    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+                               "--heartbeat-ms", "300", "--fingerprint", directory_fingerprint(tiny_ckpt)],
+                              env=ENV, cwd=ROOT)]
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "worker.server", "--backend", be, "--device", "cpu",
+                                       "--heartbeat-ms", "300", "--threads", "1", "--model", str(stray),
+                                       "--id", "stray"], env=ENV, cwd=ROOT))
+        with Client(fe, timeout=3.0, retries=1) as c:
+            st = _wait(c, lambda st: any(w["id"] == "stray" for w in st["workers"]))
+            assert [w["state"] for w in st["workers"]] == ["mismatch"]
+            assert st["broker"]["fingerprint"] == directory_fingerprint(tiny_ckpt)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
