@@ -102,7 +102,7 @@ def _find(st: dict, wid: str) -> dict | None:
 
 
 def cmd_drain(a: argparse.Namespace) -> int:
-    from client.pool import PoolError, RequestFailed
+    from client.pool import PoolError
     try:
         with _client(a) as c:
             r = c.drain(a.id)
@@ -117,14 +117,12 @@ def cmd_drain(a: argparse.Namespace) -> int:
                     return 0
                 time.sleep(0.2)
             return _fail(f"worker {a.id} still draining after {a.wait_timeout:g} s")
-    except RequestFailed as e:
-        return _fail(str(e))
-    except PoolError as e:
+    except PoolError as e:          # RequestFailed is a PoolError
         return _fail(str(e))
 
 
 def cmd_restart_worker(a: argparse.Namespace) -> int:
-    from client.pool import PoolError, RequestFailed
+    from client.pool import PoolError
     try:
         with _client(a) as c:
             before = _find(c.status(), a.id)
@@ -145,9 +143,7 @@ def cmd_restart_worker(a: argparse.Namespace) -> int:
                     print(f"worker {a.id}: ready again (pid {w.get('pid')}, was {before.get('pid')})")
                     return 0
             return _fail(f"worker {a.id} did not come back within {a.wait_timeout:g} s")
-    except RequestFailed as e:
-        return _fail(str(e))
-    except PoolError as e:
+    except PoolError as e:          # RequestFailed is a PoolError
         return _fail(str(e))
 
 

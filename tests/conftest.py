@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import warnings
@@ -7,6 +8,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# For the broker and worker processes tests start: this checkout first, then whatever PYTHONPATH held
+# (on the device, that is where pyzmq and laya are carried).
+SUBPROCESS_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def stop_all(procs: list) -> None:
+    """SIGTERM the processes a test started, newest first, and reap them (SIGKILL after 20 s)."""
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
 
 
 def make_ckpt(out: Path, preset: str = "tiny", seed: int = 0) -> Path:

@@ -1,5 +1,4 @@
 """The broker's memory is bounded in bytes, not only in counts, and deduplication needs a client id."""
-import os
 import subprocess
 import sys
 import time
@@ -7,12 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from conftest import SUBPROCESS_ENV
 
 from client import wire
 from client.pool import Client
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+ENV = SUBPROCESS_ENV
 
 
 def _request(rid: int, n_tokens: int, cid: str | None) -> list:

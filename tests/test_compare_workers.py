@@ -1,6 +1,5 @@
 """compare_workers.py on real CPU pools: agreeing workers pass, a planted difference is found and named."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -9,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_ENV, stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compare_workers.py"
-# Keep whatever PYTHONPATH already holds (the device carries pyzmq and laya there) behind the repo.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+ENV = SUBPROCESS_ENV
 
 
 def test_agreeing_workers_pass(tiny_ckpt, tmp_path):
@@ -77,13 +76,7 @@ def test_planted_difference_is_named(tiny_ckpt, tmp_path):
         assert not [f for f in data["failures"] if f.startswith("worker good0")], data["failures"]
         assert "first diverging tap: encoder.2 " in out, out
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 @pytest.mark.gpu
@@ -116,10 +109,4 @@ def test_pool_pinned_to_its_model_keeps_a_stray_worker_out(tiny_ckpt, tmp_path):
             assert [w["state"] for w in st["workers"]] == ["mismatch"]
             assert st["broker"]["fingerprint"] == directory_fingerprint(tiny_ckpt)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

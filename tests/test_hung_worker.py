@@ -1,16 +1,16 @@
 """A worker whose device hangs keeps heartbeating from its I/O thread; the broker's job deadline catches it."""
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from conftest import SUBPROCESS_ENV, stop_all
 
 from client.pool import Client
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+ENV = SUBPROCESS_ENV
 
 
 def test_hung_worker_is_declared_dead_and_its_request_runs_elsewhere(tiny_ckpt, tmp_path):
@@ -39,10 +39,4 @@ def test_hung_worker_is_declared_dead_and_its_request_runs_elsewhere(tiny_ckpt, 
             want = c.forward(rows, worker="healthy")
             assert np.array_equal(res.flat, want.flat)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

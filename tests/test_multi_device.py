@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from conftest import SUBPROCESS_ENV, stop_all
 
 from broker.supervisor import Supervisor, SupervisorConfig
 from worker.server import _cuda_local_device
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+ENV = SUBPROCESS_ENV
 
 
 def test_supervisor_puts_one_worker_on_each_gpu(tiny_ckpt):
@@ -75,10 +76,4 @@ def test_remote_style_workers_join_over_tcp_and_agree(tiny_ckpt):
             assert served == {"hostA-0", "hostB-0"}
             assert np.array_equal(a.flat, b.flat) and np.array_equal(a.act, b.act)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

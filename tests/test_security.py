@@ -1,5 +1,4 @@
 """CURVE roles: a client's key reaches the frontend only; registering a worker needs the worker key."""
-import os
 import socket
 import subprocess
 import sys
@@ -7,13 +6,14 @@ import time
 from pathlib import Path
 
 import zmq
+from conftest import SUBPROCESS_ENV
 
 from broker.security import generate
 from client import wire
 from client.pool import Client
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+ENV = SUBPROCESS_ENV
 
 
 def _port() -> int:
