@@ -53,8 +53,9 @@ def cmd_up(a: argparse.Namespace) -> int:
             return _fail(f"refusing to bind {ep}: not a loopback address and no CURVE keys "
                          "(generate them with `laya-pool keys --out DIR`, then pass --keys DIR)", 2)
     broker_args = ["--queue-size", str(a.queue_size), "--queue-timeout", str(a.queue_timeout),
-                   "--max-attempts", str(a.max_attempts)]
-    worker_args: list[str] = []
+                   "--max-attempts", str(a.max_attempts), "--job-timeout", str(a.job_timeout),
+                   "--max-message-bytes", str(a.max_message_bytes)]
+    worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
     for name in ("max_tokens", "max_rows", "max_markers", "threads"):
         v = getattr(a, name)
         if v is not None:
@@ -220,10 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--queue-size", type=int, default=1024)
     up.add_argument("--queue-timeout", type=float, default=30.0)
     up.add_argument("--max-attempts", type=int, default=3)
+    up.add_argument("--job-timeout", type=float, default=300.0,
+                    help="seconds a worker may hold one request before it is declared hung")
+    up.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest frame a client may send")
     up.add_argument("--max-tokens", type=int, default=None)
     up.add_argument("--max-rows", type=int, default=None)
     up.add_argument("--max-markers", type=int, default=None)
     up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
     up.add_argument("--keys", default=None, help="CURVE key directory (needed for a non-loopback bind)")
     up.set_defaults(fn=cmd_up)
