@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +174,15 @@ class Broker:
         s.bind(endpoint)
         return s
 
+    def _receive_all(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None], batch: int = 1000) -> None:
+        """Handle what `sock` holds, at most `batch` messages, so one side cannot starve the other."""
+        for _ in range(batch):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._guarded(handler, frames)
+
     def _send(self, sock: zmq.Socket, frames: list[Any]) -> bool:
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
@@ -211,19 +221,9 @@ class Broker:
             events = dict(poller.poll(timeout))
             # Workers first: replies free credit for the requests waiting behind them.
             if events.get(self.backend):
-                for _ in range(1000):
-                    try:
-                        frames = self.backend.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._guarded(self.on_backend, frames)
+                self._receive_all(self.backend, self.on_backend)
             if events.get(self.frontend):
-                for _ in range(1000):
-                    try:
-                        frames = self.frontend.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._guarded(self.on_frontend, frames)
+                self._receive_all(self.frontend, self.on_frontend)
             self.tick()
         self.shutdown()
         return 0

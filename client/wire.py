@@ -230,18 +230,13 @@ def rid_of(frames: Sequence[Any]) -> Any:
 # ---------------------------------------------------------------------------------------------- requests
 
 @dataclass
-class Request:
-    rid: int | str
-    cid: str | None
-    ids: np.ndarray            # int32 [T]
+class Rows:
+    """The five arrays of one request's rows: what the client packs, the wire carries and the worker runs."""
+    ids: np.ndarray            # int32 [T], rows back to back
     lengths: np.ndarray        # int32 [R]
     types: np.ndarray          # int32 [R]
     marker_counts: np.ndarray  # int32 [R]
-    markers: np.ndarray        # int32 [M]
-    worker: str | None = None  # run on this worker only
-    mode: str | None = None    # override the worker's execution mode
-    taps: bool = False         # return intermediate activations (eager only)
-    header: dict[str, Any] = field(default_factory=dict)
+    markers: np.ndarray        # int32 [M], positions inside their row, rows in order
 
     @property
     def rows(self) -> int:
@@ -257,6 +252,16 @@ class Request:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in REQUEST_ARRAYS}
+
+
+@dataclass
+class Request(Rows):
+    rid: int | str
+    cid: str | None
+    worker: str | None = None  # run on this worker only
+    mode: str | None = None    # override the worker's execution mode
+    taps: bool = False         # return intermediate activations (eager only)
+    header: dict[str, Any] = field(default_factory=dict)
 
 
 def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:

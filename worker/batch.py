@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from client import wire
+
 MAX_QTYPE = 2
 
 
@@ -26,24 +28,8 @@ class RequestError(ValueError):
 
 
 @dataclass
-class Batch:
-    ids: np.ndarray            # int32 [T], rows back to back
-    lengths: np.ndarray        # int32 [R]
-    types: np.ndarray          # int32 [R]
-    marker_counts: np.ndarray  # int32 [R]
-    markers: np.ndarray        # int32 [M], positions inside their row, rows in order
-
-    @property
-    def rows(self) -> int:
-        return int(self.lengths.shape[0])
-
-    @property
-    def tokens(self) -> int:
-        return int(self.ids.shape[0])
-
-    @property
-    def n_markers(self) -> int:
-        return int(self.markers.shape[0])
+class Batch(wire.Rows):
+    """One request's rows as the runtime takes them (`wire.Rows` plus what bucketing needs)."""
 
     @property
     def max_row_len(self) -> int:
@@ -81,7 +67,7 @@ def _first_bad_row(bad: np.ndarray) -> int:
 
 def validate(batch: Batch, limits: Limits) -> None:
     """Raise `RequestError` for the first thing wrong with the whole group; return silently if all is well."""
-    for name in ("ids", "lengths", "types", "marker_counts", "markers"):
+    for name in wire.REQUEST_ARRAYS:
         arr = getattr(batch, name)
         if not isinstance(arr, np.ndarray) or arr.dtype != np.int32 or arr.ndim != 1:
             raise RequestError(name, f"must be a 1-D int32 array, got {getattr(arr, 'dtype', type(arr))}")

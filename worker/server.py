@@ -281,8 +281,7 @@ class Worker:
                 log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %r", self.id, req.rid)
                 threading.Event().wait()
             try:
-                batch = Batch(ids=req.ids, lengths=req.lengths, types=req.types, marker_counts=req.marker_counts,
-                              markers=req.markers)
+                batch = Batch(**req.arrays())
                 res = self.rt.run(batch, mode=req.mode, taps=req.taps)
                 metrics = dict(res.metrics)
                 metrics["queue_ms"] = (t0 - job.received) * 1e3
