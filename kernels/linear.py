@@ -46,9 +46,14 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ w.T + b with fp32 accumulation, in x's dtype; batch-invariant on CUDA."""
-    if x.device.type != "cuda" or triton is None:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           invariant: bool = True) -> torch.Tensor:
+    """y = x @ w.T + b with fp32 accumulation, in x's dtype; batch-invariant on CUDA.
+
+    `invariant=False` takes cuBLAS (`F.linear`) instead: the SDK's own kernels, which give its
+    bits exactly when the rows are laid out as the SDK lays them out, but are not batch-invariant.
+    """
+    if not invariant or x.device.type != "cuda" or triton is None:
         return F.linear(x, w, b)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

@@ -380,6 +380,8 @@ def test_harness_catches_a_perturbed_weight(ckpt, case):
 def test_rejects_bad_arguments(ckpt):
     with pytest.raises(ValueError):
         ReferenceModel(ckpt.arch, ckpt.tensors, dtype=torch.int32)
+    with pytest.raises(ValueError, match="gemm"):
+        ReferenceModel(ckpt.arch, ckpt.tensors, gemm="fast")
     with pytest.raises(KeyError):
         ReferenceModel(ckpt.arch, {k: v for k, v in ckpt.tensors.items() if k != "scorer.1.bias"})
     m = ReferenceModel(ckpt.arch, ckpt.tensors)

@@ -3,13 +3,14 @@
 Run on the device: `python -m pytest -q -s tests/test_reference_gpu.py`. Each test prints one summary
 line (prefixed `SUMMARY`) for the notes.
 
-bf16 is judged against the SDK's own bf16 noise, measured in the same run: on these random-weight
-checkpoints many questions are near-ties (options that differ by one token), and the SDK's bf16
-autocast already disagrees with its own fp32 forward on ~2.5% of decisions with max |dp| ~0.02, so
-"99.5% of all decisions and |dp| <= 0.01" cannot hold for any bf16 forward that is not bit-identical
-to the SDK's. What must hold: fp32 matches the SDK's fp32 tightly; bf16 agrees on >= 99.5% of the
-decisive questions (SDK top-1 margin >= 0.1), and its |dp| (max and mean) is within 1.5x the SDK's own
-bf16-vs-fp32 noise (or under 0.01 / 0.001 where that noise is smaller).
+bf16 is checked twice. With cuBLAS GEMMs (`gemm="vendor"`) and one forward per request at the SDK's
+padded length, our forward performs the SDK's operations on the SDK's kernels, so the issue's bar
+holds as stated: decisions agree on >= 99.5% of questions and max |dp| <= 0.01. The worker's path
+(batch-invariant GEMMs, 48-row packed chunks) rounds differently in the last bit of bf16, and on
+these random-weight checkpoints many questions are near-ties, so it is held to the SDK's own noise
+measured in the same run: the SDK's bf16 against itself with each question in its own forward, and
+against its fp32 forward. It must agree on >= 99.5% of the decisive questions (SDK margin >= 0.1)
+and stay within that noise (agreement at most 1 point below, |dp| max and mean at most 1.5x).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from worker.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.gpu
 
-AGREE_MIN = 0.995       # decisions that must agree (all of them in fp32; the decisive ones in bf16)
-DP_MAX = 0.01           # max |dp| allowed in bf16 where the SDK's own bf16 noise is below it
+AGREE_MIN = 0.995       # decisions that must agree (fp32; bf16 on the SDK's kernels; the decisive ones otherwise)
+DP_MAX = 0.01           # max |dp| in bf16 on the SDK's kernels (and on the worker path where noise is below it)
 NOISE_FACTOR = 1.5      # ... and otherwise at most this multiple of that noise (max and mean |dp|)
 FP32_DP_MAX = 1e-3      # fp32 on CUDA against the SDK with autocast off: the semantics, tightly
 DECISIVE_MARGIN = 0.1   # a question is decisive when the SDK's top-1 leads its top-2 by this much
@@ -62,6 +63,18 @@ def _sdk_probs(agent, groups, amp: bool) -> list[torch.Tensor]:
             out += [torch.softmax(torch.from_numpy(x[:len(it["markers"])]), -1) for x, it in zip(logits, g)]
     finally:
         agent.amp_enabled = held
+    return out
+
+
+def _sdk_layout_probs(ref: ReferenceModel, groups) -> list[torch.Tensor]:
+    """Ours the way the SDK lays a request out: one forward per request, padded to its longest row."""
+    out = []
+    for g in groups:
+        part = flat_rows([g])
+        inputs, slots = pack(part, device="cuda")
+        logits, _ = ref.forward(**inputs)
+        logits = logits.float().cpu()
+        out += [torch.softmax(logits[slots[r], :len(mk)], -1) for r, (_, mk, _) in enumerate(part)]
     return out
 
 
@@ -103,6 +116,11 @@ def _fmt(d: dict) -> str:
     return s
 
 
+def _worse(a: dict, b: dict) -> dict:
+    return {"agree": min(a["agree"], b["agree"]), "dp_max": max(a["dp_max"], b["dp_max"]),
+            "dp_mean": max(a["dp_mean"], b["dp_mean"])}
+
+
 def _parity(path, label: str, n_requests: int, seed: int) -> None:
     t0 = time.perf_counter()
     agent = _sdk_cuda(path)
@@ -111,24 +129,34 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
     rows = flat_rows(groups)
     assert len(rows) >= MIN_QUESTIONS
     sdk16 = _sdk_probs(agent, groups, amp=True)
+    sdk16_alone = _sdk_probs(agent, [[it] for g in groups for it in g], amp=True)
     sdk32 = _sdk_probs(agent, groups, amp=False)
     del agent
     torch.cuda.empty_cache()
     ours32 = _our_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.float32), rows)
     torch.cuda.empty_cache()
+    vendor16 = _sdk_layout_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16,
+                                                gemm="vendor"), groups)
+    torch.cuda.empty_cache()
     ours16 = _our_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16), rows)
 
     decisive = [_margin(p) >= DECISIVE_MARGIN for p in sdk16]
     fp32 = _dist(ours32, sdk32)
+    exact = _dist(vendor16, sdk16, decisive)
     bf16 = _dist(ours16, sdk16, decisive)
-    noise = _dist(sdk32, sdk16, decisive)       # the SDK's own bf16 autocast against its fp32
+    batching = _dist(sdk16_alone, sdk16, decisive)     # the SDK's bf16 against itself, batched otherwise
+    precision = _dist(sdk32, sdk16, decisive)          # the SDK's bf16 autocast against its fp32
+    noise = _worse(batching, precision)
     print(f"\nSUMMARY reference vs SDK on CUDA [{label}, {ck.arch.parameter_count() / 1e6:.1f} M params, "
           f"{len(rows)} questions / {len(groups)} requests, {torch.cuda.get_device_name()}, torch {torch.__version__}]"
-          f"\n  fp32 vs SDK fp32:           {_fmt(fp32)}"
-          f"\n  bf16 vs SDK bf16 autocast:  {_fmt(bf16)}"
-          f"\n  SDK bf16 vs SDK fp32 (noise floor): {_fmt(noise)}"
+          f"\n  fp32 vs SDK fp32:                          {_fmt(fp32)}"
+          f"\n  bf16, cuBLAS, SDK layout vs SDK bf16:      {_fmt(exact)}"
+          f"\n  bf16, worker path vs SDK bf16:             {_fmt(bf16)}"
+          f"\n  noise: SDK bf16 one question per forward:  {_fmt(batching)}"
+          f"\n  noise: SDK fp32 vs SDK bf16:               {_fmt(precision)}"
           f"\n  ({time.perf_counter() - t0:.1f} s)")
     assert fp32["agree"] >= AGREE_MIN and fp32["dp_max"] <= FP32_DP_MAX
+    assert exact["agree"] >= AGREE_MIN and exact["dp_max"] <= DP_MAX
     assert bf16["agree_decisive"] >= AGREE_MIN
     assert bf16["agree"] >= min(AGREE_MIN, noise["agree"] - 0.01)
     assert bf16["dp_max"] <= max(DP_MAX, NOISE_FACTOR * noise["dp_max"])
