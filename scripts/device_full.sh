@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the whole GPU story; everything it prints also lands in $OUT.
-#   bash scripts/device_full.sh [tests|cache|bench|pool]...   (default: all)
+#   bash scripts/device_full.sh [tests|cache|bench|demo|load]...   (default: tests cache bench demo)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -22,5 +22,12 @@ for step in $steps; do
       python3 scripts/bench.py --model /tmp/large --device cuda --frontend $FE --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -32
       kill -TERM $POOL; wait $POOL; echo "pool exit code $?" ;;
     demo) timeout 300 python3 scripts/demo.py 2>&1 | tail -25; echo "demo exit code $?" ;;
+    load)
+      # One GPU: 1 worker vs 2 workers on it, 64 in flight, one worker SIGKILLed mid-run (issue 7's
+      # protocol; on nvidia-h200-x2 run it with --baseline-devices cuda:0 --devices cuda:0,cuda:1).
+      [ -d /tmp/large ] || python3 scripts/make_checkpoint.py --out /tmp/large --preset large --seed 0
+      python3 scripts/load.py --model /tmp/large --baseline-devices cuda:0 --devices cuda:0 \
+        --workers-per-device 2 --concurrency 64 --procs 4 --seconds 10 --kill-after 4 \
+        --out "$OUT/load.json" 2>&1 | tail -6; echo "load exit code $?" ;;
   esac
 done
