@@ -113,10 +113,18 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
 
 
 def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: float | None) -> dict:
+    """One pool: a clean measurement, then (with kill_after) a second run with a worker SIGKILLed.
+
+    The throughput of the clean run is the one scaling ratios use: a run that loses a worker for
+    part of its time measures the restart, not the pool."""
+    def go(pool, kill):
+        return run_load(pool.endpoint, concurrency=args.concurrency, procs=args.procs, seconds=args.seconds,
+                        rows=args.rows, tokens=args.tokens, kill_after=kill)
     with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600) as pool:
-        res = run_load(pool.endpoint, concurrency=args.concurrency, procs=args.procs, seconds=args.seconds,
-                       rows=args.rows, tokens=args.tokens, kill_after=kill_after)
+        res = go(pool, None)
         res.update(devices=devices, workers_per_device=wpd)
+        if kill_after is not None:
+            res["with_kill"] = go(pool, kill_after)
         return res
 
 
@@ -159,6 +167,9 @@ def main() -> int:
             print(_line(f"baseline {args.baseline_devices} x{args.baseline_workers_per_device}", report["baseline"]))
         report["pool"] = _pool_run(args, args.devices, args.workers_per_device, args.kill_after)
         print(_line(f"pool {args.devices} x{args.workers_per_device}", report["pool"]))
+        if "with_kill" in report["pool"]:
+            report["with_kill"] = report["pool"].pop("with_kill")
+            print(_line(f"pool {args.devices} x{args.workers_per_device}, kill", report["with_kill"]))
         if args.baseline_devices:
             report["ratio"] = report["pool"]["throughput_rps"] / report["baseline"]["throughput_rps"]
             print(f"throughput ratio pool / baseline: {report['ratio']:.2f}x")

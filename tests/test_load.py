@@ -20,9 +20,10 @@ def _load(tiny_ckpt, tmp_path, *extra):
 def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
     proc, rep = _load(tiny_ckpt, tmp_path, "--workers-per-device", "2", "--kill-after", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pool = rep["pool"]
-    assert pool["lost"] == 0 and pool["answered"] > 50
-    assert pool["killed"]["killed"] in {"0", "1"} and pool["killed"]["ready_again_s"] > 0
+    clean, kill = rep["pool"], rep["with_kill"]
+    assert clean["lost"] == 0 and clean["answered"] > 50 and clean["killed"] is None
+    assert kill["lost"] == 0 and kill["answered"] > 50
+    assert kill["killed"]["killed"] in {"0", "1"} and kill["killed"]["ready_again_s"] > 0
     assert "lost 0" in proc.stdout
 
 
