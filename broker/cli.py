@@ -56,7 +56,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                    "--max-attempts", str(a.max_attempts), "--job-timeout", str(a.job_timeout),
                    "--max-message-bytes", str(a.max_message_bytes)]
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
-    for name in ("max_tokens", "max_rows", "max_markers", "threads"):
+    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch"):
         v = getattr(a, name)
         if v is not None:
             worker_args += [f"--{name.replace('_', '-')}", str(v)]
@@ -217,7 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat-ms", type=int, default=1000)
     up.add_argument("--liveness", type=int, default=3)
     up.add_argument("--mode", default=None, choices=("eager", "graph-fixed", "graph-cached"))
-    up.add_argument("--credit", type=int, default=2, help="requests a worker holds at once")
+    up.add_argument("--credit", type=int, default=None,
+                    help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
+    up.add_argument("--max-batch", type=int, default=None,
+                    help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
     up.add_argument("--queue-size", type=int, default=1024)
     up.add_argument("--queue-timeout", type=float, default=30.0)
     up.add_argument("--max-attempts", type=int, default=3)

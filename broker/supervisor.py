@@ -45,7 +45,7 @@ class SupervisorConfig:
     heartbeat_ms: int = 1000
     liveness: int = 3
     mode: str | None = None
-    credit: int = 2
+    credit: int | None = None          # None: each worker picks (twice its merge size)
     keys: str | None = None
     broker_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
@@ -140,7 +140,9 @@ class Supervisor:
             if device.startswith("cuda"):
                 wenv["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
             argv = [sys.executable, "-m", "worker.server", "--model", cfg.model, "--device", device,
-                    "--backend", cfg.backend, "--id", wid, "--credit", str(cfg.credit), *common, *keys]
+                    "--backend", cfg.backend, "--id", wid, *common, *keys]
+            if cfg.credit is not None:
+                argv += ["--credit", str(cfg.credit)]
             if cfg.mode:
                 argv += ["--mode", cfg.mode]
             if cpu:

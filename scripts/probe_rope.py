@@ -13,7 +13,6 @@ from test_reference import REQUESTS, encode, flat_rows, make_requests, nrms, pac
 from kernels.reference import ReferenceModel  # noqa: E402
 from worker.checkpoint import load_checkpoint  # noqa: E402
 
-
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -46,7 +45,7 @@ def main():
                 print(f"    {name:16s} max|d| vs sdk {float((c - b).abs().max()) if b is not None else 'n/a'}")
             cos, sin = rot(x, pos, lt)
             ours_cos, ours_sin = ref.rope[theta]
-            print(f"    cos/sin tables: sdk {cos.dtype}, max|d| cos {float((cos[0].float() - ours_cos).abs().max()):.3e}"
+            print(f"    cos/sin: sdk {cos.dtype}, max|d| cos {float((cos[0].float() - ours_cos).abs().max()):.3e}"
                   f" sin {float((sin[0].float() - ours_sin).abs().max()):.3e}")
         groups = encode(agent, REQUESTS + make_requests(20, seed=11))
         for label in ("our tables", "sdk tables"):

@@ -65,6 +65,29 @@ def test_modes_are_byte_identical(ckpt, tiny_ckpt, dtype):
     print(f"\nmodes byte-identical ({dtype}) over {len(batches)} batches x 2 orders; worst |d| {worst}")
 
 
+def test_merged_requests_answer_byte_identically(ckpt, tiny_ckpt):
+    """What makes a worker's dynamic batching safe on CUDA: a request merged with others answers exactly
+    what it answers alone, in every mode (worker/merge.py)."""
+    from worker.merge import Group
+    batches = [b for b in frozen_batches(tiny_ckpt) if b.rows <= 4 and b.tokens <= 1024]
+    rng = np.random.default_rng(7)
+    for mode in ("eager", "graph-cached"):
+        rt = runtime(ckpt, mode)
+        merged_runs = 0
+        for _ in range(6):
+            picks = [batches[i] for i in rng.choice(len(batches), size=int(rng.integers(2, 5)), replace=False)]
+            g = Group([])
+            for b in picks:
+                if g.admits(b, CAP):
+                    g.add(b)
+            res = rt.run(g.merged())
+            merged_runs += 1
+            for b, (logits, act) in zip(g.batches, g.split(res.logits, res.act)):
+                alone = rt.run(b)
+                assert np.array_equal(logits, alone.logits) and np.array_equal(act, alone.act), mode
+        print(f"\nmerged requests byte-identical to alone ({mode}, bf16): {merged_runs} merged runs")
+
+
 def test_graph_replays_see_new_inputs(ckpt, tiny_ckpt):
     rt = runtime(ckpt, "graph-cached")
     a, b = frozen_batches(tiny_ckpt)[-2:]     # 5x65 and 3x64 land in the same (8, 128, 4)... check below

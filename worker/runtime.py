@@ -235,8 +235,8 @@ class Runtime:
         state = "hit" if self.cache.counters.hits > hits else ("miss" if entry is not None else "fallback")
         return (shape if entry is not None else self.exact(batch)), entry, {"graph": state}
 
-    def run(self, batch: Batch, mode: str | None = None, taps: bool = False) -> RunResult:
-        t0 = time.perf_counter()
+    def check(self, batch: Batch, mode: str | None = None, taps: bool = False) -> str:
+        """Raise `RequestError` if this worker cannot run `batch` as asked; return the mode it would use."""
         validate(batch, self.limits)
         over = batch.marker_counts > self.capacity.row_markers
         if over.any():
@@ -250,6 +250,11 @@ class Runtime:
             raise RequestError("mode", f"{mode!r} needs a CUDA worker; this one runs on {self.device}")
         if taps and mode != "eager":
             raise RequestError("taps", "intermediate taps are only recorded in eager mode")
+        return mode
+
+    def run(self, batch: Batch, mode: str | None = None, taps: bool = False) -> RunResult:
+        t0 = time.perf_counter()
+        mode = self.check(batch, mode, taps)
         t1 = time.perf_counter()
         first = mode not in self.first_call_ms
         shape, entry, info = self._plan(batch, mode)

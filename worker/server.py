@@ -33,6 +33,8 @@ import zmq
 
 from client import wire
 from client.wire import Cmd
+from worker.batch import Batch, RequestError
+from worker.merge import Group
 
 log = logging.getLogger("laya-pool.worker")
 
@@ -60,7 +62,9 @@ class Worker:
         self.stop_reason: str | None = None   # "shutdown" | "drain" | "restart"
         self.fatal: str | None = None
         self.counts = {"received": 0, "ok": 0, "request_errors": 0, "internal_errors": 0, "upload_errors": 0,
-                       "dropped": 0, "protocol_errors": 0, "handed_back": 0, "registrations": 0}
+                       "dropped": 0, "protocol_errors": 0, "handed_back": 0, "registrations": 0,
+                       "merged_runs": 0, "merged_requests": 0}
+        self.max_batch = args.max_batch
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
         self.pair_io = self.ctx.socket(zmq.PAIR)
@@ -255,67 +259,140 @@ class Worker:
     # ------------------------------------------------------------------------------------------ compute
 
     def _compute_loop(self) -> None:
-        from worker.batch import Batch, RequestError
-        from worker.upload import UploadError
-
         pair = self.pair_compute
         # Test hook for a fault no CPU can cause: a device that hangs. LAYA_WORKER_HANG_ROWS=N makes this
         # compute thread block on any request of N rows, while the I/O thread keeps heartbeating.
         hang_rows = int(os.environ.get("LAYA_WORKER_HANG_ROWS", "0") or 0)
-        while True:
-            try:
-                job = self.jobs.get(timeout=0.5)
-            except queue.Empty:
-                self._refresh_stats(force=True)
-                continue
+        held: Job | None = None          # taken from the queue, but could not join the last group
+        while self.fatal is None:
+            if held is not None:
+                job, held = held, None
+            else:
+                try:
+                    job = self.jobs.get(timeout=0.5)
+                except queue.Empty:
+                    self._refresh_stats(force=True)
+                    continue
             if job is None:
                 break
-            req = job.req
-            if job.session != self.session:
-                self.counts["dropped"] += 1
-                pair.send_multipart(wire.encode_error(req.rid, wire.STATUS_RETRYABLE, "dropped after re-registering",
-                                                      worker=self.id, reason="stale"))
-                continue
-            t0 = time.monotonic()
-            if hang_rows and len(req.lengths) == hang_rows:
-                log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %r", self.id, req.rid)
+            if hang_rows and len(job.req.lengths) == hang_rows:
+                log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %r", self.id, job.req.rid)
                 threading.Event().wait()
-            try:
-                batch = Batch(**req.arrays())
-                res = self.rt.run(batch, mode=req.mode, taps=req.taps)
-                metrics = dict(res.metrics)
-                metrics["queue_ms"] = (t0 - job.received) * 1e3
-                metrics["worker_ms"] = (time.monotonic() - job.received) * 1e3
-                frames = wire.encode_reply(req.rid, res.logits, res.act, worker=self.id,
-                                           fingerprint=self.fingerprint, metrics=metrics, taps=res.taps)
-                self.counts["ok"] += 1
-            except RequestError as e:
-                self.counts["request_errors"] += 1
-                frames = wire.encode_error(req.rid, wire.STATUS_FINAL, str(e), field=e.field, row=e.row,
-                                           worker=self.id)
-            except UploadError as e:
-                # The group drained before raising, so the staging is safe to reuse: keep serving, and let
-                # the broker run this request elsewhere.
-                self.counts["upload_errors"] += 1
-                log.warning("worker %s: %s", self.id, e)
-                frames = wire.encode_error(req.rid, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
-                                           worker=self.id, reason="upload-failed")
-            except Exception as e:  # noqa: BLE001 - every failure must be answered
-                self.counts["internal_errors"] += 1
-                if self.rt.is_cuda:
-                    log.exception("worker %s: device failure", self.id)
-                    pair.send_multipart(wire.encode_error(req.rid, wire.STATUS_RETRYABLE,
-                                                          f"worker {self.id} failed ({type(e).__name__}); "
-                                                          "another worker will run it", worker=self.id,
-                                                          reason="worker-fault"))
-                    self.fatal = f"{type(e).__name__}: {e}"
-                    break
-                log.exception("worker %s: internal error on request %r", self.id, req.rid)
-                frames = wire.encode_error(req.rid, wire.STATUS_FINAL, f"internal error: {type(e).__name__}: {e}",
-                                           worker=self.id, reason="internal")
-            pair.send_multipart(frames, copy=False)
+            members, held, stop = self._take_group(job)
+            if members:
+                self._run_group(members)
             self._refresh_stats()
+            if stop:
+                break
         pair.close(0)
+
+    def _admit(self, job: Job) -> Batch | None:
+        """The request's rows if this worker can run them; otherwise answer it here and return None."""
+        req = job.req
+        if job.session != self.session:
+            self.counts["dropped"] += 1
+            self._reply(wire.encode_error(req.rid, wire.STATUS_RETRYABLE, "dropped after re-registering",
+                                          worker=self.id, reason="stale"))
+            return None
+        try:
+            batch = Batch(**req.arrays())
+            self.rt.check(batch, mode=req.mode, taps=req.taps)
+            return batch
+        except RequestError as e:
+            self.counts["request_errors"] += 1
+            self._reply(wire.encode_error(req.rid, wire.STATUS_FINAL, str(e), field=e.field, row=e.row,
+                                          worker=self.id))
+            return None
+
+    def _take_group(self, first: Job) -> tuple[list[tuple[Job, Batch]], Job | None, bool]:
+        """`first` and the queued requests that can share its forward: (members, held back, stop seen).
+
+        Only requests in the worker's own mode without taps are merged; one that asks for something else
+        runs alone. A request that would overflow the workspace waits for the next group."""
+        members: list[tuple[Job, Batch]] = []
+        group = Group([])
+        job: Job | None = first
+        while job is not None:
+            special = job.req.taps or job.req.mode not in (None, self.rt.config.mode)
+            if members and special:
+                return members, job, False
+            batch = self._admit(job)
+            if batch is not None:
+                if members and not group.admits(batch, self.rt.capacity):
+                    return members, job, False
+                group.add(batch)
+                members.append((job, batch))
+                if special:
+                    break
+            if len(members) >= self.max_batch:
+                break
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return members, None, True
+        return members, None, False
+
+    def _run_group(self, members: list[tuple[Job, Batch]]) -> None:
+        from worker.upload import UploadError  # imports the CUDA runtime bindings: not before main() has
+
+        t0 = time.monotonic()
+        group = Group([])
+        for _, b in members:
+            group.add(b)
+        req0 = members[0][0].req
+        try:
+            res = self.rt.run(group.merged(), mode=req0.mode, taps=req0.taps)
+        except RequestError as e:
+            if len(members) > 1:         # each passed alone, so run them alone: the error finds its owner
+                for m in members:
+                    self._run_group([m])
+                return
+            self.counts["request_errors"] += 1
+            self._reply(wire.encode_error(req0.rid, wire.STATUS_FINAL, str(e), field=e.field, row=e.row,
+                                          worker=self.id))
+            return
+        except UploadError as e:
+            # The group drained before raising, so the staging is safe to reuse: keep serving, and let
+            # the broker run these requests elsewhere.
+            self.counts["upload_errors"] += 1
+            log.warning("worker %s: %s", self.id, e)
+            for job, _ in members:
+                self._reply(wire.encode_error(job.req.rid, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
+                                              worker=self.id, reason="upload-failed"))
+            return
+        except Exception as e:  # noqa: BLE001 - every failure must be answered
+            self.counts["internal_errors"] += 1
+            if self.rt.is_cuda:
+                log.exception("worker %s: device failure", self.id)
+                for job, _ in members:
+                    self._reply(wire.encode_error(job.req.rid, wire.STATUS_RETRYABLE,
+                                                  f"worker {self.id} failed ({type(e).__name__}); "
+                                                  "another worker will run it", worker=self.id,
+                                                  reason="worker-fault"))
+                self.fatal = f"{type(e).__name__}: {e}"     # the context may be poisoned
+                return
+            log.exception("worker %s: internal error on request %r", self.id, req0.rid)
+            for job, _ in members:
+                self._reply(wire.encode_error(job.req.rid, wire.STATUS_FINAL,
+                                              f"internal error: {type(e).__name__}: {e}", worker=self.id,
+                                              reason="internal"))
+            return
+        parts = group.split(res.logits, res.act) if len(members) > 1 else [(res.logits, res.act)]
+        done = time.monotonic()
+        if len(members) > 1:
+            self.counts["merged_runs"] += 1
+            self.counts["merged_requests"] += len(members)
+        for (job, _), (logits, act) in zip(members, parts):
+            metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - job.received) * 1e3,
+                           worker_ms=(done - job.received) * 1e3)
+            self.counts["ok"] += 1
+            self._reply(wire.encode_reply(job.req.rid, logits, act, worker=self.id, fingerprint=self.fingerprint,
+                                          metrics=metrics, taps=res.taps))
+
+    def _reply(self, frames: list[Any]) -> None:
+        self.pair_compute.send_multipart(frames, copy=False)
 
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -392,7 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default=None, choices=wire.MODES, help="default: graph-cached on CUDA, eager on CPU")
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--liveness", type=int, default=3)
-    p.add_argument("--credit", type=int, default=2, help="requests the broker may send before a reply")
+    p.add_argument("--credit", type=int, default=None,
+                   help="requests the broker may send before a reply (default: twice --max-batch, at least 2)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="queued requests merged into one forward (default: 32 on CUDA, where merging is "
+                        "byte-exact; 1 on CPU, where it moves answers in the 6th decimal)")
     p.add_argument("--cpus", default=None, help="CPU list to pin to (e.g. 0-7); default near the GPU")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the pinned CPUs)")
     p.add_argument("--max-tokens", type=int, default=None)
@@ -411,8 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s worker {args.id} %(levelname)s %(message)s")
-    if args.credit < 1 or args.heartbeat_ms < 1 or args.liveness < 1:
-        log.error("--credit, --heartbeat-ms and --liveness must be positive")
+    torch_device, label = _cuda_local_device(args.device)
+    args.max_batch = args.max_batch if args.max_batch is not None else (32 if torch_device.startswith("cuda") else 1)
+    args.credit = args.credit if args.credit is not None else max(2, 2 * args.max_batch)
+    if args.credit < 1 or args.max_batch < 1 or args.heartbeat_ms < 1 or args.liveness < 1:
+        log.error("--credit, --max-batch, --heartbeat-ms and --liveness must be positive")
         return wire.EXIT_USAGE
     stop = {"signal": None}
 
@@ -422,7 +506,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, early_stop)
     signal.signal(signal.SIGINT, early_stop)
 
-    torch_device, label = _cuda_local_device(args.device)
     cpus = _parse_cpus(args.cpus) if args.cpus else None
     try:
         import torch

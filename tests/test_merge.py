@@ -1,0 +1,93 @@
+"""Dynamic batching: queued requests merged into one forward, each answered on its own.
+
+CPU GEMMs are not batch-invariant, so on the CPU a merged answer is compared within 1e-4 of the same
+request run alone (the gpu test in test_runtime_gpu.py asks for byte equality on CUDA).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from client.pool import AsyncClient, RequestFailed, local_pool
+from worker.batch import Batch
+from worker.checkpoint import load_checkpoint
+from worker.merge import Group
+from worker.runtime import Runtime
+from worker.workspace import Capacity
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _rows(rng, n: int) -> list:
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(8, 120))
+        k = int(rng.integers(1, 6))
+        out.append((rng.integers(5, 1000, size=length).astype(np.int32),
+                    np.sort(rng.choice(np.arange(1, length), size=k, replace=False)).astype(np.int32),
+                    int(rng.integers(0, 3))))
+    return out
+
+
+def test_group_packs_and_splits_requests_in_order(tiny_ckpt):
+    rng = np.random.default_rng(1)
+    parts = [Batch.from_rows(_rows(rng, int(rng.integers(1, 4)))) for _ in range(5)]
+    g = Group([])
+    for b in parts:
+        g.add(b)
+    merged = g.merged()
+    assert merged.rows == sum(b.rows for b in parts) and merged.tokens == sum(b.tokens for b in parts)
+    rt = Runtime(load_checkpoint(tiny_ckpt), device="cpu", mode="eager")
+    res = rt.run(merged)
+    for b, (logits, act) in zip(parts, g.split(res.logits, res.act)):
+        alone = rt.run(b)
+        assert logits.shape == alone.logits.shape and act.shape == alone.act.shape
+        np.testing.assert_allclose(logits, alone.logits, atol=1e-4)
+        np.testing.assert_allclose(act, alone.act, atol=1e-4)
+
+
+def test_group_admits_within_capacity_only():
+    rng = np.random.default_rng(2)
+    b = Batch.from_rows(_rows(rng, 3))
+    g = Group([])
+    cap = Capacity(max_tokens=2 * b.tokens, max_rows=64, max_markers=2048)
+    assert g.admits(b, cap)
+    g.add(b)
+    assert g.admits(b, cap)
+    g.add(b)
+    assert not g.admits(b, cap), "a third copy would overflow max_tokens"
+    assert not Group([]).admits(b, Capacity(max_tokens=4096, max_rows=2, max_markers=2048))
+
+
+def test_pool_merges_queued_requests_and_refuses_a_bad_one_alone(tiny_ckpt):
+    rng = np.random.default_rng(3)
+    requests = [_rows(rng, int(rng.integers(1, 3))) for _ in range(48)]
+    bad = 17
+    requests[bad] = [(np.array([5, 6, 99999, 7], np.int32), np.array([1, 2], np.int32), 0)]
+
+    async def burst(endpoint):
+        async with AsyncClient(endpoint, timeout=30.0, retries=2) as c:
+            return await asyncio.gather(*(c.forward(r) for r in requests), return_exceptions=True)
+
+    async def one_by_one(endpoint):
+        async with AsyncClient(endpoint, timeout=30.0, retries=2) as c:
+            return [await c.forward(r) for i, r in enumerate(requests) if i != bad]
+
+    with local_pool(tiny_ckpt, devices="cpu", extra_args=["--max-batch", "8", "--threads", "1"]) as pool:
+        merged = asyncio.run(burst(pool.endpoint))
+        alone = asyncio.run(one_by_one(pool.endpoint))
+        stats = pool.status()["workers"][0]
+    err = merged[bad]
+    assert isinstance(err, RequestFailed) and err.field == "ids" and err.row == 0, err
+    good = [r for i, r in enumerate(merged) if i != bad]
+    assert all(not isinstance(r, Exception) for r in good), [r for r in good if isinstance(r, Exception)][:1]
+    sizes = [r.metrics["batched"] for r in good]
+    assert max(sizes) > 1, f"nothing was merged: {sizes}"
+    assert max(sizes) <= 8
+    assert all(r.metrics["batched"] == 1 for r in alone)
+    for m, a in zip(good, alone):
+        np.testing.assert_allclose(m.flat, a.flat, atol=1e-4)
+        np.testing.assert_allclose(m.act, a.act, atol=1e-4)
+    assert stats["credit"] == 16, "the credit follows the merge size"

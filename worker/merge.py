@@ -1,0 +1,60 @@
+"""Dynamic batching: the rows of several queued requests run as one forward, each gets its own answer.
+
+A decision loop sends many small requests; one forward of 32 one-row requests costs little more than
+one of them (the GPU is far from busy at 1x48), so a worker that merges what is queued serves many
+times the requests per second. It is safe on CUDA because a row's answer does not depend on the rows
+around it (batch-invariant GEMMs, per-row attention, padding-invariant reductions): a merged request's
+answer is byte-identical to its answer alone. CPU GEMMs are not batch-invariant (merged answers move
+in the 6th decimal), so CPU workers merge only when asked.
+
+Each request is validated on its own before it joins a group, so a bad request is refused alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from worker.batch import Batch
+
+if TYPE_CHECKING:                      # the workspace module pulls in torch; the worker's I/O side need not
+    from worker.workspace import Capacity
+
+
+@dataclass
+class Group:
+    """Requests' batches packed back to back, and where each one's rows and markers sit."""
+    batches: list[Batch]
+    tokens: int = 0
+    rows: int = 0
+    markers: int = 0
+
+    def admits(self, b: Batch, cap: Capacity) -> bool:
+        return (self.tokens + b.tokens <= cap.max_tokens and self.rows + b.rows <= cap.max_rows
+                and self.markers + b.n_markers <= cap.max_markers)
+
+    def add(self, b: Batch) -> None:
+        self.batches.append(b)
+        self.tokens += b.tokens
+        self.rows += b.rows
+        self.markers += b.n_markers
+
+    def merged(self) -> Batch:
+        if len(self.batches) == 1:
+            return self.batches[0]
+        cat = np.concatenate
+        return Batch(ids=cat([b.ids for b in self.batches]), lengths=cat([b.lengths for b in self.batches]),
+                     types=cat([b.types for b in self.batches]),
+                     marker_counts=cat([b.marker_counts for b in self.batches]),
+                     markers=cat([b.markers for b in self.batches]))
+
+    def split(self, logits: np.ndarray, act: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The merged forward's outputs cut back into one (logits, act) per request, in order."""
+        out = []
+        m = r = 0
+        for b in self.batches:
+            out.append((logits[m:m + b.n_markers], act[r:r + b.rows]))
+            m += b.n_markers
+            r += b.rows
+        return out
