@@ -23,7 +23,7 @@ if triton is not None:
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                        sxm, sxk, swn, swk, sym, syn,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, IEEE: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -41,19 +41,28 @@ if triton is not None:
             else:
                 acc = tl.dot(a, b, acc)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            if BIAS_APART:    # round the product first, then add: torch's unfused `mm` + `add_`
+                acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + bias
+            else:
+                acc += bias
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           invariant: bool = True) -> torch.Tensor:
+           invariant: bool = True, bias_apart: bool = False) -> torch.Tensor:
     """y = x @ w.T + b with fp32 accumulation, in x's dtype; batch-invariant on CUDA.
 
     `invariant=False` takes cuBLAS (`F.linear`) instead: the SDK's own kernels, which give its
     bits exactly when the rows are laid out as the SDK lays them out, but are not batch-invariant.
+    `bias_apart=True` rounds x @ w.T to x's dtype before adding the bias, as torch does when
+    `F.linear` gets a non-contiguous 3-D input (matmul, then a separate add) instead of one fused
+    GEMM with a bias epilogue: the SDK's decision-head attention projections take that path.
     """
     if not invariant or x.device.type != "cuda" or triton is None:
+        if bias_apart and b is not None:
+            return F.linear(x, w) + b
         return F.linear(x, w, b)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -65,5 +74,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _linear_kernel[grid](x2, w, b if b is not None else w, y, M, N, K,
                          x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-                         HAS_BIAS=b is not None, IEEE=ieee, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+                         HAS_BIAS=b is not None, BIAS_APART=bias_apart, IEEE=ieee, BM=BM, BN=BN, BK=BK,
+                         num_warps=4, num_stages=3)
     return y.reshape(*shape[:-1], N)

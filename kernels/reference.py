@@ -121,10 +121,11 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ helpers
 
-    def _lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def _lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+             bias_apart: bool = False) -> torch.Tensor:
         # Batch-invariant on CUDA (kernels/linear.py): a row's result must not depend on how the
         # request was padded, or eager and graph execution would disagree in the last bit.
-        return linear(x.to(w.dtype).contiguous(), w, b, invariant=self.invariant)
+        return linear(x.to(w.dtype).contiguous(), w, b, invariant=self.invariant, bias_apart=bias_apart)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
@@ -199,13 +200,19 @@ class ReferenceModel:
         h = h + self.type_emb[qt][:, None, :]
         HH = a.head_heads
         HD = d // HH
+        # The SDK's head attention projects a batch-first view transposed to (L, R, d). For R > 1 that
+        # view is not contiguous, and torch's linear then rounds x @ W.T before adding the bias (matmul,
+        # then add_) instead of fusing the bias into the GEMM; for R == 1 it fuses. With cuBLAS we follow
+        # the rule; the batch-invariant path must not depend on R, so it always rounds apart (the
+        # SDK's case for every request of two or more questions).
+        apart = True if self.invariant else R > 1
         for j, lay in enumerate(self.head):
             x = self._norm(h, lay["n1_w"], lay["n1_b"], HEAD_NORM_EPS)
-            qkv = self._lin(x, lay["in_w"], lay["in_b"]).view(R, L, 3, HH, HD)
+            qkv = self._lin(x, lay["in_w"], lay["in_b"], bias_apart=apart).view(R, L, 3, HH, HD)
             q, k, v = (qkv[:, :, n].transpose(1, 2) for n in range(3))
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=global_ok, scale=HD ** -0.5)
             att = att.transpose(1, 2).reshape(R, L, d)
-            h = h + self._lin(att, lay["out_w"], lay["out_b"]).float()
+            h = h + self._lin(att, lay["out_w"], lay["out_b"], bias_apart=apart).float()
             x = self._norm(h, lay["n2_w"], lay["n2_b"], HEAD_NORM_EPS)
             h = h + self._lin(F.relu(self._lin(x, lay["l1_w"], lay["l1_b"])), lay["l2_w"], lay["l2_b"]).float()
             if taps is not None:

@@ -23,11 +23,13 @@ for step in $steps; do
       kill -TERM $POOL; wait $POOL; echo "pool exit code $?" ;;
     demo) timeout 300 python3 scripts/demo.py 2>&1 | tail -25; echo "demo exit code $?" ;;
     load)
-      # One GPU: 1 worker vs 2 workers on it, 64 in flight, one worker SIGKILLed mid-run (issue 7's
-      # protocol; on nvidia-h200-x2 run it with --baseline-devices cuda:0 --devices cuda:0,cuda:1).
+      # One GPU, large preset, 64 requests of 1x48 in flight. 1: a worker that runs one request at a time
+      # (--max-batch 1) against the default that merges what is queued. 2: two workers on the GPU, one
+      # SIGKILLed mid-run (issue 7's protocol; on nvidia-h200-x2: --baseline-devices cuda:0 --devices cuda:0,cuda:1).
       [ -d /tmp/large ] || python3 scripts/make_checkpoint.py --out /tmp/large --preset large --seed 0
-      python3 scripts/load.py --model /tmp/large --baseline-devices cuda:0 --devices cuda:0 \
-        --workers-per-device 2 --concurrency 64 --procs 4 --seconds 10 --kill-after 4 \
-        --out "$OUT/load.json" 2>&1 | tail -6; echo "load exit code $?" ;;
+      python3 scripts/load.py --model /tmp/large --baseline-devices cuda:0 --baseline-args "--max-batch 1" \
+        --devices cuda:0 --concurrency 64 --procs 8 --seconds 10 --out "$OUT/load_batching.json" 2>&1 | tail -4
+      python3 scripts/load.py --model /tmp/large --devices cuda:0 --workers-per-device 2 --concurrency 64 \
+        --procs 8 --seconds 10 --kill-after 4 --out "$OUT/load_kill.json" 2>&1 | tail -4; echo "load exit code $?" ;;
   esac
 done

@@ -19,6 +19,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -112,7 +113,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
             "p95_ms": ms[int(0.95 * (len(ms) - 1))] if ms else None, "killed": killed or None}
 
 
-def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: float | None) -> dict:
+def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: float | None, extra: str) -> dict:
     """One pool: a clean measurement, then (with kill_after) a second run with a worker SIGKILLed.
 
     The throughput of the clean run is the one scaling ratios use: a run that loses a worker for
@@ -120,9 +121,10 @@ def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: floa
     def go(pool, kill):
         return run_load(pool.endpoint, concurrency=args.concurrency, procs=args.procs, seconds=args.seconds,
                         rows=args.rows, tokens=args.tokens, kill_after=kill)
-    with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600) as pool:
+    with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600,
+                    extra_args=shlex.split(extra)) as pool:
         res = go(pool, None)
-        res.update(devices=devices, workers_per_device=wpd)
+        res.update(devices=devices, workers_per_device=wpd, pool_args=extra)
         if kill_after is not None:
             res["with_kill"] = go(pool, kill_after)
         return res
@@ -130,7 +132,7 @@ def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: floa
 
 def _line(name: str, r: dict) -> str:
     ms = "  ".join(f"{k} {r[k + '_ms']:7.2f} ms" if r[k + "_ms"] is not None else f"{k} -" for k in ("p50", "p95"))
-    s = f"{name:34s} {r['throughput_rps']:8.1f} req/s  {ms}  answered {r['answered']}  lost {r['lost']}"
+    s = f"{name:44s} {r['throughput_rps']:8.1f} req/s  {ms}  answered {r['answered']}  lost {r['lost']}"
     if r.get("killed"):
         k = r["killed"]
         s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
@@ -145,6 +147,8 @@ def main() -> int:
     ap.add_argument("--workers-per-device", type=int, default=1)
     ap.add_argument("--baseline-devices", help="run a baseline pool on these devices first and report the ratio")
     ap.add_argument("--baseline-workers-per-device", type=int, default=1)
+    ap.add_argument("--pool-args", default="", help="extra `laya-pool up` arguments for the pool under test")
+    ap.add_argument("--baseline-args", default="", help="extra `laya-pool up` arguments for the baseline pool")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--procs", type=int, default=4, help="client processes sharing the concurrency")
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -163,10 +167,12 @@ def main() -> int:
         print(_line("pool", report["pool"]))
     else:
         if args.baseline_devices:
-            report["baseline"] = _pool_run(args, args.baseline_devices, args.baseline_workers_per_device, None)
-            print(_line(f"baseline {args.baseline_devices} x{args.baseline_workers_per_device}", report["baseline"]))
-        report["pool"] = _pool_run(args, args.devices, args.workers_per_device, args.kill_after)
-        print(_line(f"pool {args.devices} x{args.workers_per_device}", report["pool"]))
+            report["baseline"] = _pool_run(args, args.baseline_devices, args.baseline_workers_per_device, None,
+                                           args.baseline_args)
+            print(_line(f"baseline {args.baseline_devices} x{args.baseline_workers_per_device} {args.baseline_args}",
+                        report["baseline"]))
+        report["pool"] = _pool_run(args, args.devices, args.workers_per_device, args.kill_after, args.pool_args)
+        print(_line(f"pool {args.devices} x{args.workers_per_device} {args.pool_args}", report["pool"]))
         if "with_kill" in report["pool"]:
             report["with_kill"] = report["pool"].pop("with_kill")
             print(_line(f"pool {args.devices} x{args.workers_per_device}, kill", report["with_kill"]))
