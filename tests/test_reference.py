@@ -291,6 +291,32 @@ def test_every_tap_matches_the_sdk(ref, case):
         assert torch.all(logits[slot_of[r], len(mk):] == ABSENT_LOGIT)
 
 
+def test_bf16_on_the_sdks_kernels_is_bit_exact(ckpt, sdk_agent, case):
+    """bf16 with torch's own GEMMs (`gemm="vendor"`), one forward per request as the SDK collates it:
+    every tap and logit equals the SDK's under bf16 autocast bit for bit, which pins down the op order
+    (fp32 residual stream and norms, RoPE tables, where the head rounds before its biases).
+
+    On the CPU torch runs the SDK's head through its fused "fast path" under autocast (CUDA autocast
+    turns that path off), so it is turned off here to compare the same operations the GPU runs."""
+    model = ReferenceModel(ckpt.arch, ckpt.tensors, dtype=torch.bfloat16, gemm="vendor")
+    held = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        for gi, g in enumerate(case["groups"]):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                sdk_logits, _, states = sdk_forward(sdk_agent, [g], taps=True)
+            part = flat_rows([g])
+            inputs, slot_of = pack(part)
+            logits, _, taps = run_ref(model, inputs, taps=True)
+            lens = [len(i) for i, _, _ in part]
+            for name, want in states.items():
+                assert nrms(taps[name].float(), want, lens, slot_of) == 0.0, (gi, name)
+            for r, (_, mk, _) in enumerate(part):
+                assert torch.equal(logits[slot_of[r], :len(mk)].float(), sdk_logits[r, :len(mk)]), (gi, r)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(held)
+
+
 @pytest.mark.parametrize("short_only", [False, True])
 def test_padding_rows_and_extra_columns_do_not_change_real_rows(ref, case, short_only):
     rows = [r for r in case["rows"] if not short_only or len(r[0]) <= 400]
