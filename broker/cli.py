@@ -225,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--queue-timeout", type=float, default=30.0)
     up.add_argument("--max-attempts", type=int, default=3)
     up.add_argument("--job-timeout", type=float, default=300.0,
-                    help="seconds a worker may hold one request before it is declared hung")
+                    help="seconds a worker may hold one request before it is declared hung (counted from "
+                         "dispatch, so it includes the wait behind the worker's other requests: keep it well "
+                         "above credit x the slowest request)")
     up.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest frame a client may send")
     up.add_argument("--max-tokens", type=int, default=None)
     up.add_argument("--max-rows", type=int, default=None)

@@ -61,11 +61,12 @@ def test_group_admits_within_capacity_only():
     assert not Group([]).admits(b, Capacity(max_tokens=4096, max_rows=2, max_markers=2048))
 
 
-def test_pool_merges_queued_requests_and_refuses_a_bad_one_alone(tiny_ckpt):
+def test_pool_merges_queued_requests_and_fails_a_bad_one_alone(tiny_ckpt):
     rng = np.random.default_rng(3)
     requests = [_rows(rng, int(rng.integers(1, 3))) for _ in range(48)]
-    bad = 17
+    bad, faulty = 17, 29
     requests[bad] = [(np.array([5, 6, 99999, 7], np.int32), np.array([1, 2], np.int32), 0)]
+    requests[faulty] = _rows(rng, 7)     # LAYA_WORKER_FAULT_ROWS=7: its run raises inside the worker
 
     async def burst(endpoint):
         async with AsyncClient(endpoint, timeout=30.0, retries=2) as c:
@@ -73,15 +74,19 @@ def test_pool_merges_queued_requests_and_refuses_a_bad_one_alone(tiny_ckpt):
 
     async def one_by_one(endpoint):
         async with AsyncClient(endpoint, timeout=30.0, retries=2) as c:
-            return [await c.forward(r) for i, r in enumerate(requests) if i != bad]
+            return [await c.forward(r) for i, r in enumerate(requests) if i not in (bad, faulty)]
 
-    with local_pool(tiny_ckpt, devices="cpu", extra_args=["--max-batch", "8", "--threads", "1"]) as pool:
+    with local_pool(tiny_ckpt, devices="cpu", extra_args=["--max-batch", "8", "--threads", "1"],
+                    env={"LAYA_WORKER_FAULT_ROWS": "7"}) as pool:
         merged = asyncio.run(burst(pool.endpoint))
         alone = asyncio.run(one_by_one(pool.endpoint))
         stats = pool.status()["workers"][0]
     err = merged[bad]
     assert isinstance(err, RequestFailed) and err.field == "ids" and err.row == 0, err
-    good = [r for i, r in enumerate(merged) if i != bad]
+    # A failure inside the run of a merged group is retried member by member: only its owner fails.
+    fault = merged[faulty]
+    assert isinstance(fault, RequestFailed) and "injected fault" in str(fault), fault
+    good = [r for i, r in enumerate(merged) if i not in (bad, faulty)]
     assert all(not isinstance(r, Exception) for r in good), [r for r in good if isinstance(r, Exception)][:1]
     sizes = [r.metrics["batched"] for r in good]
     assert max(sizes) > 1, f"nothing was merged: {sizes}"

@@ -65,6 +65,12 @@ class Worker:
                        "dropped": 0, "protocol_errors": 0, "handed_back": 0, "registrations": 0,
                        "merged_runs": 0, "merged_requests": 0}
         self.max_batch = args.max_batch
+        # Test hook for a fault no CPU can cause: a device that hangs. LAYA_WORKER_HANG_ROWS=N makes the
+        # compute thread block on any request of N rows, while the I/O thread keeps heartbeating.
+        self.hang_rows = int(os.environ.get("LAYA_WORKER_HANG_ROWS", "0") or 0)
+        # And one that fails inside the run (what a device fault or a runtime bug looks like from here):
+        # LAYA_WORKER_FAULT_ROWS=N raises in the run path of any group holding a request of N rows.
+        self.fault_rows = int(os.environ.get("LAYA_WORKER_FAULT_ROWS", "0") or 0)
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
         self.pair_io = self.ctx.socket(zmq.PAIR)
@@ -260,9 +266,6 @@ class Worker:
 
     def _compute_loop(self) -> None:
         pair = self.pair_compute
-        # Test hook for a fault no CPU can cause: a device that hangs. LAYA_WORKER_HANG_ROWS=N makes this
-        # compute thread block on any request of N rows, while the I/O thread keeps heartbeating.
-        hang_rows = int(os.environ.get("LAYA_WORKER_HANG_ROWS", "0") or 0)
         held: Job | None = None          # taken from the queue, but could not join the last group
         while self.fatal is None:
             if held is not None:
@@ -275,9 +278,6 @@ class Worker:
                     continue
             if job is None:
                 break
-            if hang_rows and len(job.req.lengths) == hang_rows:
-                log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %r", self.id, job.req.rid)
-                threading.Event().wait()
             members, held, stop = self._take_group(job)
             if members:
                 self._run_group(members)
@@ -289,6 +289,9 @@ class Worker:
     def _admit(self, job: Job) -> Batch | None:
         """The request's rows if this worker can run them; otherwise answer it here and return None."""
         req = job.req
+        if self.hang_rows and len(req.lengths) == self.hang_rows:
+            log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %r", self.id, req.rid)
+            threading.Event().wait()
         if job.session != self.session:
             self.counts["dropped"] += 1
             self._reply(wire.encode_error(req.rid, wire.STATUS_RETRYABLE, "dropped after re-registering",
@@ -302,6 +305,12 @@ class Worker:
             self.counts["request_errors"] += 1
             self._reply(wire.encode_error(req.rid, wire.STATUS_FINAL, str(e), field=e.field, row=e.row,
                                           worker=self.id))
+            return None
+        except Exception as e:  # noqa: BLE001 - host-side only (no device work yet): refuse this one request
+            self.counts["internal_errors"] += 1
+            log.exception("worker %s: could not read request %r", self.id, req.rid)
+            self._reply(wire.encode_error(req.rid, wire.STATUS_FINAL, f"internal error: {type(e).__name__}: {e}",
+                                          worker=self.id, reason="internal"))
             return None
 
     def _take_group(self, first: Job) -> tuple[list[tuple[Job, Batch]], Job | None, bool]:
@@ -337,22 +346,28 @@ class Worker:
     def _run_group(self, members: list[tuple[Job, Batch]]) -> None:
         from worker.upload import UploadError  # imports the CUDA runtime bindings: not before main() has
 
+        if self.fatal is not None:       # an earlier member broke the device: hand the rest to another worker
+            for job, _ in members:
+                self._reply(self._handed_back(job))
+            return
         t0 = time.monotonic()
         group = Group([])
         for _, b in members:
             group.add(b)
         req0 = members[0][0].req
         try:
+            if self.fault_rows and any(b.rows == self.fault_rows for _, b in members):
+                raise RuntimeError(f"LAYA_WORKER_FAULT_ROWS: injected fault on a group with a {self.fault_rows}-row "
+                                   "request")
             res = self.rt.run(group.merged(), mode=req0.mode, taps=req0.taps)
-        except RequestError as e:
-            if len(members) > 1:         # each passed alone, so run them alone: the error finds its owner
-                for m in members:
-                    self._run_group([m])
-                return
-            self.counts["request_errors"] += 1
-            self._reply(wire.encode_error(req0.rid, wire.STATUS_FINAL, str(e), field=e.field, row=e.row,
-                                          worker=self.id))
-            return
+            parts = group.split(res.logits, res.act) if len(members) > 1 else [(res.logits, res.act)]
+            done = time.monotonic()
+            replies = []
+            for (job, _), (logits, act) in zip(members, parts):
+                metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - job.received) * 1e3,
+                               worker_ms=(done - job.received) * 1e3)
+                replies.append(wire.encode_reply(job.req.rid, logits, act, worker=self.id,
+                                                 fingerprint=self.fingerprint, metrics=metrics, taps=res.taps))
         except UploadError as e:
             # The group drained before raising, so the staging is safe to reuse: keep serving, and let
             # the broker run these requests elsewhere.
@@ -363,33 +378,42 @@ class Worker:
                                               worker=self.id, reason="upload-failed"))
             return
         except Exception as e:  # noqa: BLE001 - every failure must be answered
-            self.counts["internal_errors"] += 1
-            if self.rt.is_cuda:
-                log.exception("worker %s: device failure", self.id)
-                for job, _ in members:
-                    self._reply(wire.encode_error(job.req.rid, wire.STATUS_RETRYABLE,
-                                                  f"worker {self.id} failed ({type(e).__name__}); "
-                                                  "another worker will run it", worker=self.id,
-                                                  reason="worker-fault"))
-                self.fatal = f"{type(e).__name__}: {e}"     # the context may be poisoned
+            if len(members) > 1:
+                # Each member passed alone, so run them alone: whatever failed finds its owner, and the
+                # others are answered here instead of each losing an attempt with the group.
+                for m in members:
+                    self._run_group([m])
                 return
-            log.exception("worker %s: internal error on request %r", self.id, req0.rid)
-            for job, _ in members:
-                self._reply(wire.encode_error(job.req.rid, wire.STATUS_FINAL,
-                                              f"internal error: {type(e).__name__}: {e}", worker=self.id,
-                                              reason="internal"))
+            self._fail(members[0][0], e)
             return
-        parts = group.split(res.logits, res.act) if len(members) > 1 else [(res.logits, res.act)]
-        done = time.monotonic()
         if len(members) > 1:
             self.counts["merged_runs"] += 1
             self.counts["merged_requests"] += len(members)
-        for (job, _), (logits, act) in zip(members, parts):
-            metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - job.received) * 1e3,
-                           worker_ms=(done - job.received) * 1e3)
-            self.counts["ok"] += 1
-            self._reply(wire.encode_reply(job.req.rid, logits, act, worker=self.id, fingerprint=self.fingerprint,
-                                          metrics=metrics, taps=res.taps))
+        self.counts["ok"] += len(members)
+        for frames in replies:
+            self._reply(frames)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        """Answer one request whose run raised `e`."""
+        req = job.req
+        if isinstance(e, RequestError):
+            self.counts["request_errors"] += 1
+            self._reply(wire.encode_error(req.rid, wire.STATUS_FINAL, str(e), field=e.field, row=e.row,
+                                          worker=self.id))
+            return
+        self.counts["internal_errors"] += 1
+        if self.rt.is_cuda:
+            log.exception("worker %s: device failure", self.id)
+            self._reply(self._handed_back(job, type(e).__name__))
+            self.fatal = f"{type(e).__name__}: {e}"     # the context may be poisoned
+            return
+        log.exception("worker %s: internal error on request %r", self.id, req.rid)
+        self._reply(wire.encode_error(req.rid, wire.STATUS_FINAL, f"internal error: {type(e).__name__}: {e}",
+                                      worker=self.id, reason="internal"))
+
+    def _handed_back(self, job: Job, why: str = "an earlier request broke the device") -> list[Any]:
+        return wire.encode_error(job.req.rid, wire.STATUS_RETRYABLE, f"worker {self.id} failed ({why}); "
+                                 "another worker will run it", worker=self.id, reason="worker-fault")
 
     def _reply(self, frames: list[Any]) -> None:
         self.pair_compute.send_multipart(frames, copy=False)
