@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from conftest import SUBPROCESS_ENV
 
 from client import wire
 from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
@@ -317,50 +318,59 @@ def test_malformed_input_gets_errors_and_the_pool_stays_up(tcp_pool, runtime):
 
 # ------------------------------------------------------------------------------------------------ failures
 
-def _load(pool, runtime, n_threads: int, stop: threading.Event, results: list, errors: list, shape=(3, 40)):
-    cases = [_rows(100 + i, *shape) for i in range(4)]
-    want = [_reference(runtime, r) for r in cases]
+class _Load:
+    """Client threads sending known requests and checking every answer, until the `with` block ends."""
 
-    def run(k: int):
-        with pool.client(timeout=10, retries=8) as c:
+    def __init__(self, pool, runtime, n_threads: int, shape=(3, 40)):
+        self.cases = [_rows(100 + i, *shape) for i in range(4)]
+        self.want = [_reference(runtime, r) for r in self.cases]
+        self.pool, self.stop = pool, threading.Event()
+        self.results: list = []          # the worker that answered, per answer
+        self.errors: list = []
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(n_threads)]
+
+    def _run(self, k: int) -> None:
+        with self.pool.client(timeout=10, retries=8) as c:
             i = k
-            while not stop.is_set():
-                j = i % len(cases)
+            while not self.stop.is_set():
+                j = i % len(self.cases)
                 try:
-                    res = c.forward(cases[j])
-                    np.testing.assert_allclose(res.flat, want[j][0], rtol=1e-5, atol=1e-5)
-                    np.testing.assert_allclose(res.act, want[j][1], rtol=1e-5, atol=1e-6)
-                    results.append(res.worker)
+                    res = c.forward(self.cases[j])
+                    np.testing.assert_allclose(res.flat, self.want[j][0], rtol=1e-5, atol=1e-5)
+                    np.testing.assert_allclose(res.act, self.want[j][1], rtol=1e-5, atol=1e-6)
+                    self.results.append(res.worker)
                 except Exception as e:  # noqa: BLE001 - every failure is a test failure
-                    errors.append(repr(e))
+                    self.errors.append(repr(e))
                 i += 1
 
-    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(n_threads)]
-    for t in threads:
-        t.start()
-    return threads
+    def answered_more(self, k: int, within: float, what: str) -> None:
+        """Wait until `k` more requests are answered (the pool keeps serving)."""
+        n, deadline = len(self.results), time.monotonic() + within
+        while len(self.results) < n + k:
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    def __enter__(self) -> _Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
 
 
 def test_kill_9_of_a_worker_holding_requests(ipc_pool, runtime):
     ws = _wait_ready(ipc_pool)
-    stop, results, errors = threading.Event(), [], []
-    threads = _load(ipc_pool, runtime, 4, stop, results, errors, shape=(16, 256))
-    try:
+    with _Load(ipc_pool, runtime, 4, shape=(16, 256)) as load:
         deadline = time.monotonic() + 60
         while _workers(ipc_pool)["0"]["inflight"] == 0:
-            assert time.monotonic() < deadline and not errors, errors
+            assert time.monotonic() < deadline and not load.errors, load.errors
             time.sleep(0.02)
         os.kill(ws["0"]["pid"], signal.SIGKILL)
-        n = len(results)
-        deadline = time.monotonic() + 60
-        while len(results) < n + 8:              # keeps answering, on the other worker
-            assert time.monotonic() < deadline, "the pool stopped answering"
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    assert not errors, errors[:3]
+        load.answered_more(8, 60, "the pool stopped answering")      # on the other worker
+    assert not load.errors, load.errors[:3]
     st = ipc_pool.status()
     assert st["broker"]["counters"].get("requeued", 0) >= 1      # what worker 0 held was re-sent
     # the supervisor restarts the killed worker and it registers again
@@ -372,33 +382,27 @@ def test_a_silent_worker_is_declared_dead_and_rejoins(tcp_pool, runtime):
     """SIGSTOP: the connection stays open but heartbeats stop; the broker must notice by liveness alone."""
     ws = _wait_ready(tcp_pool)
     pid = ws["1"]["pid"]
-    stop, results, errors = threading.Event(), [], []
-    threads = _load(tcp_pool, runtime, 3, stop, results, errors, shape=(16, 256))
     stopped = False
-    try:
-        deadline = time.monotonic() + 60
-        while _workers(tcp_pool)["1"]["inflight"] == 0:
-            assert time.monotonic() < deadline and not errors, errors
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGSTOP)
-        stopped = True
-        t0 = time.monotonic()
-        while _workers(tcp_pool)["1"]["state"] != "dead":
-            assert time.monotonic() - t0 < 20, "a silent worker was never declared dead"
-            time.sleep(0.05)
-        n = len(results)
-        while len(results) < n + 6:
-            assert time.monotonic() - t0 < 60, "requests held by the silent worker were not re-sent"
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGCONT)
-        stopped = False
-    finally:
-        if stopped:
+    with _Load(tcp_pool, runtime, 3, shape=(16, 256)) as load:
+        try:
+            deadline = time.monotonic() + 60
+            while _workers(tcp_pool)["1"]["inflight"] == 0:
+                assert time.monotonic() < deadline and not load.errors, load.errors
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGSTOP)
+            stopped = True
+            t0 = time.monotonic()
+            while _workers(tcp_pool)["1"]["state"] != "dead":
+                assert time.monotonic() - t0 < 20, "a silent worker was never declared dead"
+                time.sleep(0.05)
+            load.answered_more(6, 60 - (time.monotonic() - t0),
+                               "requests held by the silent worker were not re-sent")
             os.kill(pid, signal.SIGCONT)
-        stop.set()
-        for t in threads:
-            t.join(60)
-    assert not errors, errors[:3]
+            stopped = False
+        finally:
+            if stopped:
+                os.kill(pid, signal.SIGCONT)
+    assert not load.errors, load.errors[:3]
     # awake again, it hears it is unknown (or that the broker went quiet) and registers again: same process
     ws2 = _wait_ready(tcp_pool, pred=lambda w: w["1"]["registrations"] > ws["1"]["registrations"])
     assert ws2["1"]["pid"] == pid
@@ -406,34 +410,23 @@ def test_a_silent_worker_is_declared_dead_and_rejoins(tcp_pool, runtime):
 
 
 def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "broker.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
+                          timeout=timeout, env=SUBPROCESS_ENV, cwd=str(ROOT))
 
 
 def test_restart_worker_under_load_fails_nothing(tcp_pool, runtime):
     ws = _wait_ready(tcp_pool)
-    stop, results, errors = threading.Event(), [], []
-    threads = _load(tcp_pool, runtime, 3, stop, results, errors)
-    try:
+    with _Load(tcp_pool, runtime, 3) as load:
         time.sleep(0.5)
         r = _cli("restart-worker", "0", "--frontend", tcp_pool.endpoint, "--wait-timeout", "120", timeout=150)
         assert r.returncode == 0, r.stdout + r.stderr + tcp_pool.log()[-3000:]
         assert "ready again" in r.stdout
-        n = len(results)
-        deadline = time.monotonic() + 30
-        while len(results) < n + 10:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    assert not errors, errors[:3]
+        load.answered_more(10, 30, "the pool stopped answering after the restart")
+    assert not load.errors, load.errors[:3]
     ws2 = _wait_ready(tcp_pool)
     assert ws2["0"]["pid"] != ws["0"]["pid"] and ws2["0"]["registrations"] == ws["0"]["registrations"] + 1
     assert ws2["1"]["pid"] == ws["1"]["pid"]
-    assert results.count("1") > 0
+    assert load.results.count("1") > 0
 
 
 def test_drain_then_restart_brings_a_worker_back(tcp_pool):
@@ -518,8 +511,7 @@ def test_cli_status_and_predict(tcp_pool, expected):
 # ------------------------------------------------------------------------------------------------ broker alone
 
 def _broker(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "broker.broker", *args], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "broker.broker", *args], env=SUBPROCESS_ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -601,8 +593,7 @@ def test_up_fails_fast_on_what_cannot_work(tmp_path, tiny_ckpt):
 
 
 def test_worker_exit_codes(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "worker.server", "--model", str(tmp_path / "missing"), "--device", "cpu",
-                        "--backend", f"ipc://{tmp_path}/be", "--id", "x"], env=env, capture_output=True, text=True,
-                       timeout=120)
+                        "--backend", f"ipc://{tmp_path}/be", "--id", "x"], env=SUBPROCESS_ENV,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == wire.EXIT_CONFIG and "missing" in r.stderr
