@@ -86,8 +86,8 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
             c.forward(_rows(rows, tokens))
         except Exception as e:
             warm_failed.append(f"{type(e).__name__}: {e}")
-    q: mp.Queue = mp.get_context("spawn").Queue()
     ctx = mp.get_context("spawn")
+    q = ctx.Queue()
     shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     children = [ctx.Process(target=_client_proc, args=(endpoint, s, seconds, rows, tokens, q))
                 for s in shares if s > 0]

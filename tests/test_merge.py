@@ -34,7 +34,7 @@ def _rows(rng, n: int) -> list:
 def test_group_packs_and_splits_requests_in_order(tiny_ckpt):
     rng = np.random.default_rng(1)
     parts = [Batch.from_rows(_rows(rng, int(rng.integers(1, 4)))) for _ in range(5)]
-    g = Group([])
+    g = Group()
     for b in parts:
         g.add(b)
     merged = g.merged()
@@ -51,14 +51,14 @@ def test_group_packs_and_splits_requests_in_order(tiny_ckpt):
 def test_group_admits_within_capacity_only():
     rng = np.random.default_rng(2)
     b = Batch.from_rows(_rows(rng, 3))
-    g = Group([])
+    g = Group()
     cap = Capacity(max_tokens=2 * b.tokens, max_rows=64, max_markers=2048)
     assert g.admits(b, cap)
     g.add(b)
     assert g.admits(b, cap)
     g.add(b)
     assert not g.admits(b, cap), "a third copy would overflow max_tokens"
-    assert not Group([]).admits(b, Capacity(max_tokens=4096, max_rows=2, max_markers=2048))
+    assert not Group().admits(b, Capacity(max_tokens=4096, max_rows=2, max_markers=2048))
 
 
 def test_pool_merges_queued_requests_and_fails_a_bad_one_alone(tiny_ckpt):

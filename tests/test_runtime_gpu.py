@@ -76,7 +76,7 @@ def test_merged_requests_answer_byte_identically(ckpt, tiny_ckpt):
         merged_runs = 0
         for _ in range(6):
             picks = [batches[i] for i in rng.choice(len(batches), size=int(rng.integers(2, 5)), replace=False)]
-            g = Group([])
+            g = Group()
             for b in picks:
                 if g.admits(b, CAP):
                     g.add(b)

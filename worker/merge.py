@@ -11,7 +11,7 @@ Each request is validated on its own before it joins a group, so a bad request i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,20 +25,15 @@ if TYPE_CHECKING:                      # the workspace module pulls in torch; th
 @dataclass
 class Group:
     """Requests' batches packed back to back, and where each one's rows and markers sit."""
-    batches: list[Batch]
-    tokens: int = 0
-    rows: int = 0
-    markers: int = 0
+    batches: list[Batch] = field(default_factory=list)
 
     def admits(self, b: Batch, cap: Capacity) -> bool:
-        return (self.tokens + b.tokens <= cap.max_tokens and self.rows + b.rows <= cap.max_rows
-                and self.markers + b.n_markers <= cap.max_markers)
+        return (sum(x.tokens for x in self.batches) + b.tokens <= cap.max_tokens
+                and sum(x.rows for x in self.batches) + b.rows <= cap.max_rows
+                and sum(x.n_markers for x in self.batches) + b.n_markers <= cap.max_markers)
 
     def add(self, b: Batch) -> None:
         self.batches.append(b)
-        self.tokens += b.tokens
-        self.rows += b.rows
-        self.markers += b.n_markers
 
     def merged(self) -> Batch:
         if len(self.batches) == 1:

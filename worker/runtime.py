@@ -252,9 +252,11 @@ class Runtime:
             raise RequestError("taps", "intermediate taps are only recorded in eager mode")
         return mode
 
-    def run(self, batch: Batch, mode: str | None = None, taps: bool = False) -> RunResult:
+    def run(self, batch: Batch, mode: str | None = None, taps: bool = False, checked: bool = False) -> RunResult:
+        """`checked=True`: the caller already ran `check` on these rows (the worker does, request by request,
+        before merging them; a merged group within the capacity passes whenever its members do)."""
         t0 = time.perf_counter()
-        mode = self.check(batch, mode, taps)
+        mode = (mode or self.config.mode) if checked else self.check(batch, mode, taps)
         t1 = time.perf_counter()
         first = mode not in self.first_call_ms
         shape, entry, info = self._plan(batch, mode)

@@ -278,9 +278,9 @@ class Worker:
                     continue
             if job is None:
                 break
-            members, held, stop = self._take_group(job)
-            if members:
-                self._run_group(members)
+            jobs, group, held, stop = self._take_group(job)
+            if jobs:
+                self._run_group(jobs, group)
             self._refresh_stats()
             if stop:
                 break
@@ -313,58 +313,56 @@ class Worker:
                                           worker=self.id, reason="internal"))
             return None
 
-    def _take_group(self, first: Job) -> tuple[list[tuple[Job, Batch]], Job | None, bool]:
-        """`first` and the queued requests that can share its forward: (members, held back, stop seen).
+    def _take_group(self, first: Job) -> tuple[list[Job], Group, Job | None, bool]:
+        """`first` and the queued requests that can share its forward: (their jobs, their rows as a Group in
+        the same order, a job held back for the next group, whether the stop sentinel was seen).
 
         Only requests in the worker's own mode without taps are merged; one that asks for something else
         runs alone. A request that would overflow the workspace waits for the next group."""
-        members: list[tuple[Job, Batch]] = []
-        group = Group([])
+        jobs: list[Job] = []
+        group = Group()
         job: Job | None = first
         while job is not None:
             special = job.req.taps or job.req.mode not in (None, self.rt.config.mode)
-            if members and special:
-                return members, job, False
+            if jobs and special:
+                return jobs, group, job, False
             batch = self._admit(job)
             if batch is not None:
-                if members and not group.admits(batch, self.rt.capacity):
-                    return members, job, False
+                if jobs and not group.admits(batch, self.rt.capacity):
+                    return jobs, group, job, False
                 group.add(batch)
-                members.append((job, batch))
+                jobs.append(job)
                 if special:
                     break
-            if len(members) >= self.max_batch:
+            if len(jobs) >= self.max_batch:
                 break
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
             if job is None:
-                return members, None, True
-        return members, None, False
+                return jobs, group, None, True
+        return jobs, group, None, False
 
-    def _run_group(self, members: list[tuple[Job, Batch]]) -> None:
+    def _run_group(self, jobs: list[Job], group: Group) -> None:
         from worker.upload import UploadError  # imports the CUDA runtime bindings: not before main() has
 
         if self.fatal is not None:       # an earlier member broke the device: hand the rest to another worker
-            for job, _ in members:
+            for job in jobs:
                 self._reply(self._handed_back(job))
             return
         t0 = time.monotonic()
-        group = Group([])
-        for _, b in members:
-            group.add(b)
-        req0 = members[0][0].req
+        req0 = jobs[0].req
         try:
-            if self.fault_rows and any(b.rows == self.fault_rows for _, b in members):
+            if self.fault_rows and any(b.rows == self.fault_rows for b in group.batches):
                 raise RuntimeError(f"LAYA_WORKER_FAULT_ROWS: injected fault on a group with a {self.fault_rows}-row "
                                    "request")
-            res = self.rt.run(group.merged(), mode=req0.mode, taps=req0.taps)
-            parts = group.split(res.logits, res.act) if len(members) > 1 else [(res.logits, res.act)]
+            # Every member passed `check` in _admit and the group fits the workspace: no second validation.
+            res = self.rt.run(group.merged(), mode=req0.mode, taps=req0.taps, checked=True)
             done = time.monotonic()
             replies = []
-            for (job, _), (logits, act) in zip(members, parts):
-                metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - job.received) * 1e3,
+            for job, (logits, act) in zip(jobs, group.split(res.logits, res.act)):
+                metrics = dict(res.metrics, batched=len(jobs), queue_ms=(t0 - job.received) * 1e3,
                                worker_ms=(done - job.received) * 1e3)
                 replies.append(wire.encode_reply(job.req.rid, logits, act, worker=self.id,
                                                  fingerprint=self.fingerprint, metrics=metrics, taps=res.taps))
@@ -373,23 +371,23 @@ class Worker:
             # the broker run these requests elsewhere.
             self.counts["upload_errors"] += 1
             log.warning("worker %s: %s", self.id, e)
-            for job, _ in members:
+            for job in jobs:
                 self._reply(wire.encode_error(job.req.rid, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
                                               worker=self.id, reason="upload-failed"))
             return
         except Exception as e:  # noqa: BLE001 - every failure must be answered
-            if len(members) > 1:
+            if len(jobs) > 1:
                 # Each member passed alone, so run them alone: whatever failed finds its owner, and the
                 # others are answered here instead of each losing an attempt with the group.
-                for m in members:
-                    self._run_group([m])
+                for job, batch in zip(jobs, group.batches):
+                    self._run_group([job], Group([batch]))
                 return
-            self._fail(members[0][0], e)
+            self._fail(jobs[0], e)
             return
-        if len(members) > 1:
+        if len(jobs) > 1:
             self.counts["merged_runs"] += 1
-            self.counts["merged_requests"] += len(members)
-        self.counts["ok"] += len(members)
+            self.counts["merged_requests"] += len(jobs)
+        self.counts["ok"] += len(jobs)
         for frames in replies:
             self._reply(frames)
 
