@@ -22,6 +22,7 @@ import torch
 from conftest import make_ckpt
 from test_reference import REQUESTS, encode, flat_rows, make_requests, pack
 
+from kernels.fast import FastModel
 from kernels.reference import ABSENT_LOGIT, ReferenceModel
 from worker.checkpoint import load_checkpoint
 
@@ -78,7 +79,7 @@ def _sdk_layout_probs(ref: ReferenceModel, groups) -> list[torch.Tensor]:
     return out
 
 
-def _our_probs(ref: ReferenceModel, rows, chunk: int = 48) -> list[torch.Tensor]:
+def _our_probs(ref: ReferenceModel | FastModel, rows, chunk: int = 48) -> list[torch.Tensor]:
     """Ours as a worker runs it: packed chunks of rows, a padding row and a spare marker column."""
     out: list = [None] * len(rows)
     for lo in range(0, len(rows), chunk):
@@ -138,12 +139,15 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
     vendor16 = _sdk_layout_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16,
                                                 gemm="vendor"), groups)
     torch.cuda.empty_cache()
-    ours16 = _our_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16), rows)
+    ref16 = _our_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16), rows)
+    torch.cuda.empty_cache()
+    ours16 = _our_probs(FastModel(ck.arch, ck.tensors, device="cuda"), rows)
 
     decisive = [_margin(p) >= DECISIVE_MARGIN for p in sdk16]
     fp32 = _dist(ours32, sdk32)
     exact = _dist(vendor16, sdk16, decisive)
     bf16 = _dist(ours16, sdk16, decisive)
+    before = _dist(ref16, sdk16, decisive)             # the reference forward on invariant GEMMs (the old worker path)
     batching = _dist(sdk16_alone, sdk16, decisive)     # the SDK's bf16 against itself, batched otherwise
     precision = _dist(sdk32, sdk16, decisive)          # the SDK's bf16 autocast against its fp32
     noise = _worse(batching, precision)
@@ -151,7 +155,8 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
           f"{len(rows)} questions / {len(groups)} requests, {torch.cuda.get_device_name()}, torch {torch.__version__}]"
           f"\n  fp32 vs SDK fp32:                          {_fmt(fp32)}"
           f"\n  bf16, cuBLAS, SDK layout vs SDK bf16:      {_fmt(exact)}"
-          f"\n  bf16, worker path vs SDK bf16:             {_fmt(bf16)}"
+          f"\n  bf16, worker path (fast) vs SDK bf16:      {_fmt(bf16)}"
+          f"\n  bf16, reference, invariant GEMMs:          {_fmt(before)}"
           f"\n  noise: SDK bf16 one question per forward:  {_fmt(batching)}"
           f"\n  noise: SDK fp32 vs SDK bf16:               {_fmt(precision)}"
           f"\n  ({time.perf_counter() - t0:.1f} s)")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.fast import FastModel, supports
 from kernels.reference import ReferenceModel
 
 from .batch import Batch, Limits, RequestError, validate
@@ -97,7 +98,13 @@ class Runtime:
         cap = Capacity(cap.max_tokens, cap.max_rows, cap.max_markers, min(cap.row_markers, arch.max_len))
         self.capacity = cap
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
-        self.model = ReferenceModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
+        # The fast path (packed Triton kernels) where it runs; the plain-torch reference elsewhere (CPU, fp32).
+        self.why_reference = supports(arch, self.device, self.dtype)
+        if self.why_reference is None:
+            self.model = FastModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
+        else:
+            self.model = ReferenceModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
+        self.forward_name = "fast" if self.why_reference is None else "reference"
         self.workspace = Workspace(cap, arch.n_act, self.device)
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.upload = None
@@ -312,7 +319,8 @@ class Runtime:
 
     def stats(self) -> dict[str, Any]:
         return {"served": self.served, "mode": self.config.mode, "device": str(self.device),
-                "dtype": str(self.dtype).replace("torch.", ""), "cache": asdict(self.cache.counters),
+                "dtype": str(self.dtype).replace("torch.", ""), "forward": self.forward_name,
+                "cache": asdict(self.cache.counters),
                 "cached_shapes": [list(asdict(k).values()) for k in self.cache.keys()],
                 "first_call_ms": dict(self.first_call_ms), "fixed_failed": self.fixed_failed,
                 "last_capture_error": self.cache.last_error,

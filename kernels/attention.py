@@ -1,0 +1,85 @@
+"""Attention over packed rows: no padding, no mask tensors, the sliding window as a band.
+
+The input is the QKV projection of packed tokens, `[T, 3 * H * D]` (query heads, key heads, value heads),
+with rows given by `row_start`/`row_len`. One program takes one block of a row's queries for one head and
+walks that row's keys in blocks; a local layer walks only the blocks that meet the ±window band of its
+queries, a global layer (and the decision head) every block of the row's real length. Padding tokens and
+other rows are never read.
+
+Batch invariance: key blocks are aligned to the row's own start (keys 0..BN-1 of the row, then BN..2BN-1,
+...), so a query's keys are reduced in one order whatever else is in the batch and wherever the row sits
+in the packed buffer. A key block that holds no visible key for a query is an exact no-op for it (the
+running max starts finite, so its rescale factor is exactly 1 and its probabilities exactly 0): the query
+block size may therefore change without changing any result. There is no split over keys.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+
+if triton is not None:
+    @triton.jit
+    def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
+                          WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        r, qb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = tl.load(len_ptr + r)
+        q0 = qb * BM
+        if q0 < n:
+            start = tl.load(start_ptr + r).to(tl.int64)
+            qi = q0 + tl.arange(0, BM)
+            q_ok = qi < n
+            d = tl.arange(0, D)
+            base = qkv_ptr + start * sq
+            q = tl.load(base + qi[:, None] * sq + h * D + d[None, :], mask=q_ok[:, None], other=0.0)
+            if WINDOW >= 0:
+                lo = (tl.maximum(q0 - WINDOW, 0) // BN) * BN
+                hi = tl.minimum(n, q0 + BM + WINDOW)
+            else:
+                lo = 0
+                hi = n
+            m_i = tl.full((BM,), -1.0e30, tl.float32)      # finite: a block with no visible key is a no-op
+            l_i = tl.zeros((BM,), tl.float32)
+            acc = tl.zeros((BM, D), tl.float32)
+            for k0 in range(lo, hi, BN):
+                kj = k0 + tl.arange(0, BN)
+                k_ok = kj < n
+                k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
+                v = tl.load(base + kj[:, None] * sq + (2 * H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                seen = k_ok[None, :]
+                if WINDOW >= 0:
+                    gap = qi[:, None] - kj[None, :]
+                    seen = seen & (gap <= WINDOW) & (gap >= -WINDOW)
+                s = tl.where(seen, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + (start + qi[:, None]) * so + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=q_ok[:, None])
+
+
+def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row_len: torch.Tensor,
+              heads: int, head_dim: int, max_row_len: int, window: int | None, scale: float) -> torch.Tensor:
+    """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None.
+
+    Tokens outside every row are left as they are (never read by a real row downstream).
+    """
+    rows = row_start.shape[0]
+    bm, bn = 64, 64
+    grid = (rows, triton.cdiv(max_row_len, bm), heads)
+    _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
+                            WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,
+                            num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,216 @@
+"""The production forward on CUDA: packed rows end to end, Triton kernels, bf16 with an fp32 residual stream.
+
+Same inputs and outputs as `kernels.reference.ReferenceModel.forward` (docs/interfaces.md), same semantics
+(the SDK's `DecisionModel` in eval mode under bf16 autocast), different execution: the tokens stay packed
+(`T = rows x max_row_len` slots, of which the rows' real tokens are a prefix), so no op runs on padding
+inside a row and no [R, L, L] mask exists. Per encoder layer seven kernels: LayerNorm, QKV GEMM with RoPE
+in its epilogue, banded or global attention, output GEMM adding into the residual, LayerNorm, GeGLU GEMM,
+down GEMM adding into the residual. The decision head follows the same pattern with biases; the scorer and
+the act head close with a handful of small kernels.
+
+Every kernel is batch-invariant (kernels/gemm.py, kernels/attention.py, kernels/rows.py say how), so eager,
+fixed-graph and cached-graph execution, and a request merged with others, give the same bits. Everything
+here is shape-static and free of host synchronisation, so a worker can capture it into a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import rows as rk
+from kernels.arch import Arch
+from kernels.attention import attention
+from kernels.gemm import Act, Epi, gemm
+from kernels.reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables
+
+__all__ = ["FastModel", "supports"]
+
+
+def supports(arch: Arch, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if the fast path runs this model here, else why not (the caller falls back to the reference)."""
+    from kernels.gemm import triton
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's CPU interpreter: tests only
+    if triton is None or (device.type != "cuda" and not interpreted):
+        return "the fast path needs CUDA and Triton"
+    if dtype != torch.bfloat16 and not (interpreted and dtype == torch.float16):
+        # fp16 exists for Triton's CPU interpreter alone, which cannot run bf16 dots: the tests check the
+        # fast path's indexing and fusion in fp16 on the CPU, and its bf16 numbers on the GPU.
+        return f"the fast path runs bf16 only, not {dtype}"
+    if arch.head_dim not in (16, 32, 64, 128) or arch.hidden % 64:
+        return f"head_dim {arch.head_dim} / hidden {arch.hidden} is not a supported shape"
+    return None
+
+
+class _Taps:
+    """Eager-only debugging: copies of the packed residual stream, laid out [R, L, d] as the reference's taps."""
+
+    def __init__(self, taps: dict | None, row_start: torch.Tensor, row_len: torch.Tensor, max_row_len: int):
+        self.taps = taps
+        if taps is not None:
+            pos = torch.arange(max_row_len, device=row_start.device)
+            self.valid = pos[None, :] < row_len[:, None].long()
+            self.index = (row_start[:, None].long() + pos[None, :]) * self.valid
+
+    def __call__(self, name: str, h: torch.Tensor) -> None:
+        if self.taps is not None:
+            self.taps[name] = h[self.index].float() * self.valid[..., None]
+
+
+class FastModel:
+    """bf16 Laya forward on CUDA over packed rows (see the module docstring)."""
+
+    def __init__(self, arch: Arch, tensors: dict[str, torch.Tensor], device="cuda", dtype=torch.bfloat16):
+        why = supports(arch, torch.device(device), dtype)
+        if why:
+            raise ValueError(why)
+        missing = sorted(set(arch.tensor_shapes()) - set(tensors))
+        if missing:
+            raise KeyError(f"missing tensor {missing[0]!r}")
+        self.arch, self.device, self.dtype = arch, torch.device(device), dtype
+        cd = dtype
+        dev = self.device
+
+        def mat(name: str) -> torch.Tensor:
+            return tensors[name].to(device=dev, dtype=cd).contiguous()
+
+        def f32(name: str) -> torch.Tensor:
+            return tensors[name].to(device=dev, dtype=torch.float32).contiguous()
+
+        a = arch
+        self.tok_emb = f32("encoder.embeddings.tok_embeddings.weight")   # fp32, as under the SDK's autocast
+        self.emb_norm = f32("encoder.embeddings.norm.weight")
+        self.layers = []
+        for i in range(a.layers):
+            p = f"encoder.layers.{i}."
+            self.layers.append({
+                "attn_norm": f32(p + "attn_norm.weight") if i > 0 else None,
+                "Wqkv": mat(p + "attn.Wqkv.weight"), "Wo": mat(p + "attn.Wo.weight"),
+                "mlp_norm": f32(p + "mlp_norm.weight"),
+                "Wi": mat(p + "mlp.Wi.weight"), "Wo_mlp": mat(p + "mlp.Wo.weight"),
+                "window": None if a.is_global(i) else a.half_window, "theta": a.theta(i),
+            })
+        self.final_norm = f32("encoder.final_norm.weight")
+        self.head = []
+        for j in range(a.head_layers):
+            p = f"head.layers.{j}."
+            self.head.append({
+                "in_w": mat(p + "self_attn.in_proj_weight"), "in_b": mat(p + "self_attn.in_proj_bias"),
+                "out_w": mat(p + "self_attn.out_proj.weight"), "out_b": mat(p + "self_attn.out_proj.bias"),
+                "l1_w": mat(p + "linear1.weight"), "l1_b": mat(p + "linear1.bias"),
+                "l2_w": mat(p + "linear2.weight"), "l2_b": mat(p + "linear2.bias"),
+                "n1_w": f32(p + "norm1.weight"), "n1_b": f32(p + "norm1.bias"),
+                "n2_w": f32(p + "norm2.weight"), "n2_b": f32(p + "norm2.bias"),
+            })
+        self.type_emb = f32("type_emb.weight")
+        self.sc_norm_w, self.sc_norm_b = f32("scorer.0.weight"), f32("scorer.0.bias")
+        self.sc1_w, self.sc1_b = mat("scorer.1.weight"), mat("scorer.1.bias")
+        self.sc3_w, self.sc3_b = mat("scorer.3.weight"), mat("scorer.3.bias")
+        self.act0_w, self.act0_b = mat("act_head.0.weight"), mat("act_head.0.bias")
+        self.act2_w, self.act2_b = mat("act_head.2.weight"), mat("act_head.2.bias")
+        # RoPE tables [max_len, D/2] in fp32, built as the reference (and the SDK) builds them.
+        self.max_positions = a.max_len
+        half = a.head_dim // 2
+        self.rope = {}
+        for theta in sorted({a.theta(i) for i in range(a.layers)}):
+            cos, sin = _rope_tables(self.max_positions, a.head_dim, theta, dev)
+            self.rope[theta] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+
+    @torch.no_grad()
+    def forward(self, ids, row_start, row_len, qtype, markers, max_row_len: int,
+                taps: dict | None = None, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tokens`: how many packed token slots to compute; every row must lie inside them. The default,
+        rows x max_row_len (at most the ids given), holds any batch packed back to back from slot 0, which
+        is how a worker packs (worker/workspace.py)."""
+        a, dev = self.arch, self.device
+        L = int(max_row_len)
+        if not 0 < L <= self.max_positions:
+            raise ValueError(f"max_row_len {L} must be in 1..{self.max_positions}")
+        R, K = row_start.shape[0], markers.shape[1]
+        T = min(R * L, ids.shape[0]) if tokens is None else int(tokens)
+        d, H, D = a.hidden, a.heads, a.head_dim
+        row_start = row_start.to(dev, torch.int32)
+        row_len = row_len.to(dev, torch.int32)
+        qtype = qtype.to(dev, torch.int32)
+        markers = markers.to(dev, torch.int32).contiguous()
+        ids = ids.to(dev, torch.int32)
+
+        empty, cd = torch.empty, self.dtype
+        h = empty((T, d), device=dev, dtype=torch.float32)          # the residual stream
+        x = empty((T, d), device=dev, dtype=cd)         # normed input of the next GEMM
+        qkv = empty((T, 3 * d), device=dev, dtype=cd)
+        att = empty((T, d), device=dev, dtype=cd)
+        ff = max(a.intermediate, 4 * d if self.head else 0)
+        mid = empty((T, ff), device=dev, dtype=cd)
+        pos = empty(T, device=dev, dtype=torch.int32)
+        row = empty(T, device=dev, dtype=torch.int32)
+
+        rk.embed(ids, row_start, row_len, self.tok_emb, self.emb_norm, h, x, pos, row, a.pad_id, a.norm_eps)
+        tap = _Taps(taps, row_start, row_len, L)
+        tap("embeddings", h)
+        scale = D ** -0.5
+        for i, lay in enumerate(self.layers):
+            if lay["attn_norm"] is not None:
+                rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps)
+            cos, sin = self.rope[lay["theta"]]
+            gemm(x, lay["Wqkv"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
+            attention(qkv, att, row_start, row_len, H, D, L, lay["window"], scale)
+            gemm(att, lay["Wo"], h, epi=Epi.RESIDUAL)
+            rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps)
+            inner = mid[:, : a.intermediate]
+            gemm(x, lay["Wi"], inner, epi=Epi.GEGLU)
+            gemm(inner, lay["Wo_mlp"], h, epi=Epi.RESIDUAL)
+            tap(f"encoder.{i}", h)
+        if taps is not None:
+            tap("final_norm", torch.nn.functional.layer_norm(h, (d,), self.final_norm, None, a.norm_eps))
+
+        # ---- decision head: h <- final_norm(h) + type_emb; pre-norm layers, biases rounded as the SDK rounds
+        HH = a.head_heads
+        HD = d // HH
+        for j, lay in enumerate(self.head):
+            if j == 0:
+                rk.head_entry(h, row, qtype, self.final_norm, self.type_emb, lay["n1_w"], lay["n1_b"], x,
+                              a.norm_eps, HEAD_NORM_EPS)
+            else:
+                rk.layer_norm(h, lay["n1_w"], lay["n1_b"], x, HEAD_NORM_EPS)
+            gemm(x, lay["in_w"], qkv, bias=lay["in_b"], bias_apart=True)
+            attention(qkv, att, row_start, row_len, HH, HD, L, None, HD ** -0.5)
+            gemm(att, lay["out_w"], h, epi=Epi.RESIDUAL, bias=lay["out_b"], bias_apart=True)
+            rk.layer_norm(h, lay["n2_w"], lay["n2_b"], x, HEAD_NORM_EPS)
+            inner = mid[:, : 4 * d]
+            gemm(x, lay["l1_w"], inner, bias=lay["l1_b"], act=Act.RELU)
+            gemm(inner, lay["l2_w"], h, epi=Epi.RESIDUAL, bias=lay["l2_b"])
+            tap(f"head.{j}", h)
+        if not self.head:
+            rk.head_entry(h, row, qtype, self.final_norm, self.type_emb, self.final_norm, self.final_norm, x,
+                          a.norm_eps, HEAD_NORM_EPS)
+
+        # ---- scorer at the [MASK] markers, confidence features, act head
+        m = empty((R * K, d), device=dev, dtype=cd)
+        rk.gather_norm(h, row_start, markers, self.sc_norm_w, self.sc_norm_b, m, L, HEAD_NORM_EPS)
+        m2 = empty((R * K, d), device=dev, dtype=cd)
+        gemm(m, self.sc1_w, m2, bias=self.sc1_b, act=Act.GELU)
+        score = empty((R * K, 1), device=dev, dtype=cd)
+        gemm(m2, self.sc3_w, score, bias=self.sc3_b)
+        logits = empty((R, K), device=dev, dtype=torch.float32)
+        act_in = empty((R, d + 16), device=dev, dtype=cd)   # d + 4 used; a 16-aligned row stride
+        rk.features(score, markers, h, row_start, logits, act_in, ABSENT_LOGIT, self.max_positions + 1)
+        hid = empty((R, self.act0_w.shape[0]), device=dev, dtype=cd)
+        gemm(act_in[:, : d + 4], self.act0_w, hid, bias=self.act0_b, act=Act.GELU)
+        act = empty((R, a.n_act), device=dev, dtype=cd)
+        gemm(hid, self.act2_w, act, bias=self.act2_b)
+        act_probs = empty((R, a.n_act), device=dev, dtype=torch.float32)
+        rk.softmax_rows(act, act_probs)
+        if taps is not None:
+            taps["logits"], taps["act"] = logits, act_probs
+        return logits, act_probs
+
+    __call__ = forward
+
+    def parameter_bytes(self) -> int:
+        seen = [self.tok_emb, self.emb_norm, self.final_norm, self.type_emb, self.sc_norm_w, self.sc_norm_b,
+                self.sc1_w, self.sc1_b, self.sc3_w, self.sc3_b, self.act0_w, self.act0_b, self.act2_w, self.act2_b]
+        for lay in self.layers + self.head:
+            seen += [t for t in lay.values() if isinstance(t, torch.Tensor)]
+        seen += [t for pair in self.rope.values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in seen)

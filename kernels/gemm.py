@@ -1,0 +1,214 @@
+"""The fast path's GEMM: batch-invariant, M-adaptive, with the work between GEMMs fused into its epilogue.
+
+Batch invariance. Every output element is accumulated over K in one order: k-steps of 16 in ascending k,
+each a tensor-core MMA into one fp32 accumulator that starts at zero. Tile shapes in M and N, the K tile
+(how many 16-steps one loop iteration issues), warps and pipeline stages change with M, because none of
+them changes that chain; the K split never does (there is none). Whether the hardware keeps its promise
+for every configuration this module picks is not taken on trust: `tests/test_fast_gpu.py` runs each
+(N, K) of a checkpoint at every configuration and compares rows bit for bit. All configurations keep
+BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction (wgmma on Hopper).
+
+Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
+- PLAIN: y = bf16(acc [+ bias]) [-> bf16(act(y))]; `bias_apart` rounds acc before adding the bias (torch's
+  unfused matmul + add that the SDK's decision head takes).
+- RESIDUAL: h += fp32(y) on an fp32 residual stream, in place (each element has one writer).
+- GEGLU: the program computes the input column n and its gate column n + N/2 together and writes
+  bf16(bf16(gelu(bf16(inp))) * bf16(gate)), so the [T, 2F] product never reaches memory.
+- ROPE: the program computes columns c and c + D/2 of one head together and rotates query and key heads by
+  their row-relative position (cos/sin tables in fp32, the rotate-half layout); value heads pass through.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
+    triton = None
+
+
+class Epi(enum.IntEnum):
+    PLAIN = 0
+    RESIDUAL = 1
+    GEGLU = 2
+    ROPE = 3
+
+
+class Act(enum.IntEnum):
+    NONE = 0
+    GELU = 1
+    RELU = 2
+
+
+@dataclass(frozen=True)
+class Tiles:
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+
+
+def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
+    """Tile shapes for an (M, N, K) product; pure, so it is tested alone.
+
+    Small M is weight-bandwidth bound: narrow N tiles give enough programs to keep the SMs streaming weights,
+    and deep K tiles keep enough bytes in flight. Large M is compute bound: 128-wide tiles. `n_out` counts
+    the programs' output columns (paired epilogues compute two columns per output column).
+    """
+    paired = epi in (Epi.GEGLU, Epi.ROPE)
+    if m <= 64:
+        bm, warps = 64, 4
+        bn = 16 if paired else 32
+        while bn < 64 and (n_out // bn) > 2 * sms:
+            bn *= 2
+        return Tiles(bm, bn, 128 if k >= 128 else 64, warps, 4)
+    if m <= 512:
+        bn = 32 if paired else 64
+        return Tiles(64, bn, 64, 4, 4)
+    if paired:
+        return Tiles(128, 64, 64, 8, 3)
+    return Tiles(128, 128, 64, 8, 3)
+
+
+if triton is not None:
+    @triton.jit
+    def _gelu(x):
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+    @triton.jit
+    def _finish(acc, bias_ptr, cols, col_ok, CD: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr,
+                ACT: tl.constexpr):
+        """acc (fp32) -> a CD (compute dtype) value held in fp32: bias, rounding and activation where torch
+        rounds."""
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if BIAS_APART:
+                acc = acc.to(CD).to(tl.float32) + b
+            else:
+                acc = acc + b
+        y = acc.to(CD).to(tl.float32)
+        if ACT == 1:
+            y = _gelu(y).to(CD).to(tl.float32)
+        elif ACT == 2:
+            y = tl.maximum(y, 0.0)
+        return y
+
+    @triton.jit
+    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                     M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS,
+                     EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
+                     HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        CD: tl.constexpr = a_ptr.dtype.element_ty      # the compute dtype: every rounding goes to it
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rk = tl.arange(0, BK)
+        if EPI == 3:
+            # Program pid_n covers BN columns of the first half of one head; its partner half is HALF on.
+            per_head = HALF // BN
+            head = pid_n // per_head
+            cols = head * (2 * HALF) + (pid_n % per_head) * BN + tl.arange(0, BN)
+        else:
+            cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N_OUT
+        row_ok = rm < M
+        a_ptrs = a_ptr + rm[:, None] * sam + rk[None, :]
+        w_ptrs = w_ptr + cols[None, :] * swn + rk[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if EPI >= 2:
+            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + rk) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if EPI >= 2:
+                b2 = tl.load(w_ptrs + PARTNER * swn, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                acc2 = tl.dot(a, b2, acc2)
+            a_ptrs += BK
+            w_ptrs += BK
+        out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        if EPI == 0:
+            y = _finish(acc, bias_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
+        elif EPI == 1:
+            y = _finish(acc, bias_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
+            h = tl.load(out_ptrs, mask=ok, other=0.0)
+            tl.store(out_ptrs, h + y, mask=ok)
+        elif EPI == 2:
+            inp = acc.to(CD).to(tl.float32)
+            gate = acc2.to(CD).to(tl.float32)
+            g = _gelu(inp).to(CD).to(tl.float32)
+            tl.store(out_ptrs, (g * gate).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            x1 = acc.to(CD).to(tl.float32)
+            x2 = acc2.to(CD).to(tl.float32)
+            if head < ROPE_HEADS:
+                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
+                j = (pid_n % per_head) * BN + tl.arange(0, BN)
+                t = pos[:, None] * HALF + j[None, :]
+                c = tl.load(cos_ptr + t, mask=ok, other=0.0)
+                s = tl.load(sin_ptr + t, mask=ok, other=0.0)
+                y1 = x1 * c - x2 * s
+                y2 = x2 * c + x1 * s
+            else:
+                y1, y2 = x1, x2
+            tl.store(out_ptrs, y1.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptrs + HALF, y2.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.PLAIN,
+         bias: torch.Tensor | None = None, bias_apart: bool = False, act: Act = Act.NONE,
+         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
+         tiles: Tiles | None = None) -> torch.Tensor:
+    """out <- epilogue(a @ w.T). a [M, K] bf16 (row stride free, unit column stride), w [N, K] contiguous.
+
+    PLAIN: out [M, N] bf16. RESIDUAL: out [M, N] fp32, added to. GEGLU: w holds [inp; gate] (N = 2F),
+    out [M, F]. ROPE: `rope=(pos [M] int32, cos [P, D/2] fp32, sin, D, rope_heads)`: out [M, N]; the first
+    `rope_heads` heads of D columns are rotated (query and key), the rest pass through.
+    """
+    m, k = a.shape
+    n = w.shape[0]
+    assert a.stride(1) == 1 and w.is_contiguous() and out.stride(1) == 1 and w.shape[1] == k
+    n_out = n // 2 if epi == Epi.GEGLU else n
+    if epi == Epi.RESIDUAL:
+        assert out.dtype == torch.float32
+    t = tiles or pick_tiles(m, n_out, k, epi, _sms(a.device))
+    half, partner, rope_heads = 1, 0, 0
+    pos = cos = sin = w
+    if epi == Epi.GEGLU:
+        partner = n_out
+        programs_n = triton.cdiv(n_out, t.bn)
+    elif epi == Epi.ROPE:
+        pos, cos, sin, d, rope_heads = rope
+        half = d // 2
+        bn = min(t.bn, half)
+        t = Tiles(t.bm, bn, t.bk, t.warps, t.stages)
+        assert half % bn == 0 and n % d == 0
+        partner = half
+        programs_n = (n // d) * (half // bn)
+    else:
+        programs_n = triton.cdiv(n_out, t.bn)
+    grid = (triton.cdiv(m, t.bm), programs_n)
+    _gemm_kernel[grid](a, w, bias if bias is not None else w, out, pos, cos, sin,
+                       m, n_out, k, a.stride(0), w.stride(0), out.stride(0), partner, rope_heads,
+                       EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
+                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132                 # Triton's CPU interpreter (tests): any count will do
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]

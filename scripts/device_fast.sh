@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
+#   bash scripts/device_fast.sh [probe|tests|peer|profile]...   (default: probe tests)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+[ -d /tmp/large ] || python3 scripts/make_checkpoint.py --out /tmp/large --preset large --seed 0 | tail -1
+for step in ${*:-probe tests}; do
+  case $step in
+    probe) timeout ${PROBE_TIMEOUT:-330} python3 scripts/probe_fast.py --model /tmp/large --out "$OUT" \
+             --steps ${PROBE_STEPS:-gemm,attention,model} 2>&1 | tee "$OUT/probe.log" | grep -v Warning ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -s ${TESTS:-tests/} 2>&1 \
+             | tee "$OUT/gpu_tests.log" | grep -E "SUMMARY|passed|failed|Error|error|assert|modes|merged|^  " | tail -40 ;;
+    peer) bash scripts/device_peer.sh ;;
+    profile) timeout 200 python3 devtools/profile_forward.py /tmp/large 2>&1 | tail -30 ;;
+  esac
+done

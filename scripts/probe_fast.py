@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Device probe for the fast path (kernels/fast.py): invariance, accuracy and speed of its parts and of the whole.
+
+    python3 scripts/probe_fast.py --model /tmp/large [--steps gemm,attention,model] [--out DIR]
+
+- gemm: every GEMM of the checkpoint (its N, K and epilogue) at every tile configuration this probe knows,
+  on one input of 8,192 rows: all configurations must give the same bits, and so must the configuration
+  `pick_tiles` chooses for every prefix M (the buckets a worker runs). Then time per (GEMM, M): the picked
+  tiles, the alternatives, and cuBLAS on the same shapes (CUDA-graph replays, median and p95).
+- attention: packed banded/global attention against a per-row SDPA with an explicit mask (fp32 math on the
+  same bf16 inputs); a row's output must not change when other rows are packed around it; time per layer kind.
+- model: FastModel against the bf16 reference forward (the previous production path) and fp32; graph replay
+  time per shape (median / p95 of 50 replays after 10 warm-ups); kernel count and time by family of one forward.
+Prints a table per step; writes probe_fast.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kernels.gemm import Act, Epi, Tiles, gemm, pick_tiles  # noqa: E402
+
+ALT = [Tiles(64, 16, 64, 4, 4), Tiles(64, 32, 128, 4, 4), Tiles(64, 64, 64, 4, 3), Tiles(64, 128, 64, 4, 3),
+       Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3), Tiles(128, 128, 128, 8, 2), Tiles(128, 256, 64, 8, 3)]
+MS = (48, 64, 128, 256, 512, 1024, 1536, 2048, 4096, 8192)
+TIMED_MS = (48, 1536, 8192)
+
+
+def graph_time(fn, reps: int = 20, samples: int = 30) -> tuple[float, float]:
+    """(median, p95) ms of one call, from CUDA-graph replays of `reps` calls (launch gaps as in a worker)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for _ in range(reps):
+            fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / reps)
+    ts.sort()
+    return statistics.median(ts), ts[int(0.95 * (len(ts) - 1))]
+
+
+def gemm_cases(arch):
+    d, ff = arch.hidden, arch.intermediate
+    return {"qkv+rope": (3 * d, d, Epi.ROPE, {}), "wo+res": (d, d, Epi.RESIDUAL, {}),
+            "wi+geglu": (2 * ff, d, Epi.GEGLU, {}), "wo_mlp+res": (d, ff, Epi.RESIDUAL, {}),
+            "head.in+bias": (3 * d, d, Epi.PLAIN, {"bias": True, "bias_apart": True}),
+            "head.l1+relu": (4 * d, d, Epi.PLAIN, {"bias": True, "act": Act.RELU}),
+            "head.l2+res": (d, 4 * d, Epi.RESIDUAL, {"bias": True})}
+
+
+def step_gemm(arch, report):
+    torch.manual_seed(0)
+    dev = "cuda"
+    D = arch.head_dim
+    pos = torch.randint(0, arch.max_len, (8192,), device=dev, dtype=torch.int32)
+    cos = torch.rand(arch.max_len, D // 2, device=dev)
+    sin = torch.rand(arch.max_len, D // 2, device=dev)
+    print("\n== gemm: invariance (bits equal across tiles and M) and time (ms p50/p95; GB/s of weights; TFLOP/s)")
+    report["gemm"] = {name: _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin)
+                      for name, (n, k, epi, kw) in gemm_cases(arch).items()}
+
+
+def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
+    dev, D = "cuda", arch.head_dim
+    a = torch.randn(8192, k, device=dev).bfloat16()
+    w = (torch.randn(n, k, device=dev) / k ** 0.5).bfloat16()
+    bias = torch.randn(n, device=dev).bfloat16() if kw.get("bias") else None
+    n_out = n // 2 if epi == Epi.GEGLU else n
+    h0 = torch.randn(8192, n_out, device=dev)
+    rope = (pos, cos, sin, D, 2 * arch.heads) if epi == Epi.ROPE else None
+
+    def run(m, tiles=None):
+        o = h0[:m].clone() if epi == Epi.RESIDUAL else torch.empty(m, n_out, device=dev, dtype=torch.bfloat16)
+        gemm(a[:m], w, o, epi=epi, bias=bias, bias_apart=kw.get("bias_apart", False),
+             act=kw.get("act", Act.NONE), rope=None if rope is None else (pos[:m],) + rope[1:], tiles=tiles)
+        return o
+    canon = run(8192, ALT[0])
+    bad_tiles = []
+    for t in ALT[1:]:
+        try:
+            if not torch.equal(run(8192, t), canon):
+                bad_tiles.append(t)
+        except Exception as e:       # a config the compiler refuses (shared memory): say so, go on
+            print(f"   {t}: {repr(e)[:80]}")
+    bad_m = [m for m in MS if not torch.equal(run(m), canon[:m])]
+    if epi == Epi.RESIDUAL:
+        ref = h0 + F.linear(a.float(), w.float(), None if bias is None else bias.float()).bfloat16().float()
+    else:
+        ref = None
+    err = float((canon - ref).abs().max()) if ref is not None else float("nan")
+    rec = {"n": n, "k": k, "epi": epi.name, "tiles_differ": [str(t) for t in bad_tiles], "m_differ": bad_m,
+           "residual_max_err_vs_torch": err, "time": {}}
+    print(f"{name:14s} N={n} K={k}: tiles differing {len(bad_tiles)}/{len(ALT) - 1} {bad_tiles}; "
+          f"M differing {bad_m}; residual err {err:.3g}")
+    for m in TIMED_MS:
+        o = h0[:m].clone() if epi == Epi.RESIDUAL else torch.empty(m, n_out, device=dev, dtype=torch.bfloat16)
+        flops, wbytes = 2 * m * n * k, 2 * n * k
+        row = {}
+        picked = pick_tiles(m, n_out, k, epi)
+        for t in [None] + ALT:
+            try:
+                def fn(t=t, m=m, o=o):
+                    gemm(a[:m], w, o, epi=epi, bias=bias, bias_apart=kw.get("bias_apart", False),
+                         act=kw.get("act", Act.NONE), rope=None if rope is None else (pos[:m],) + rope[1:], tiles=t)
+                p50, p95 = graph_time(fn)
+            except Exception as e:   # a config the compiler refuses (shared memory): say so, go on
+                row[str(t)] = repr(e)[:80]
+                continue
+            row["picked " + str(picked) if t is None else str(t)] = (p50, p95)
+        ob = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        p50, p95 = graph_time(lambda m=m, ob=ob: torch.matmul(a[:m], w.t(), out=ob))
+        row["cublas"] = (p50, p95)
+        best = min((v[0], kk) for kk, v in row.items() if isinstance(v, tuple) and kk != "cublas")
+        pk = [v for kk, v in row.items() if kk.startswith("picked")][0]
+        print(f"   M={m:5d}: picked {pk[0]:.4f}/{pk[1]:.4f} ({wbytes / pk[0] / 1e6:.0f} GB/s, "
+              f"{flops / pk[0] / 1e9:.0f} TF/s) best {best[0]:.4f} {best[1]} | cuBLAS {p50:.4f} "
+              f"({wbytes / p50 / 1e6:.0f} GB/s, {flops / p50 / 1e9:.0f} TF/s)")
+        rec["time"][m] = row
+    return rec
+
+
+def _sdpa_ref(qkv, starts, lens, H, D, window, scale):
+    out = torch.zeros(qkv.shape[0], H * D, device=qkv.device)
+    for s, n in zip(starts, lens):
+        x = qkv[s:s + n].float().view(n, 3, H, D)
+        q, k, v = (x[:, i].transpose(0, 1) for i in range(3))
+        i = torch.arange(n, device=qkv.device)
+        mask = torch.ones(n, n, dtype=torch.bool, device=qkv.device)
+        if window is not None:
+            mask = (i[:, None] - i[None, :]).abs() <= window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[s:s + n] = o.transpose(0, 1).reshape(n, H * D)
+    return out
+
+
+def step_attention(arch, report):
+    from kernels.attention import attention
+    torch.manual_seed(1)
+    dev = "cuda"
+    H, D, W = arch.heads, arch.head_dim, arch.half_window
+    rec = {}
+    print("\n== attention: accuracy vs SDPA (fp32 math), invariance to the batch around a row, time")
+    lens = [48, 200, 512, 7, 129, 300]
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
+    T = sum(lens)
+    qkv = torch.randn(T + 64, 3 * H * D, device=dev).bfloat16()
+    st = torch.tensor(starts, device=dev, dtype=torch.int32)
+    ln = torch.tensor(lens, device=dev, dtype=torch.int32)
+    for kind, window in (("local", W), ("global", None)):
+        o = torch.full((T + 64, H * D), float("nan"), device=dev, dtype=torch.bfloat16)
+        attention(qkv, o, st, ln, H, D, max(lens), window, D ** -0.5)
+        ref = _sdpa_ref(qkv, starts, lens, H, D, window, D ** -0.5)
+        err = float((o[:T].float() - ref[:T]).abs().max())
+        # Row 2 (512 tokens) alone, at offset 0, must give the same bits as inside the pack.
+        s2, n2 = starts[2], lens[2]
+        alone = torch.empty(n2, H * D, device=dev, dtype=torch.bfloat16)
+        attention(qkv[s2:s2 + n2].contiguous(), alone, st[:1] * 0, ln[2:3], H, D, n2, window, D ** -0.5)
+        same = torch.equal(alone, o[s2:s2 + n2])
+        finite = bool(torch.isfinite(o[:T]).all())
+        print(f"{kind:6s}: max |err| {err:.4f}, alone == packed {same}, finite {finite}")
+        rec[kind] = {"max_err": err, "alone_equals_packed": same, "finite": finite, "time": {}}
+        for R, L in ((1, 48), (32, 48), (16, 512)):
+            q = torch.randn(R * L, 3 * H * D, device=dev).bfloat16()
+            s = torch.arange(R, device=dev, dtype=torch.int32) * L
+            n = torch.full((R,), L, device=dev, dtype=torch.int32)
+            oo = torch.empty(R * L, H * D, device=dev, dtype=torch.bfloat16)
+            p50, p95 = graph_time(lambda q=q, s=s, n=n, oo=oo, L=L, w=window: attention(q, oo, s, n, H, D, L, w, 0.125))
+            keys = L if window is None else min(L, 2 * W + 1)
+            fl = 4 * R * L * keys * D * H
+            print(f"   {R}x{L}: {p50:.4f}/{p95:.4f} ms ({fl / p50 / 1e9:.0f} TF/s useful)")
+            rec[kind]["time"][f"{R}x{L}"] = (p50, p95)
+    report["attention"] = rec
+
+
+def _inputs(arch, R, L, K=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = [L] * R
+    ids = torch.randint(10, min(arch.vocab_size, 1000), (R * L,), generator=g, dtype=torch.int32)
+    starts = torch.arange(R, dtype=torch.int32) * L
+    mk = torch.full((R, K), -1, dtype=torch.int32)
+    for r in range(R):
+        mk[r] = torch.arange(5, 5 + 3 * K, 3)[:K]
+    qt = torch.tensor([r % 3 for r in range(R)], dtype=torch.int32)
+    d = "cuda"
+    return dict(ids=ids.to(d), row_start=starts.to(d), row_len=torch.tensor(lens, dtype=torch.int32, device=d),
+                qtype=qt.to(d), markers=mk.to(d), max_row_len=L)
+
+
+def _family(name: str) -> str:
+    for key in ("_gemm_kernel", "_attention_kernel", "_layer_norm_kernel", "_embed_kernel", "_head_entry_kernel",
+                "_gather_norm_kernel", "_features_kernel", "_softmax_kernel", "_linear_kernel"):
+        if key in name:
+            return key.strip("_")
+    return "other: " + name[:40]
+
+
+def step_model(model_dir, report):
+    from kernels.fast import FastModel
+    from kernels.reference import ReferenceModel
+    from worker.checkpoint import load_checkpoint
+    ck = load_checkpoint(model_dir)
+    fast = FastModel(ck.arch, ck.tensors, device="cuda")
+    ref = ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16)
+    rec = {}
+    print("\n== model: fast vs reference (bf16, invariant GEMMs); graph replay ms p50/p95; kernels per forward")
+    for R, L in ((1, 48), (32, 48), (4, 256), (16, 512)):
+        inp = _inputs(ck.arch, R, L)
+        lf, af = fast(**inp)
+        lr, ar = ref(**inp)
+        pf, pr = torch.softmax(lf, -1), torch.softmax(lr, -1)
+        dp = float((pf - pr).abs().max())
+        agree = float((pf.argmax(-1) == pr.argmax(-1)).float().mean())
+        t_fast = graph_time(lambda inp=inp: fast(**inp), reps=1, samples=50)
+        t_ref = graph_time(lambda inp=inp: ref(**inp), reps=1, samples=20)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fast(**inp)
+        torch.cuda.synchronize()
+        eager = (time.perf_counter() - t0) / 3 * 1e3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fast(**inp)
+            torch.cuda.synchronize()
+        fam, cnt = collections.Counter(), collections.Counter()
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                f = _family(ev.name)
+                fam[f] += ev.device_time_total / 1e3
+                cnt[f] += 1
+        key = f"{R}x{L}"
+        rec[key] = {"dp_max_vs_ref": dp, "agree_vs_ref": agree, "graph_fast": t_fast, "graph_ref": t_ref,
+                    "eager_fast_ms": eager, "kernels": sum(cnt.values()),
+                    "by_family": {k: (cnt[k], round(v, 4)) for k, v in fam.most_common()}}
+        print(f"{key:7s} fast {t_fast[0]:.3f}/{t_fast[1]:.3f}  ref {t_ref[0]:.3f}/{t_ref[1]:.3f}  "
+              f"ratio {t_ref[0] / t_fast[0]:.2f}x  eager {eager:.2f}  |dp| {dp:.4f} agree {agree:.3f}  "
+              f"kernels {sum(cnt.values())} ({sum(fam.values()):.3f} ms)")
+        for k, v in fam.most_common():
+            print(f"      {k:24s} {cnt[k]:4d}  {v:.4f} ms")
+    report["model"] = rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--steps", default="gemm,attention,model")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args()
+    from worker.checkpoint import load_checkpoint
+    arch = load_checkpoint(args.model).arch
+    report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "torch": torch.__version__}
+    for step in args.steps.split(","):
+        t = time.perf_counter()
+        {"gemm": lambda: step_gemm(arch, report), "attention": lambda: step_attention(arch, report),
+         "model": lambda: step_model(args.model, report)}[step]()
+        print(f"[{step}: {time.perf_counter() - t:.1f} s]")
+        json.dump(report, open(os.path.join(args.out, "probe_fast.json"), "w"), indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
