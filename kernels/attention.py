@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.launch import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -28,7 +30,11 @@ LOG2E = 1.4426950408889634
 if triton is not None:
     @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
-                          WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                          WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          USE_GDC: tl.constexpr):
+        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         r, qb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(len_ptr + r)
         q0 = qb * BM
@@ -78,8 +84,9 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     """
     rows = row_start.shape[0]
     bm, bn = 64, 64
+    gdc = pdl(qkv.device)
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
     _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,
-                            num_warps=4, num_stages=2)
+                            USE_GDC=gdc, launch_pdl=gdc, num_warps=4, num_stages=2)
     return out

@@ -20,15 +20,19 @@ Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 import torch
 
+from kernels.launch import pdl
+
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
-    triton = None
+    triton = TensorDescriptor = None
 
 
 class Epi(enum.IntEnum):
@@ -102,8 +106,14 @@ if triton is not None:
     def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
                      M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS,
                      EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
-                     HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        CD: tl.constexpr = a_ptr.dtype.element_ty      # the compute dtype: every rounding goes to it
+                     HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     TMA: tl.constexpr, USE_GDC: tl.constexpr):
+        # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
+        # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
+        CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rk = tl.arange(0, BK)
@@ -116,21 +126,29 @@ if triton is not None:
             cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < N_OUT
         row_ok = rm < M
-        a_ptrs = a_ptr + rm[:, None] * sam + rk[None, :]
-        w_ptrs = w_ptr + cols[None, :] * swn + rk[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if EPI >= 2:
             acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k_ok = (k0 + rk) < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc)
-            if EPI >= 2:
-                b2 = tl.load(w_ptrs + PARTNER * swn, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-                acc2 = tl.dot(a, b2, acc2)
-            a_ptrs += BK
-            w_ptrs += BK
+        if TMA:
+            n0 = tl.min(cols, 0)
+            for k0 in range(0, K, BK):
+                a = a_ptr.load([pid_m * BM, k0])
+                acc = tl.dot(a, w_ptr.load([n0, k0]).T, acc)
+                if EPI >= 2:
+                    acc2 = tl.dot(a, w_ptr.load([n0 + PARTNER, k0]).T, acc2)
+        else:
+            a_ptrs = a_ptr + rm[:, None] * sam + rk[None, :]
+            w_ptrs = w_ptr + cols[None, :] * swn + rk[:, None]
+            for k0 in range(0, K, BK):
+                k_ok = (k0 + rk) < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(a, b, acc)
+                if EPI >= 2:
+                    b2 = tl.load(w_ptrs + PARTNER * swn, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                    acc2 = tl.dot(a, b2, acc2)
+                a_ptrs += BK
+                w_ptrs += BK
         out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
         if EPI == 0:
@@ -165,7 +183,7 @@ if triton is not None:
 def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.PLAIN,
          bias: torch.Tensor | None = None, bias_apart: bool = False, act: Act = Act.NONE,
          rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
-         tiles: Tiles | None = None) -> torch.Tensor:
+         tiles: Tiles | None = None, tma: bool | None = None) -> torch.Tensor:
     """out <- epilogue(a @ w.T). a [M, K] bf16 (row stride free, unit column stride), w [N, K] contiguous.
 
     PLAIN: out [M, N] bf16. RESIDUAL: out [M, N] fp32, added to. GEGLU: w holds [inp; gate] (N = 2F),
@@ -195,11 +213,29 @@ def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.
     else:
         programs_n = triton.cdiv(n_out, t.bn)
     grid = (triton.cdiv(m, t.bm), programs_n)
-    _gemm_kernel[grid](a, w, bias if bias is not None else w, out, pos, cos, sin,
+    if tma is None:
+        tma = use_tma(m, a, w)
+    a_arg, w_arg = a, w
+    if tma:
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
+        w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
+    gdc = pdl(a.device)
+    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin,
                        m, n_out, k, a.stride(0), w.stride(0), out.stride(0), partner, rope_heads,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
-                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
+                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, USE_GDC=gdc, launch_pdl=gdc,
+                       num_warps=t.warps, num_stages=t.stages)
     return out
+
+
+TMA_MIN_M = 513           # below it the pointer loads are as fast (device probe); `LAYA_TMA=0` turns it off
+
+
+def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """The copy engine for the operands when M is large and the operands meet its 16-byte rules."""
+    if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or os.environ.get("LAYA_TMA") == "0":
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
 
 
 _SMS: dict[int, int] = {}

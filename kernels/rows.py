@@ -14,6 +14,8 @@ write bf16 where the next op is a GEMM.
 """
 from __future__ import annotations
 
+from kernels.launch import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -34,7 +36,11 @@ if triton is not None:
 
     @triton.jit
     def _embed_kernel(ids_ptr, start_ptr, len_ptr, emb_ptr, w_ptr, h_ptr, x_ptr, pos_ptr, row_ptr,
-                      R, n_ids, pad_id, eps, N: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr):
+                      R, n_ids, pad_id, eps, N: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
+                      USE_GDC: tl.constexpr):
+        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         r = tl.arange(0, RB)
         r_ok = r < R
@@ -56,7 +62,10 @@ if triton is not None:
 
     @triton.jit
     def _layer_norm_kernel(h_ptr, w_ptr, b_ptr, x_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr):
+        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -66,7 +75,10 @@ if triton is not None:
 
     @triton.jit
     def _head_entry_kernel(h_ptr, row_ptr, qtype_ptr, fw_ptr, temb_ptr, w1_ptr, b1_ptr, x_ptr, eps, eps1,
-                           N: tl.constexpr, BLOCK: tl.constexpr):
+                           N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
@@ -81,7 +93,10 @@ if triton is not None:
 
     @triton.jit
     def _gather_norm_kernel(h_ptr, start_ptr, mk_ptr, w_ptr, b_ptr, x_ptr, K, L, T, eps,
-                            N: tl.constexpr, BLOCK: tl.constexpr):
+                            N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         i = tl.program_id(0)
         r = i // K
         at = tl.minimum(tl.maximum(tl.load(mk_ptr + i), 0), L - 1)
@@ -95,7 +110,10 @@ if triton is not None:
 
     @triton.jit
     def _features_kernel(score_ptr, mk_ptr, h_ptr, start_ptr, logits_ptr, act_in_ptr, K, T, absent, s_act,
-                         N: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+                         N: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr, USE_GDC: tl.constexpr):
+        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0)
         j = tl.arange(0, WIDE)
         in_k = j < K
@@ -124,13 +142,21 @@ if triton is not None:
         tl.store(row + N + 3, (kf / 255.0).to(act_in_ptr.dtype.element_ty))
 
     @triton.jit
-    def _softmax_kernel(x_ptr, y_ptr, C, BLOCK: tl.constexpr):
+    def _softmax_kernel(x_ptr, y_ptr, C, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < C
         x = tl.load(x_ptr + r * C + c, mask=ok, other=float("-inf")).to(tl.float32)
         e = tl.exp(x - tl.max(x, 0))
         tl.store(y_ptr + r * C + c, e / tl.sum(e, 0), mask=ok)
+
+
+def _launch(device) -> dict:
+    gdc = pdl(device)
+    return {"USE_GDC": gdc, "launch_pdl": gdc}
 
 
 def _block(n: int) -> int:
@@ -146,21 +172,21 @@ def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id: int, eps: flo
     rows = row_start.shape[0]
     b = _block(n)
     _embed_kernel[(t,)](ids, row_start, row_len, emb, w, h, x, pos, row, rows, ids.shape[0], pad_id, eps,
-                        N=n, BLOCK=b, RB=_block(max(rows, 2)), num_warps=_warps(b))
+                        N=n, BLOCK=b, RB=_block(max(rows, 2)), **_launch(h.device), num_warps=_warps(b))
 
 
 def layer_norm(h, w, b, x, eps: float) -> None:
     t, n = h.shape
     blk = _block(n)
     _layer_norm_kernel[(t,)](h, w, b if b is not None else w, x, eps, N=n, BLOCK=blk, HAS_BIAS=b is not None,
-                             num_warps=_warps(blk))
+                             **_launch(h.device), num_warps=_warps(blk))
 
 
 def head_entry(h, row, qtype, final_w, type_emb, w1, b1, x, eps: float, eps1: float) -> None:
     t, n = h.shape
     blk = _block(n)
     _head_entry_kernel[(t,)](h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, N=n, BLOCK=blk,
-                             num_warps=_warps(blk))
+                             **_launch(h.device), num_warps=_warps(blk))
 
 
 def gather_norm(h, row_start, markers, w, b, x, max_row_len: int, eps: float) -> None:
@@ -168,7 +194,7 @@ def gather_norm(h, row_start, markers, w, b, x, max_row_len: int, eps: float) ->
     n = h.shape[1]
     blk = _block(n)
     _gather_norm_kernel[(rows * k,)](h, row_start, markers, w, b, x, k, max_row_len, h.shape[0], eps, N=n, BLOCK=blk,
-                                     num_warps=_warps(blk))
+                                     **_launch(h.device), num_warps=_warps(blk))
 
 
 def features(score, markers, h, row_start, logits, act_in, absent: float, wide: int) -> None:
@@ -176,9 +202,9 @@ def features(score, markers, h, row_start, logits, act_in, absent: float, wide: 
     n = h.shape[1]
     blk = _block(n)
     _features_kernel[(rows,)](score, markers, h, row_start, logits, act_in, k, h.shape[0], absent, act_in.stride(0),
-                              N=n, BLOCK=blk, WIDE=_block(wide), num_warps=_warps(blk))
+                              N=n, BLOCK=blk, WIDE=_block(wide), **_launch(h.device), num_warps=_warps(blk))
 
 
 def softmax_rows(x, y) -> None:
     rows, c = x.shape
-    _softmax_kernel[(rows,)](x, y, c, BLOCK=_block(max(c, 2)), num_warps=1)
+    _softmax_kernel[(rows,)](x, y, c, BLOCK=_block(max(c, 2)), **_launch(x.device), num_warps=1)

@@ -94,19 +94,19 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
     h0 = torch.randn(8192, n_out, device=dev)
     rope = (pos, cos, sin, D, 2 * arch.heads) if epi == Epi.ROPE else None
 
-    def run(m, tiles=None):
+    def run(m, tiles=None, tma=None):
         o = h0[:m].clone() if epi == Epi.RESIDUAL else torch.empty(m, n_out, device=dev, dtype=torch.bfloat16)
         gemm(a[:m], w, o, epi=epi, bias=bias, bias_apart=kw.get("bias_apart", False),
-             act=kw.get("act", Act.NONE), rope=None if rope is None else (pos[:m],) + rope[1:], tiles=tiles)
+             act=kw.get("act", Act.NONE), rope=None if rope is None else (pos[:m],) + rope[1:], tiles=tiles, tma=tma)
         return o
-    canon = run(8192, ALT[0])
+    canon = run(8192, ALT[0], tma=False)
     bad_tiles = []
-    for t in ALT[1:]:
+    for t, tma in [(t, False) for t in ALT[1:]] + [(t, True) for t in ALT]:
         try:
-            if not torch.equal(run(8192, t), canon):
-                bad_tiles.append(t)
+            if not torch.equal(run(8192, t, tma=tma), canon):
+                bad_tiles.append((t, tma))
         except Exception as e:       # a config the compiler refuses (shared memory): say so, go on
-            print(f"   {t}: {repr(e)[:80]}")
+            print(f"   {t} tma={tma}: {repr(e)[:80]}")
     bad_m = [m for m in MS if not torch.equal(run(m), canon[:m])]
     if epi == Epi.RESIDUAL:
         ref = h0 + F.linear(a.float(), w.float(), None if bias is None else bias.float()).bfloat16().float()
@@ -122,16 +122,19 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
         flops, wbytes = 2 * m * n * k, 2 * n * k
         row = {}
         picked = pick_tiles(m, n_out, k, epi)
-        for t in [None] + ALT:
+        variants = [(None, None)] + [(t, False) for t in ALT] + [(t, True) for t in ALT if m > 512]
+        for t, tma in variants:
+            name_t = f"picked {picked}" if t is None else f"{t}{' tma' if tma else ''}"
             try:
-                def fn(t=t, m=m, o=o):
+                def fn(t=t, m=m, o=o, tma=tma):
                     gemm(a[:m], w, o, epi=epi, bias=bias, bias_apart=kw.get("bias_apart", False),
-                         act=kw.get("act", Act.NONE), rope=None if rope is None else (pos[:m],) + rope[1:], tiles=t)
+                         act=kw.get("act", Act.NONE), rope=None if rope is None else (pos[:m],) + rope[1:], tiles=t,
+                         tma=tma)
                 p50, p95 = graph_time(fn)
             except Exception as e:   # a config the compiler refuses (shared memory): say so, go on
-                row[str(t)] = repr(e)[:80]
+                row[name_t] = repr(e)[:80]
                 continue
-            row["picked " + str(picked) if t is None else str(t)] = (p50, p95)
+            row[name_t] = (p50, p95)
         ob = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         p50, p95 = graph_time(lambda m=m, ob=ob: torch.matmul(a[:m], w.t(), out=ob))
         row["cublas"] = (p50, p95)
@@ -236,6 +239,16 @@ def step_model(model_dir, report):
         dp = float((pf - pr).abs().max())
         agree = float((pf.argmax(-1) == pr.argmax(-1)).float().mean())
         t_fast = graph_time(lambda inp=inp: fast(**inp), reps=1, samples=50)
+        variants = {}
+        for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"})):
+            os.environ.update(env)
+            try:
+                lv, av = fast(**inp)
+                variants[label] = (graph_time(lambda inp=inp: fast(**inp), reps=1, samples=30),
+                                   bool(torch.equal(lv, lf) and torch.equal(av, af)))
+            finally:
+                for k_ in env:
+                    os.environ.pop(k_)
         t_ref = graph_time(lambda inp=inp: ref(**inp), reps=1, samples=20)
         t0 = time.perf_counter()
         for _ in range(3):
@@ -252,7 +265,9 @@ def step_model(model_dir, report):
                 fam[f] += ev.device_time_total / 1e3
                 cnt[f] += 1
         key = f"{R}x{L}"
-        rec[key] = {"dp_max_vs_ref": dp, "agree_vs_ref": agree, "graph_fast": t_fast, "graph_ref": t_ref,
+        for label, (tv, same) in variants.items():
+            print(f"        {label}: {tv[0]:.3f}/{tv[1]:.3f} ms, same bits {same}")
+        rec[key] = {"variants": variants, "dp_max_vs_ref": dp, "agree_vs_ref": agree, "graph_fast": t_fast, "graph_ref": t_ref,
                     "eager_fast_ms": eager, "kernels": sum(cnt.values()),
                     "by_family": {k: (cnt[k], round(v, 4)) for k, v in fam.most_common()}}
         print(f"{key:7s} fast {t_fast[0]:.3f}/{t_fast[1]:.3f}  ref {t_ref[0]:.3f}/{t_ref[1]:.3f}  "

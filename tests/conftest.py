@@ -7,6 +7,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# Without CUDA, Triton kernels can still run in Triton's CPU interpreter (tests/test_fast.py). Triton reads
+# this when a kernel is defined, so it is set here, before any test module imports kernels/.
+if not _cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(ROOT))
 # For the broker and worker processes tests start: this checkout first, then whatever PYTHONPATH held
 # (on the device, that is where pyzmq and laya are carried).
@@ -46,12 +60,7 @@ def sdk_agent(tiny_ckpt):
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if has_cuda:
+    if _cuda():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the device)")
     for item in items:

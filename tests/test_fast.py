@@ -1,0 +1,136 @@
+"""The fast path (kernels/fast.py) on the CPU, through Triton's interpreter.
+
+The interpreter runs the real kernels (their indexing, masks, fused epilogues, the attention band) with
+numpy arithmetic; it cannot run bf16 dots, so these tests run the fast path in fp16 against the reference
+forward. Speed, bf16 numbers and bit-level batch invariance are the GPU tests' job (tests/test_fast_gpu.py).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.arch import parse_arch
+from kernels.gemm import Epi, pick_tiles
+from kernels.reference import ReferenceModel
+from worker.checkpoint import load_checkpoint
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# conftest.py turns the interpreter on before anything imports Triton, on machines without CUDA.
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not _has_triton(),
+                                 reason="needs Triton's CPU interpreter (machines without CUDA)")
+
+PRESET_SHAPES = {"tiny": (128, 192), "large": (1024, 2624), "multilingual": (768, 1152)}
+
+
+def _gemms(d: int, ff: int) -> list[tuple[int, int, Epi]]:
+    return [(3 * d, d, Epi.ROPE), (d, d, Epi.RESIDUAL), (ff, d, Epi.GEGLU), (d, ff, Epi.RESIDUAL),
+            (4 * d, d, Epi.PLAIN), (d, 4 * d, Epi.RESIDUAL), (1, d, Epi.PLAIN), (256, d + 4, Epi.PLAIN)]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_SHAPES))
+def test_every_tile_choice_keeps_the_invariance_preconditions(preset):
+    """What kernels/gemm.py's invariance rests on: for every M a worker can run, every GEMM issues the
+    warpgroup MMA (M tile >= 64, 4 or 8 warps), and K tiles are whole 16-steps."""
+    d, ff = PRESET_SHAPES[preset]
+    for n, k, epi in _gemms(d, ff):
+        for m in list(range(1, 130)) + [192, 256, 512, 513, 1024, 1536, 2048, 4096, 8192, 16384]:
+            t = pick_tiles(m, n, k, epi)
+            assert t.bm >= 64 and t.warps in (4, 8) and t.bk % 16 == 0 and t.bn >= 16, (preset, n, k, epi, m, t)
+
+
+def test_small_m_gets_enough_programs_to_stream_weights():
+    # A 1x48 request is weight-bandwidth bound: a 1024-wide projection must not run on a handful of SMs.
+    t = pick_tiles(48, 1024, 1024, Epi.RESIDUAL)
+    assert 1024 // t.bn >= 32, t
+
+
+@pytest.fixture(scope="module")
+def models(tiny_ckpt):
+    from kernels.fast import FastModel
+    ck = load_checkpoint(tiny_ckpt)
+    return (ck, FastModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float16),
+            ReferenceModel(ck.arch, ck.tensors, dtype=torch.float16, gemm="vendor"),
+            ReferenceModel(ck.arch, ck.tensors, dtype=torch.float32))
+
+
+def _inputs(lens, k=4, extra_rows=0, seed=0, types=None):
+    rng = np.random.default_rng(seed)
+    ids = np.concatenate([rng.integers(5, 1000, n) for n in lens]).astype(np.int32)
+    rows = len(lens) + extra_rows
+    starts = np.zeros(rows, np.int32)
+    starts[: len(lens)] = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    length = np.zeros(rows, np.int32)
+    length[: len(lens)] = lens
+    mk = np.full((rows, k), -1, np.int32)
+    for r, n in enumerate(lens):
+        mk[r, :3] = [1, n // 2, n - 1]
+    qt = np.array(types if types is not None else [r % 3 for r in range(rows)], np.int32)
+    t = torch.from_numpy
+    return dict(ids=t(np.concatenate([ids, np.full(64, 3, np.int32)])), row_start=t(starts), row_len=t(length),
+                qtype=t(qt), markers=t(mk), max_row_len=max(lens))
+
+
+@interpreted
+def test_fast_forward_matches_the_reference(models):
+    """Rows longer than the tiny model's 16-token window, a padding row, an absent marker column."""
+    ck, fast, ref16, ref32 = models
+    inp = _inputs([48, 20, 33], extra_rows=1)
+    lf, af = fast(**inp)
+    l16, a16 = ref16(**inp)
+    l32, a32 = ref32(**inp)
+    real = inp["markers"][:3] >= 0
+    assert torch.all(lf[:3][~real] == -1e4) and torch.isfinite(af).all()
+    pf, p16, p32 = (torch.softmax(x[:3].float(), -1) for x in (lf, l16, l32))
+    noise = float((p16 - p32).abs().max())            # the reference's own fp16-vs-fp32 distance
+    assert float((pf - p32).abs().max()) <= max(2 * noise, 5e-3), (pf, p32)
+    assert float((af[:3] - a32[:3]).abs().max()) <= max(2 * float((a16[:3] - a32[:3]).abs().max()), 5e-3)
+
+
+@interpreted
+def test_a_row_never_sees_its_neighbours(models):
+    """Same shapes, other rows' tokens and types changed: row 0 answers the same bits (no leak across rows
+    through attention, the packed GEMMs or the gathers)."""
+    _, fast, _, _ = models
+    a = _inputs([40, 30, 25], seed=1, types=[0, 1, 2])
+    b = _inputs([40, 30, 25], seed=1, types=[0, 2, 1])
+    b["ids"][40:95] = torch.from_numpy(np.random.default_rng(9).integers(5, 1000, 55).astype(np.int32))
+    la, aa = fast(**a)
+    lb, ab = fast(**b)
+    assert torch.equal(la[0], lb[0]) and torch.equal(aa[0], ab[0])
+    assert not torch.equal(la[1], lb[1])
+
+
+@interpreted
+def test_taps_follow_the_reference(models):
+    ck, fast, ref16, _ = models
+    inp = _inputs([30, 18])
+    got, want = {}, {}
+    fast(**inp, taps=got)
+    ref16(**inp, taps=want)
+    assert set(want) <= set(got)
+    for name in ("embeddings", "encoder.0", "final_norm", f"head.{ck.arch.head_layers - 1}"):
+        g, w = got[name][0, :30].float(), want[name][0, :30].float()
+        assert float((g - w).norm() / w.norm()) < 5e-3, name
+
+
+def test_unsupported_configurations_say_why():
+    from kernels.fast import supports
+    arch = load_checkpoint_arch()
+    assert "bf16" in supports(arch, torch.device("cpu"), torch.float32)
+
+
+def load_checkpoint_arch():
+    agent = {"encoder": "x", "head_layers": 2, "max_len": 64}
+    enc = {"model_type": "modernbert", "hidden_size": 128, "num_attention_heads": 2, "num_hidden_layers": 3,
+           "vocab_size": 100, "intermediate_size": 64}
+    return parse_arch(agent, enc)
