@@ -11,7 +11,7 @@ What it owns:
 - heartbeats both ways (Paranoid Pirate): a worker silent for `liveness` intervals is dead; a
   message from a worker the broker does not know gets DISCONNECT, so the worker re-registers.
 
-The broker speaks only the wire protocol (client/wire.py): no torch, no worker imports.
+The broker speaks only the wire protocol (protocol/wire.py): no torch, no worker imports.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from typing import Any
 import zmq
 
 from broker import security
-from client import wire
-from client.wire import Cmd
+from protocol import contract, wire
+from protocol.contract import Leave, Reason
+from protocol.wire import Cmd
 
 log = logging.getLogger("laya-pool.broker")
 
@@ -41,10 +42,10 @@ FORGET_AFTER_S = 600.0          # dead entries stay in the status table this lon
 
 @dataclass
 class BrokerConfig:
-    frontend: str = "tcp://127.0.0.1:5555"
-    backend: str = "tcp://127.0.0.1:5556"
-    heartbeat_ms: int = 1000
-    liveness: int = 3
+    frontend: str = contract.FRONTEND
+    backend: str = contract.BACKEND
+    heartbeat_ms: int = contract.HEARTBEAT_MS
+    liveness: int = contract.LIVENESS
     queue_size: int = 1024
     queue_timeout_s: float = 30.0
     max_attempts: int = 3               # workers a request may be lost on before it is failed
@@ -56,8 +57,8 @@ class BrokerConfig:
     queue_max_bytes: int = 1 << 30      # request payloads waiting or running, together
     cache_ttl_s: float = 300.0
     cache_max_reply_bytes: int = 1 << 20
-    max_frontend_bytes: int = 16 << 20  # ZMQ_MAXMSGSIZE (per frame): a larger frame drops the connection
-    max_backend_bytes: int = 1 << 30
+    max_frontend_bytes: int = contract.MAX_FRONTEND_BYTES  # ZMQ_MAXMSGSIZE (per frame): a larger one drops the client
+    max_backend_bytes: int = contract.MAX_BACKEND_BYTES
     keys: str | None = None             # CURVE key directory (laya-pool keys); needed for a non-loopback bind
 
 
@@ -239,11 +240,11 @@ class Broker:
                 cut = 2 if len(frames) > 1 and frames[1] == b"" else 1
                 with contextlib.suppress(Exception):
                     self._client_error(frames[:cut], wire.rid_of(frames[cut:]) if len(frames) > cut + 2 else None,
-                                       wire.STATUS_RETRYABLE, "internal broker error", reason="internal")
+                                       wire.STATUS_RETRYABLE, "internal broker error", reason=Reason.INTERNAL)
 
     def shutdown(self) -> None:
         for job in list(self.queue) + list(self.inflight.values()):
-            self._fail(job, wire.STATUS_RETRYABLE, "the broker is shutting down", reason="shutdown")
+            self._fail(job, wire.STATUS_RETRYABLE, "the broker is shutting down", reason=Reason.SHUTDOWN)
         self.queue.clear()
         self.inflight.clear()
         if self.auth is not None:
@@ -267,9 +268,9 @@ class Broker:
                     # Heartbeats come from the worker's I/O thread, so a hung device still looks alive:
                     # judge it by its oldest job, re-send its work, and make it register again.
                     self._worker_lost(w, "dead", f"held a request for over {self.cfg.job_timeout_s:g} s")
-                    self._send(self.backend, [w.identity, *wire.encode(Cmd.DISCONNECT, {"reason": "hung"})])
+                    self._send(self.backend, [w.identity, *wire.encode(Cmd.DISCONNECT, {"reason": Leave.HUNG})])
                 elif now - w.last_sent >= self.hb:
-                    hdr = {"drain": "restart" if w.drain_restart else "drain"} if w.state == "draining" else {}
+                    hdr = {"drain": Leave.RESTART if w.drain_restart else Leave.DRAIN} if w.state == "draining" else {}
                     if not self._to_worker(w, Cmd.HEARTBEAT, hdr):
                         self._worker_lost(w, "dead", "unreachable")
             elif w.state == "dead" and now - w.last_seen > FORGET_AFTER_S:
@@ -281,7 +282,7 @@ class Broker:
             for job in self.queue:
                 if now - job.enqueued > self.cfg.queue_timeout_s:
                     self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within "
-                               f"{self.cfg.queue_timeout_s:g} s", reason="queue-timeout")
+                               f"{self.cfg.queue_timeout_s:g} s", reason=Reason.QUEUE_TIMEOUT)
                 else:
                     kept.append(job)
             self.queue = kept
@@ -346,7 +347,7 @@ class Broker:
                 raise wire.ProtocolError("worker", f"no worker {req.worker!r} in this pool")
             if w.state not in ("ready", "mismatch"):   # a named mismatched worker is reachable: diagnostics
                 self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE, f"worker {req.worker!r} is {w.state}",
-                                   reason="worker-unavailable")
+                                   reason=Reason.WORKER_UNAVAILABLE)
                 return
         ready = [w for w in self.workers.values() if w.state == "ready" and w.fingerprint == self.pool_fp]
         probe = Job(0, "request", None, [], None, req=req)
@@ -362,7 +363,7 @@ class Broker:
             self.counters["busy"] += 1
             self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE,
                                f"the pool is busy ({len(self.queue)} requests, {self.queue_bytes} B queued)",
-                               reason="busy")
+                               reason=Reason.BUSY)
             return
         job = Job(self._job_id(), "request", key, envelope, req.rid, req=req, payload=list(msg.frames),
                   target=req.worker, enqueued=now, nbytes=size)
@@ -379,7 +380,7 @@ class Broker:
             return
         if len(self.queue) >= self.cfg.queue_size:
             self._client_error(envelope, rid, wire.STATUS_RETRYABLE, "the pool is busy", cmd=Cmd.DESCRIBE,
-                               reason="busy")
+                               reason=Reason.BUSY)
             return
         job = Job(self._job_id(), "describe", None, envelope, rid, enqueued=time.monotonic())
         self.queue.append(job)
@@ -446,7 +447,7 @@ class Broker:
         if w is None or w.state not in LIVE_STATES + ("mismatch",):
             # A worker we do not know (we restarted, or declared it dead): make it register again.
             if msg.cmd != Cmd.DISCONNECT:
-                self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": "not registered"})])
+                self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": Leave.NOT_REGISTERED})])
             return
         w.last_seen, w.expiry = now, now + self.hb * self.cfg.liveness
         try:
@@ -464,8 +465,8 @@ class Broker:
                     w.state = "draining"
                     log.info("worker %s: draining (%s)", w.id, msg.header.get("reason", "its own decision"))
             elif msg.cmd == Cmd.DISCONNECT:
-                reason = wire.get(msg.header, "reason", str, default="shutdown")
-                state = {"drain": "drained", "restart": "restarting"}.get(reason, "stopped")
+                reason = wire.get(msg.header, "reason", str, default=Leave.SHUTDOWN)
+                state = {Leave.DRAIN: "drained", Leave.RESTART: "restarting"}.get(reason, "stopped")
                 self._worker_lost(w, state, f"left ({reason})")
             else:
                 raise wire.ProtocolError("command", f"{msg.cmd.name} is not a worker command")
@@ -529,7 +530,7 @@ class Broker:
             return
         del self.inflight[job.id]
         w.inflight.discard(job.id)
-        if rep.status == wire.STATUS_RETRYABLE and (rep.error or {}).get("reason") == "worker-fault":
+        if rep.status == wire.STATUS_RETRYABLE and (rep.error or {}).get("reason") == Reason.WORKER_FAULT:
             # The worker failed running it (and is going down): that is a lost attempt, bounded by
             # max_attempts, so one poisonous request cannot take down worker after worker.
             self._requeue(job, w, "the worker failed running it")
@@ -540,7 +541,7 @@ class Broker:
             job.worker = None
             if job.bounces > self.cfg.max_bounces:
                 self._fail(job, wire.STATUS_RETRYABLE, rep.message or "workers keep handing this request back",
-                           reason="bounced")
+                           reason=Reason.BOUNCED)
             else:
                 job.enqueued = time.monotonic()
                 self.queue.appendleft(job)
@@ -604,7 +605,7 @@ class Broker:
         self.counters["requeued"] += 1
         if job.attempts >= self.cfg.max_attempts:
             self._fail(job, wire.STATUS_FINAL, f"{job.attempts} workers were lost while running this request "
-                                               f"(last: worker {w.id}, {why})", reason="workers-lost")
+                                               f"(last: worker {w.id}, {why})", reason=Reason.WORKERS_LOST)
         else:
             job.enqueued = time.monotonic()
             self.queue.appendleft(job)
@@ -715,31 +716,48 @@ def _natural(s: str) -> tuple:
 
 # ------------------------------------------------------------------------------------------------ process
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+# The broker's policy flags, defined once: `python -m broker.broker`, `laya-pool broker` and `laya-pool up`
+# (which hands them to the broker it starts) all take these. (flag, BrokerConfig field, type, help)
+POLICY_FLAGS = (
+    ("--queue-size", "queue_size", int, "requests waiting for a worker before the pool answers busy"),
+    ("--queue-timeout", "queue_timeout_s", float, "seconds a request may wait for a worker"),
+    ("--queue-max-bytes", "queue_max_bytes", int, "request payload bytes waiting or running, together"),
+    ("--cache-max-bytes", "cache_max_bytes", int, "bytes of finished replies kept for retries"),
+    ("--max-attempts", "max_attempts", int, "workers a request may be lost on before it fails"),
+    ("--job-timeout", "job_timeout_s", float,
+     "seconds a worker may hold one request before it is declared hung (counted from dispatch, so it includes "
+     "the wait behind the worker's other requests: keep it well above credit x the slowest request)"),
+    ("--max-message-bytes", "max_frontend_bytes", int, "largest frame a client may send"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> None:
+    """The broker's flags. `supervised` (for `laya-pool up`): the backend defaults to a private ipc socket
+    and the fingerprint comes from the checkpoint, so neither is asked for."""
     d = BrokerConfig()
-    p.add_argument("--frontend", default=os.environ.get("LAYA_POOL_FRONTEND", d.frontend),
+    p.add_argument("--frontend", default=contract.default_frontend(),
                    help="endpoint clients connect to (default %(default)s)")
-    p.add_argument("--backend", default=d.backend, help="endpoint workers connect to (default %(default)s)")
+    if supervised:
+        p.add_argument("--backend", default=None, help="endpoint workers connect to (default: a private ipc socket)")
+    else:
+        p.add_argument("--backend", default=d.backend, help="endpoint workers connect to (default %(default)s)")
+        p.add_argument("--fingerprint", default=None, help="serve only this model (sha256 of the checkpoint)")
     p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms)
     p.add_argument("--liveness", type=int, default=d.liveness, help="heartbeats missed before a worker is dead")
-    p.add_argument("--queue-size", type=int, default=d.queue_size)
-    p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s)
-    p.add_argument("--queue-max-bytes", type=int, default=d.queue_max_bytes)
-    p.add_argument("--fingerprint", default=None, help="serve only this model (sha256 of the checkpoint)")
-    p.add_argument("--cache-max-bytes", type=int, default=d.cache_max_bytes)
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
-    p.add_argument("--job-timeout", type=float, default=d.job_timeout_s,
-                   help="seconds a worker may hold one request before it is declared hung")
-    p.add_argument("--max-message-bytes", type=int, default=d.max_frontend_bytes)
+    for flag, name, kind, text in POLICY_FLAGS:
+        p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys --out DIR)")
+
+
+def policy_argv(a: argparse.Namespace) -> list[str]:
+    """The policy flags of a parsed command line, as arguments for `python -m broker.broker`."""
+    return [arg for flag, name, _, _ in POLICY_FLAGS for arg in (flag, str(getattr(a, name)))]
 
 
 def config_from_args(a: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
-                        queue_size=a.queue_size, queue_timeout_s=a.queue_timeout, max_attempts=a.max_attempts,
-                        job_timeout_s=a.job_timeout, max_frontend_bytes=a.max_message_bytes, keys=a.keys,
-                        queue_max_bytes=a.queue_max_bytes, cache_max_bytes=a.cache_max_bytes,
-                        fingerprint=a.fingerprint)
+                        keys=a.keys, fingerprint=a.fingerprint,
+                        **{name: getattr(a, name) for _, name, _, _ in POLICY_FLAGS})
 
 
 def serve(cfg: BrokerConfig) -> int:
@@ -747,10 +765,10 @@ def serve(cfg: BrokerConfig) -> int:
         broker = Broker(cfg)
     except security.SecurityError as e:
         log.error("%s", e)
-        return wire.EXIT_USAGE
+        return contract.EXIT_USAGE
     except zmq.ZMQError as e:
         log.error("cannot bind %s / %s: %s", cfg.frontend, cfg.backend, e)
-        return wire.EXIT_CONFIG
+        return contract.EXIT_CONFIG
 
     def stop(signum, _frame):
         broker.stopping = True

@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_FRONTEND = os.environ.get("LAYA_POOL_FRONTEND", "tcp://127.0.0.1:5555")
+from protocol import contract, wire
+
+DEFAULT_FRONTEND = contract.default_frontend()
 
 
 def _client(a: argparse.Namespace, **kw: Any):
@@ -47,14 +49,12 @@ def cmd_up(a: argparse.Namespace) -> int:
     devices = ["cuda:0" if d == "cuda" else d for d in devices]
     if not Path(a.model).is_dir():
         return _fail(f"--model: {a.model} is not a directory", 2)
-    from client import wire
     for ep in (a.frontend, a.backend or "ipc://"):
         if not wire.is_loopback(ep) and not a.keys:
             return _fail(f"refusing to bind {ep}: not a loopback address and no CURVE keys "
                          "(generate them with `laya-pool keys --out DIR`, then pass --keys DIR)", 2)
-    broker_args = ["--queue-size", str(a.queue_size), "--queue-timeout", str(a.queue_timeout),
-                   "--max-attempts", str(a.max_attempts), "--job-timeout", str(a.job_timeout),
-                   "--max-message-bytes", str(a.max_message_bytes)]
+    from broker.broker import policy_argv
+    broker_args = policy_argv(a)
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
     for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch"):
         v = getattr(a, name)
@@ -197,6 +197,7 @@ def cmd_broker(a: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ parser
 
 def build_parser() -> argparse.ArgumentParser:
+    from broker.broker import add_arguments
     p = argparse.ArgumentParser(prog="laya-pool", description="a multi-process worker pool serving Laya models")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", "INFO"))
     sub = p.add_subparsers(dest="command", required=True)
@@ -212,30 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", required=True, help="checkpoint directory")
     up.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
     up.add_argument("--workers-per-device", type=int, default=1)
-    up.add_argument("--frontend", default=DEFAULT_FRONTEND)
-    up.add_argument("--backend", default=None, help="worker endpoint (default: a private ipc socket)")
-    up.add_argument("--heartbeat-ms", type=int, default=1000)
-    up.add_argument("--liveness", type=int, default=3)
-    up.add_argument("--mode", default=None, choices=("eager", "graph-fixed", "graph-cached"))
+    add_arguments(up, supervised=True)
+    up.add_argument("--mode", default=None, choices=contract.MODES)
     up.add_argument("--credit", type=int, default=None,
                     help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
     up.add_argument("--max-batch", type=int, default=None,
                     help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
-    up.add_argument("--queue-size", type=int, default=1024)
-    up.add_argument("--queue-timeout", type=float, default=30.0)
-    up.add_argument("--max-attempts", type=int, default=3)
-    up.add_argument("--job-timeout", type=float, default=300.0,
-                    help="seconds a worker may hold one request before it is declared hung (counted from "
-                         "dispatch, so it includes the wait behind the worker's other requests: keep it well "
-                         "above credit x the slowest request)")
-    up.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest frame a client may send")
     up.add_argument("--max-tokens", type=int, default=None)
     up.add_argument("--max-rows", type=int, default=None)
     up.add_argument("--max-markers", type=int, default=None)
     up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
-    up.add_argument("--keys", default=None, help="CURVE key directory (needed for a non-loopback bind)")
     up.set_defaults(fn=cmd_up)
 
     s = operator("status", "the worker table")
@@ -260,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-json", default=None, help="the state as JSON (a dict or a conversation list)")
     s.add_argument("--questions", required=True, help="JSON {id: definition}, or @FILE")
     s.add_argument("--worker", default=None)
-    s.add_argument("--mode", default=None, choices=("eager", "graph-fixed", "graph-cached"))
+    s.add_argument("--mode", default=None, choices=contract.MODES)
     s.set_defaults(fn=cmd_predict)
 
     s = sub.add_parser("keys", help="generate CURVE keys")
@@ -268,7 +257,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace existing keys")
     s.set_defaults(fn=cmd_keys)
 
-    from broker.broker import add_arguments
     s = sub.add_parser("broker", help="run a broker alone")
     add_arguments(s)
     s.set_defaults(fn=cmd_broker)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client import wire
+from protocol import contract
 
 log = logging.getLogger("laya-pool.supervisor")
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,10 +123,9 @@ class Supervisor:
         keys = ["--keys", cfg.keys] if cfg.keys else []
         # Pin the pool to this model: after a broker restart, a stray worker registering first must not
         # redefine what the pool serves.
-        from client.card import CardError, directory_fingerprint
         try:
-            fingerprint = ["--fingerprint", directory_fingerprint(cfg.model)]
-        except CardError:
+            fingerprint = ["--fingerprint", contract.fingerprint(cfg.model)]
+        except OSError:
             fingerprint = []       # an unreadable checkpoint: the workers report exactly what is wrong
         self.broker = Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
                                        "--backend", cfg.backend, *common, *keys, *fingerprint, *cfg.broker_args],
@@ -180,18 +179,18 @@ class Supervisor:
         if self.stopping:
             child.state = "stopped"
             return
-        if not is_worker and code in (wire.EXIT_USAGE, wire.EXIT_CONFIG):
+        if not is_worker and code in (contract.EXIT_USAGE, contract.EXIT_CONFIG):
             log.error("the broker cannot start (exit %d: an endpoint is in use or refused); stopping", code)
             child.state = "down"
-        elif is_worker and code == wire.EXIT_RESTART:
+        elif is_worker and code == contract.EXIT_RESTART:
             log.info("%s drained for a restart; starting it again", child.name)
             child.restarts += 1
             child.state, child.next_start = "backoff", now
-        elif is_worker and code == wire.EXIT_OK:
+        elif is_worker and code == contract.EXIT_OK:
             log.info("%s drained and left; it stays down (laya-pool restart-worker %s brings it back)", child.name,
                      child.name.split()[-1])
             child.state = "down"
-        elif is_worker and code == wire.EXIT_CONFIG:
+        elif is_worker and code == contract.EXIT_CONFIG:
             log.error("%s cannot serve this model or configuration (exit %d); not restarting it", child.name, code)
             child.state = "down"
         else:
@@ -260,7 +259,7 @@ class Supervisor:
                     return 1
                 for child in self.workers.values():
                     self._reap(child, True)
-                if all(c.state == "down" and c.last_exit == wire.EXIT_CONFIG for c in self.workers.values()):
+                if all(c.state == "down" and c.last_exit == contract.EXIT_CONFIG for c in self.workers.values()):
                     log.error("no worker can start (configuration errors); stopping")
                     self._shutdown()
                     return 1

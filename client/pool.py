@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from client import wire
-from client.wire import Cmd
+from protocol import wire
+from protocol.contract import Reason
+from protocol.wire import Cmd
 
 DEFAULT_ENDPOINT = os.environ.get("LAYA_POOL_FRONTEND", "tcp://127.0.0.1:5555")
 MAX_FRAME_BYTES = 16 << 20      # the broker's default frontend MAXMSGSIZE
@@ -138,7 +139,7 @@ class _Base:
             if n > self.max_frame_bytes:
                 # The broker's MAXMSGSIZE would drop the connection without a word: refuse it here instead.
                 raise RequestFailed(f"{name}: {n} bytes exceed the {self.max_frame_bytes}-byte frame limit",
-                                    field=name, reason="too-large")
+                                    field=name, reason=Reason.TOO_LARGE)
 
         def build(rid: int, cid: str) -> list[Any]:
             return wire.encode_request(rid, arrays, cid=cid, worker=worker, mode=mode, taps=taps)

@@ -8,8 +8,8 @@ import numpy as np
 import zmq
 from conftest import SUBPROCESS_ENV
 
-from client import wire
 from client.pool import Client
+from protocol import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV

@@ -24,9 +24,9 @@ import pytest
 import zmq
 from conftest import SUBPROCESS_ENV
 
-from client import wire
 from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
-from client.wire import Cmd
+from protocol import contract, wire
+from protocol.wire import Cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 HB_MS, LIVENESS = 250, 4
@@ -596,4 +596,4 @@ def test_worker_exit_codes(tmp_path):
     r = subprocess.run([sys.executable, "-m", "worker.server", "--model", str(tmp_path / "missing"), "--device", "cpu",
                         "--backend", f"ipc://{tmp_path}/be", "--id", "x"], env=SUBPROCESS_ENV,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == wire.EXIT_CONFIG and "missing" in r.stderr
+    assert r.returncode == contract.EXIT_CONFIG and "missing" in r.stderr

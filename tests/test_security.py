@@ -9,8 +9,8 @@ import zmq
 from conftest import SUBPROCESS_ENV
 
 from broker.security import generate
-from client import wire
 from client.pool import Client
+from protocol import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV

@@ -31,8 +31,9 @@ from typing import Any
 
 import zmq
 
-from client import wire
-from client.wire import Cmd
+from protocol import contract, wire
+from protocol.contract import Leave, Reason
+from protocol.wire import Cmd
 from worker.batch import Batch, RequestError
 from worker.merge import Group
 
@@ -156,28 +157,28 @@ class Worker:
                     if self._on_broker(frames, now, last_ready):
                         last_ready = now
             if self.stop_requested and self.stop_reason is None:
-                self._drain("shutdown", tell_broker=True)
+                self._drain(Leave.SHUTDOWN, tell_broker=True)
             if self.fatal is None and not self.compute.is_alive():
                 # Heartbeats come from this thread; without this check a dead compute thread would keep
                 # the worker looking healthy with its requests never answered.
                 self.fatal = "the compute thread died"
             if self.fatal is not None:
                 log.error("worker %s: fatal: %s", self.id, self.fatal)
-                self._send(wire.encode(Cmd.DISCONNECT, {"reason": "fatal"}))
+                self._send(wire.encode(Cmd.DISCONNECT, {"reason": Leave.FATAL}))
                 self._close()
-                return wire.EXIT_FATAL
+                return contract.EXIT_FATAL
             if self.stop_reason is not None and self.outstanding == 0:
                 self._send(wire.encode(Cmd.DISCONNECT, {"reason": self.stop_reason}))
                 log.info("worker %s: %s, in-flight work finished; leaving", self.id, self.stop_reason)
                 self._close()
-                return wire.EXIT_RESTART if self.stop_reason == "restart" else wire.EXIT_OK
+                return contract.EXIT_RESTART if self.stop_reason == Leave.RESTART else contract.EXIT_OK
             if now - self.last_sent >= self.hb:
                 self._send(wire.encode(Cmd.HEARTBEAT, {"stats": wire.plain(self._stats())}))
             if now > self.broker_expiry and self.stop_reason is not None:
                 # Draining with no broker to hand replies to: registering again would only invite new work.
                 log.warning("worker %s: the broker went silent while %s; leaving", self.id, self.stop_reason)
                 self._close()
-                return wire.EXIT_RESTART if self.stop_reason == "restart" else wire.EXIT_OK
+                return contract.EXIT_RESTART if self.stop_reason == Leave.RESTART else contract.EXIT_OK
             if now > self.broker_expiry:
                 # Paranoid Pirate: the broker is gone; a fresh socket and a fresh registration, with backoff.
                 log.warning("worker %s: no word from the broker for %.1f s; reconnecting", self.id,
@@ -213,7 +214,7 @@ class Worker:
             # queued work from the old session (its clients retry through the new one).
             if self.stop_reason is not None:
                 return False
-            if msg.header.get("reason") == "hung":
+            if msg.header.get("reason") == Leave.HUNG:
                 # A request outlived the broker's deadline here: a stuck device does not recover in-process,
                 # so leave with a fatal code and let the supervisor start a fresh worker.
                 self.fatal = "the broker declared this worker hung (a request outlived its deadline)"
@@ -240,7 +241,7 @@ class Worker:
         if self.stop_reason is not None:
             self.counts["handed_back"] += 1
             self._send(wire.encode_error(rid, wire.STATUS_RETRYABLE, f"worker {self.id} is stopping",
-                                         worker=self.id, reason="stopping"))
+                                         worker=self.id, reason=Reason.STOPPING))
             return
         try:
             req = wire.parse_request(msg)
@@ -295,7 +296,7 @@ class Worker:
         if job.session != self.session:
             self.counts["dropped"] += 1
             self._reply(wire.encode_error(req.rid, wire.STATUS_RETRYABLE, "dropped after re-registering",
-                                          worker=self.id, reason="stale"))
+                                          worker=self.id, reason=Reason.STALE))
             return None
         try:
             batch = Batch(**req.arrays())
@@ -310,7 +311,7 @@ class Worker:
             self.counts["internal_errors"] += 1
             log.exception("worker %s: could not read request %r", self.id, req.rid)
             self._reply(wire.encode_error(req.rid, wire.STATUS_FINAL, f"internal error: {type(e).__name__}: {e}",
-                                          worker=self.id, reason="internal"))
+                                          worker=self.id, reason=Reason.INTERNAL))
             return None
 
     def _take_group(self, first: Job) -> tuple[list[Job], Group, Job | None, bool]:
@@ -373,7 +374,7 @@ class Worker:
             log.warning("worker %s: %s", self.id, e)
             for job in jobs:
                 self._reply(wire.encode_error(job.req.rid, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
-                                              worker=self.id, reason="upload-failed"))
+                                              worker=self.id, reason=Reason.UPLOAD_FAILED))
             return
         except Exception as e:  # noqa: BLE001 - every failure must be answered
             if len(jobs) > 1:
@@ -407,11 +408,11 @@ class Worker:
             return
         log.exception("worker %s: internal error on request %r", self.id, req.rid)
         self._reply(wire.encode_error(req.rid, wire.STATUS_FINAL, f"internal error: {type(e).__name__}: {e}",
-                                      worker=self.id, reason="internal"))
+                                      worker=self.id, reason=Reason.INTERNAL))
 
     def _handed_back(self, job: Job, why: str = "an earlier request broke the device") -> list[Any]:
         return wire.encode_error(job.req.rid, wire.STATUS_RETRYABLE, f"worker {self.id} failed ({why}); "
-                                 "another worker will run it", worker=self.id, reason="worker-fault")
+                                 "another worker will run it", worker=self.id, reason=Reason.WORKER_FAULT)
 
     def _reply(self, frames: list[Any]) -> None:
         self.pair_compute.send_multipart(frames, copy=False)
@@ -488,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--backend", required=True, help="the broker's worker endpoint")
     p.add_argument("--id", required=True, help="worker id (unique in the pool)")
-    p.add_argument("--mode", default=None, choices=wire.MODES, help="default: graph-cached on CUDA, eager on CPU")
+    p.add_argument("--mode", default=None, choices=contract.MODES, help="default: graph-cached on CUDA, eager on CPU")
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--credit", type=int, default=None,
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     args.credit = args.credit if args.credit is not None else max(2, 2 * args.max_batch)
     if args.credit < 1 or args.max_batch < 1 or args.heartbeat_ms < 1 or args.liveness < 1:
         log.error("--credit, --max-batch, --heartbeat-ms and --liveness must be positive")
-        return wire.EXIT_USAGE
+        return contract.EXIT_USAGE
     stop = {"signal": None}
 
     def early_stop(signum, _frame):
@@ -537,11 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         from worker.workspace import Capacity
     except Exception as e:  # noqa: BLE001
         log.error("cannot import the runtime: %s", e)
-        return wire.EXIT_FATAL
+        return contract.EXIT_FATAL
     if torch_device.startswith("cuda"):
         if not torch.cuda.is_available():
             log.error("device %s requested but CUDA is not available", args.device)
-            return wire.EXIT_CONFIG
+            return contract.EXIT_CONFIG
         torch.cuda.set_device(torch.device(torch_device))
         cpus = cpus or _numa_cpus(torch_device)
     pinned = _pin(cpus)
@@ -552,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         ck = load_checkpoint(args.model)
     except CheckpointError as e:
         log.error("cannot load the checkpoint: %s", e)
-        return wire.EXIT_CONFIG
+        return contract.EXIT_CONFIG
     d = Capacity()
     cap = Capacity(max_tokens=args.max_tokens or d.max_tokens, max_rows=args.max_rows or d.max_rows,
                    max_markers=args.max_markers or d.max_markers, row_markers=d.row_markers)
@@ -563,20 +564,20 @@ def main(argv: list[str] | None = None) -> int:
         rt = Runtime(ck, device=torch_device, config=RuntimeConfig(mode=mode, capacity=cap, warmup_shapes=warm))
     except ValueError as e:
         log.error("cannot build the runtime: %s", e)
-        return wire.EXIT_CONFIG
+        return contract.EXIT_CONFIG
     except Exception as e:  # noqa: BLE001 - a device that cannot hold the model
         log.exception("cannot build the runtime: %s", e)
-        return wire.EXIT_FATAL
+        return contract.EXIT_FATAL
     t = time.perf_counter()
     try:
         rt.warmup()
     except Exception:  # noqa: BLE001
         log.exception("warm-up failed")
-        return wire.EXIT_FATAL
+        return contract.EXIT_FATAL
     log.info("worker %s: %s (%s), mode %s, threads %s, cpus %s, warm-up %.0f ms", args.id, label, torch_device,
              mode, torch.get_num_threads(), pinned, (time.perf_counter() - t) * 1e3)
     if stop["signal"] is not None:
-        return wire.EXIT_OK
+        return contract.EXIT_OK
     worker = Worker(args, rt, label)
 
     def on_signal(signum, _frame):
@@ -588,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker.run()
     except Exception:  # noqa: BLE001 - a dead worker must never look like a clean exit
         log.exception("worker %s: fatal error in the I/O loop", args.id)
-        return wire.EXIT_FATAL
+        return contract.EXIT_FATAL
 
 
 if __name__ == "__main__":

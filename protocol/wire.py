@@ -11,6 +11,7 @@ and types, a missing or extra frame, or a buffer whose size does not match the h
 `ProtocolError` naming the problem. See docs/protocol.md for the full description.
 
 Pure Python + numpy + msgpack: no zmq, no torch, so every process (and `import client`) can import it.
+The facts around the format (modes, reasons, exit codes, defaults) are in `protocol.contract`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+from protocol.contract import MODES
 
 PROTOCOL = b"LAYA1"
 
@@ -42,14 +45,6 @@ STATUS_RETRYABLE = "retryable"   # try again (same request id): busy, worker los
 STATUS_FINAL = "final"           # do not retry: the request itself is wrong (names field and row)
 STATUSES = (STATUS_OK, STATUS_RETRYABLE, STATUS_FINAL)
 
-MODES = ("eager", "graph-fixed", "graph-cached")
-
-# Worker process exit codes (the supervisor reads them; a dead worker never looks like a clean exit).
-EXIT_OK = 0          # SIGTERM / drain: finished its in-flight work and left
-EXIT_FATAL = 1       # crashed or hit a fatal device error: restart with backoff
-EXIT_USAGE = 2       # bad command line
-EXIT_RESTART = 75    # drained for `laya-pool restart-worker`: restart now
-EXIT_CONFIG = 78     # the checkpoint or the configuration is unusable: restarting will not help
 REQUEST_ARRAYS = ("ids", "lengths", "types", "marker_counts", "markers")
 
 
@@ -394,7 +389,7 @@ def encode_error(rid: Any, status: str, message: str, *, field: str | None = Non
     if row is not None:
         err["row"] = int(row)
     if reason is not None:
-        err["reason"] = reason
+        err["reason"] = str(reason)     # a contract.Reason travels as its text
     h: dict[str, Any] = {"rid": rid, "status": status, "error": err}
     if worker is not None:
         h["worker"] = worker
