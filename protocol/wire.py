@@ -63,7 +63,7 @@ class ProtocolError(ValueError):
     """A message that does not follow this protocol; `field` names the part that is wrong."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
 
 
