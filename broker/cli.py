@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol import contract, wire
+from protocol.contract import WorkerState
 
 DEFAULT_FRONTEND = contract.default_frontend()
 
@@ -113,7 +114,7 @@ def cmd_drain(a: argparse.Namespace) -> int:
             deadline = time.monotonic() + a.wait_timeout
             while time.monotonic() < deadline:
                 w = _find(c.status(), a.id)
-                if w is None or w.get("state") not in ("draining", "ready"):
+                if w is None or w.get("state") not in (WorkerState.DRAINING, WorkerState.READY):
                     print(f"worker {a.id}: {w.get('state') if w else 'gone'}")
                     return 0
                 time.sleep(0.2)
@@ -140,7 +141,8 @@ def cmd_restart_worker(a: argparse.Namespace) -> int:
                     w = _find(c.status(), a.id)
                 except PoolError:
                     continue
-                if w and w.get("state") == "ready" and w.get("registrations", 0) > before.get("registrations", 0):
+                rejoined = w and w.get("registrations", 0) > before.get("registrations", 0)
+                if rejoined and w.get("state") == WorkerState.READY:
                     print(f"worker {a.id}: ready again (pid {w.get('pid')}, was {before.get('pid')})")
                     return 0
             return _fail(f"worker {a.id} did not come back within {a.wait_timeout:g} s")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol import contract
+from protocol.contract import WorkerState
 
 log = logging.getLogger("laya-pool.supervisor")
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +233,7 @@ class Supervisor:
                 child.restarts += 1
                 child.operator_start = now
                 self._start_worker(wid)
-        ready = sum(1 for w in rows.values() if w.get("state") == "ready")
+        ready = sum(1 for w in rows.values() if w.get("state") == WorkerState.READY)
         if not self.announced and ready >= len(self.workers):
             self.announced = True
             log.info("pool ready: %d workers on %s, frontend %s", ready, ",".join(self.cfg.devices),

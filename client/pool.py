@@ -46,7 +46,7 @@ from client.card import CardError
 from client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
 from client.retry import Action, Attempts, RetryPolicy, Step, reply_message
 from protocol import contract, wire
-from protocol.contract import Reason
+from protocol.contract import Reason, WorkerState
 from protocol.wire import Cmd
 
 __all__ = ["Client", "AsyncClient", "ForwardResult", "LocalPool", "local_pool", "PoolError", "RequestFailed",
@@ -596,7 +596,7 @@ def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_pe
                                     f"(log: {log_path}):\n{pool.log()[-4000:]}")
                 try:
                     st = c.status()
-                    if sum(1 for w in st["workers"] if w["state"] == "ready") >= n_workers:
+                    if sum(1 for w in st["workers"] if w["state"] == WorkerState.READY) >= n_workers:
                         break
                 except PoolUnavailable:
                     pass

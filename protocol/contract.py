@@ -62,6 +62,32 @@ class Leave(_Text):
     NOT_REGISTERED = "not registered"  # broker -> worker: unknown to this broker; send READY again
 
 
+class WorkerState(_Text):
+    """A worker's state in the broker's table (`status` shows it; the supervisor and the CLI read it)."""
+    READY = "ready"              # takes requests
+    DRAINING = "draining"        # finishing what it holds; nothing more is dispatched to it
+    RESTARTING = "restarting"    # left to be restarted (drained for restart-worker)
+    DRAINED = "drained"          # left after a drain; stays down until restart-worker
+    STOPPED = "stopped"          # left: shutdown or a fatal error
+    DEAD = "dead"                # silent, unreachable, hung, or replaced by a new registration
+    MISMATCH = "mismatch"        # serves another model than the pool: reached only by requests that name it
+
+    @property
+    def live(self) -> bool:
+        """Registered and serving the pool's model: what it holds must be re-sent if it goes."""
+        return self in (WorkerState.READY, WorkerState.DRAINING)
+
+    @property
+    def connected(self) -> bool:
+        """Registered and heard from: heartbeats are exchanged and its messages are handled."""
+        return self.live or self is WorkerState.MISMATCH
+
+    @property
+    def dispatchable(self) -> bool:
+        """May be sent a request (a mismatched one only a request that names it)."""
+        return self in (WorkerState.READY, WorkerState.MISMATCH)
+
+
 # ---------------------------------------------------------------------------------------------- exit codes
 
 # Worker process exit codes (the supervisor reads them; a dead worker never looks like a clean exit).
