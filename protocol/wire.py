@@ -508,11 +508,11 @@ def is_loopback(endpoint: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "client") -> None:
-    """Make a zmq socket a CURVE client (role "client" or "worker") with keys from `laya-pool keys --out DIR`.
+def load_curve_keys(keys: str | os.PathLike, role: str = "client") -> tuple[bytes, bytes, bytes]:
+    """(public, secret, server public) for `role` ("client" or "worker") from a `laya-pool keys` directory.
 
-    Here, in the one module every process imports, so clients and workers authenticate the same way.
-    """
+    Raises FileNotFoundError for a missing file and ValueError for one that is not a key, so a process
+    can check its keys before it does anything expensive (a worker does, before loading the model)."""
     import zmq.auth
 
     if role not in ("client", "worker"):
@@ -523,6 +523,17 @@ def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "clie
             raise FileNotFoundError(f"{keys / name}: missing (generate keys with `laya-pool keys --out DIR`)")
     public, secret = zmq.auth.load_certificate(str(keys / f"{role}.key_secret"))
     server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
+    if not public or not secret or not server_public:
+        raise ValueError(f"{keys}: the {role} key pair or the server key is incomplete")
+    return public, secret, server_public
+
+
+def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "client") -> None:
+    """Make a zmq socket a CURVE client (role "client" or "worker") with keys from `laya-pool keys --out DIR`.
+
+    Here, in the one module every process imports, so clients and workers authenticate the same way.
+    """
+    public, secret, server_public = load_curve_keys(keys, role)
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = server_public

@@ -14,7 +14,7 @@ import numpy as np
 from conftest import SUBPROCESS_ENV, stop_all
 
 from broker.supervisor import Supervisor, SupervisorConfig
-from worker.server import _cuda_local_device
+from worker.placement import cuda_local_device as _cuda_local_device
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
