@@ -174,9 +174,9 @@ class Broker:
         s.bind(endpoint)
         return s
 
-    def _receive_all(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None], batch: int = 1000) -> None:
-        """Handle what `sock` holds, at most `batch` messages, so one side cannot starve the other."""
-        for _ in range(batch):
+    def _receive_all(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None], limit: int = 1000) -> None:
+        """Handle what `sock` holds, at most `limit` messages, so one side cannot starve the other."""
+        for _ in range(limit):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -1,7 +1,8 @@
-"""One request as the worker receives it, and validation of the whole group before CUDA sees any of it.
+"""A batch (the rows one forward runs) and their validation, whole, before CUDA sees any of it.
 
-A request is a group of rows sharing one upload: packed token ids, a length, a question type and
-marker positions per row. Everything is checked here, on the host, so a bad request costs a clear
+A request arrives as rows sharing one upload: packed token ids, a length, a question type and
+marker positions per row; its batch is those rows (a merged group's batch is its members' rows back to
+back, see merge.py). Everything is checked here, on the host, so a bad request costs a clear
 error and nothing else: the workspace and the device are untouched and the next request works.
 """
 from __future__ import annotations
