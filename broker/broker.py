@@ -338,34 +338,11 @@ class Broker:
         req = wire.parse_request(msg, need_cid=True)   # dedup needs an id that survives reconnects
         self.counters["requests"] += 1
         key = (req.cid, req.rid)
-        now = time.monotonic()
-        cached = self.replies.get(key)
-        if cached is not None:
-            self.counters["cache_hits"] += 1
-            self._to_client(envelope, cached)
+        if self._answered_or_joined(key, envelope):
             return
-        job = self.by_key.get(key)
-        if job is not None:
-            # A retry of a request still queued or running: answer it there, run it once.
-            self.counters["retries_joined"] += 1
-            job.envelope = envelope
+        if req.worker is not None and not self._target_ready(req, envelope):
             return
-        if req.worker is not None:
-            w = self.workers.get(req.worker)
-            if w is None:
-                raise wire.ProtocolError("worker", f"no worker {req.worker!r} in this pool")
-            if not w.state.dispatchable:   # a named mismatched worker is reachable: diagnostics
-                self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE, f"worker {req.worker!r} is {w.state}",
-                                   reason=Reason.WORKER_UNAVAILABLE)
-                return
-        ready = self._serving()
-        if ready and not any(w.fits(req) for w in ready):
-            c = max(ready, key=lambda w: w.capacity.get("max_tokens", 0)).capacity
-            for name, have, cap in (("ids", req.tokens, "max_tokens"), ("lengths", req.rows, "max_rows"),
-                                    ("markers", req.n_markers, "max_markers")):
-                if have > c.get(cap, 1 << 62):
-                    raise wire.ProtocolError(name, f"{have} exceeds every worker's capacity ({cap} {c[cap]})")
-            raise wire.ProtocolError("ids", "the request fits no worker's capacity")
+        self._check_capacity(req)
         size = frames_bytes(msg.frames)
         if len(self.queue) >= self.cfg.queue_size or self.queue_bytes + size > self.cfg.queue_max_bytes:
             self.counters["busy"] += 1
@@ -374,11 +351,49 @@ class Broker:
                                reason=Reason.BUSY)
             return
         job = Job(self._job_id(), "request", key, envelope, req.rid, req=req, payload=list(msg.frames),
-                  target=req.worker, enqueued=now, nbytes=size)
+                  target=req.worker, enqueued=time.monotonic(), nbytes=size)
         self.by_key[key] = job
         self.queue_bytes += size
         self.queue.append(job)
         self.dispatch()
+
+    def _answered_or_joined(self, key: tuple[str, Any], envelope: list[bytes]) -> bool:
+        """A retry: a finished request is answered from the cache; a queued or running one is joined (its
+        reply goes to the latest attempt's address). Either way it does not run again."""
+        cached = self.replies.get(key)
+        if cached is not None:
+            self.counters["cache_hits"] += 1
+            self._to_client(envelope, cached)
+            return True
+        job = self.by_key.get(key)
+        if job is not None:
+            self.counters["retries_joined"] += 1
+            job.envelope = envelope
+            return True
+        return False
+
+    def _target_ready(self, req: wire.Request, envelope: list[bytes]) -> bool:
+        """A request that names its worker: final if there is no such worker, retryable while it is not ready."""
+        w = self.workers.get(req.worker)
+        if w is None:
+            raise wire.ProtocolError("worker", f"no worker {req.worker!r} in this pool")
+        if not w.state.dispatchable:   # a named mismatched worker is reachable: diagnostics
+            self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE, f"worker {req.worker!r} is {w.state}",
+                               reason=Reason.WORKER_UNAVAILABLE)
+            return False
+        return True
+
+    def _check_capacity(self, req: wire.Request) -> None:
+        """A request larger than every ready worker can hold is refused now (final), naming what is too large."""
+        ready = self._serving()
+        if not ready or any(w.fits(req) for w in ready):
+            return
+        c = max(ready, key=lambda w: w.capacity.get("max_tokens", 0)).capacity
+        for name, have, cap in (("ids", req.tokens, "max_tokens"), ("lengths", req.rows, "max_rows"),
+                                ("markers", req.n_markers, "max_markers")):
+            if have > c.get(cap, 1 << 62):
+                raise wire.ProtocolError(name, f"{have} exceeds every worker's capacity ({cap} {c[cap]})")
+        raise wire.ProtocolError("ids", "the request fits no worker's capacity")
 
     def on_describe(self, envelope: list[bytes], msg: wire.Message) -> None:
         rid = wire.get(msg.header, "rid", (int, str), default=None)

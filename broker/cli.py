@@ -203,19 +203,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="laya-pool", description="a multi-process worker pool serving Laya models")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", "INFO"))
     sub = p.add_subparsers(dest="command", required=True)
+    _add_up(sub.add_parser("up", help="run a pool in the foreground until SIGINT/SIGTERM"))
+    _add_operator_commands(sub)
+    s = sub.add_parser("keys", help="generate CURVE keys")
+    s.add_argument("--out", required=True)
+    s.add_argument("--force", action="store_true", help="replace existing keys")
+    s.set_defaults(fn=cmd_keys)
+    s = sub.add_parser("broker", help="run a broker alone")
+    add_arguments(s)
+    s.set_defaults(fn=cmd_broker)
+    return p
 
-    def operator(name: str, help: str) -> argparse.ArgumentParser:
-        s = sub.add_parser(name, help=help)
-        s.add_argument("--frontend", default=DEFAULT_FRONTEND, help="the pool's client endpoint (%(default)s)")
-        s.add_argument("--timeout", type=float, default=5.0, help="seconds per attempt")
-        s.add_argument("--keys", default=None, help="CURVE key directory")
-        return s
 
-    up = sub.add_parser("up", help="run a pool in the foreground until SIGINT/SIGTERM")
+def _add_up(up: argparse.ArgumentParser) -> None:
+    from broker.broker import add_arguments
     up.add_argument("--model", required=True, help="checkpoint directory")
     up.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
     up.add_argument("--workers-per-device", type=int, default=1)
-    add_arguments(up, supervised=True)
+    add_arguments(up, supervised=True)          # the broker's flags, defined once in broker.broker
+    # Handed to every worker; None leaves the worker's own default (which depends on its device).
     up.add_argument("--mode", default=None, choices=contract.MODES)
     up.add_argument("--credit", type=int, default=None,
                     help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
@@ -228,6 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
     up.set_defaults(fn=cmd_up)
+
+
+def _add_operator_commands(sub: Any) -> None:
+    def operator(name: str, help: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help)
+        s.add_argument("--frontend", default=DEFAULT_FRONTEND, help="the pool's client endpoint (%(default)s)")
+        s.add_argument("--timeout", type=float, default=5.0, help="seconds per attempt")
+        s.add_argument("--keys", default=None, help="CURVE key directory")
+        return s
 
     s = operator("status", "the worker table")
     s.add_argument("--json", action="store_true")
@@ -253,16 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker", default=None)
     s.add_argument("--mode", default=None, choices=contract.MODES)
     s.set_defaults(fn=cmd_predict)
-
-    s = sub.add_parser("keys", help="generate CURVE keys")
-    s.add_argument("--out", required=True)
-    s.add_argument("--force", action="store_true", help="replace existing keys")
-    s.set_defaults(fn=cmd_keys)
-
-    s = sub.add_parser("broker", help="run a broker alone")
-    add_arguments(s)
-    s.set_defaults(fn=cmd_broker)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

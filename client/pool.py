@@ -566,44 +566,18 @@ def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_pe
     tmp = Path(tempfile.mkdtemp(prefix="laya-pool-"))
     os.chmod(tmp, 0o700)
     frontend = frontend or f"ipc://{tmp}/frontend"
-    backend = f"ipc://{tmp}/backend"
-    n_workers = len([d for d in devices.split(",") if d.strip()]) * workers_per_device
     cmd = [sys.executable, "-m", "broker.cli", "up", "--model", str(model_dir), "--devices", devices,
-           "--workers-per-device", str(workers_per_device), "--frontend", frontend, "--backend", backend]
-    if heartbeat_ms is not None:
-        cmd += ["--heartbeat-ms", str(heartbeat_ms)]
-    if liveness is not None:
-        cmd += ["--liveness", str(liveness)]
-    if keys is not None:
-        cmd += ["--keys", str(keys)]
-    cmd += list(extra_args)
-    full_env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
-    full_env.update(env or {})
+           "--workers-per-device", str(workers_per_device), "--frontend", frontend, "--backend", f"ipc://{tmp}/backend"]
+    for flag, value in (("--heartbeat-ms", heartbeat_ms), ("--liveness", liveness), ("--keys", keys)):
+        if value is not None:
+            cmd += [flag, str(value)]
     log_path = Path(log) if log is not None else tmp / "pool.log"
-    out = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    out.close()
-    pool = LocalPool(frontend, proc, log_path, keys=None if keys is None else str(keys))
+    pool = LocalPool(frontend, _spawn([*cmd, *extra_args], log_path, env), log_path,
+                     keys=None if keys is None else str(keys))
     failed = True
     try:
-        deadline = time.monotonic() + startup_timeout
-        with pool.client(timeout=2.0, retries=0) as c:
-            while True:
-                if proc.poll() is not None:
-                    raise PoolError(f"the pool exited with code {proc.returncode} while starting "
-                                    f"(log: {log_path}):\n{pool.log()[-4000:]}")
-                try:
-                    st = c.status()
-                    if sum(1 for w in st["workers"] if w["state"] == WorkerState.READY) >= n_workers:
-                        break
-                except PoolUnavailable:
-                    pass
-                if time.monotonic() > deadline:
-                    raise PoolError(f"the pool did not get {n_workers} workers ready within {startup_timeout:g} s "
-                                    f"(log: {log_path}):\n{pool.log()[-4000:]}")
-                time.sleep(0.2)
+        n_workers = len([d for d in devices.split(",") if d.strip()]) * workers_per_device
+        _wait_for_workers(pool, n_workers, startup_timeout)
         yield pool
         failed = False
     finally:
@@ -615,3 +589,32 @@ def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_pe
                     p.unlink()
         with contextlib.suppress(OSError):
             tmp.rmdir()
+
+
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None) -> subprocess.Popen:
+    """`cmd` in its own session with this checkout first on PYTHONPATH, its output appended to `log_path`."""
+    full_env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    full_env.update(env or {})
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+
+def _wait_for_workers(pool: LocalPool, n_workers: int, timeout: float) -> None:
+    """Until `n_workers` are ready; PoolError (with the log's tail) if the pool exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    with pool.client(timeout=2.0, retries=0) as c:
+        while True:
+            if pool.process.poll() is not None:
+                raise PoolError(f"the pool exited with code {pool.process.returncode} while starting "
+                                f"(log: {pool.log_path}):\n{pool.log()[-4000:]}")
+            try:
+                if sum(1 for w in c.status()["workers"] if w["state"] == WorkerState.READY) >= n_workers:
+                    return
+            except PoolUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                raise PoolError(f"the pool did not get {n_workers} workers ready within {timeout:g} s "
+                                f"(log: {pool.log_path}):\n{pool.log()[-4000:]}")
+            time.sleep(0.2)
