@@ -121,38 +121,42 @@ class Supervisor:
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.env = env
         common = ["--heartbeat-ms", str(cfg.heartbeat_ms), "--liveness", str(cfg.liveness)]
-        keys = ["--keys", cfg.keys] if cfg.keys else []
+        common += ["--keys", cfg.keys] if cfg.keys else []
+        self.broker = self._broker_child(common)
+        cpus = _cpu_sets(cfg.devices, cfg.workers_per_device)
+        slots = [d for d in cfg.devices for _ in range(cfg.workers_per_device)]
+        self.workers: dict[str, Child] = {str(i): self._worker_child(str(i), device, cpu, common)
+                                          for i, (device, cpu) in enumerate(zip(slots, cpus))}
+        self.stopping = False
+        self.status_client = None
+        self.last_poll = 0.0
+        self.announced = False
+
+    def _broker_child(self, common: list[str]) -> Child:
+        cfg = self.cfg
         # Pin the pool to this model: after a broker restart, a stray worker registering first must not
         # redefine what the pool serves.
         try:
             fingerprint = ["--fingerprint", contract.fingerprint(cfg.model)]
         except OSError:
             fingerprint = []       # an unreadable checkpoint: the workers report exactly what is wrong
-        self.broker = Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
-                                       "--backend", cfg.backend, *common, *keys, *fingerprint, *cfg.broker_args],
-                            env)
-        self.workers: dict[str, Child] = {}
-        cpus = _cpu_sets(cfg.devices, cfg.workers_per_device)
-        slots = [d for d in cfg.devices for _ in range(cfg.workers_per_device)]
-        for i, (device, cpu) in enumerate(zip(slots, cpus)):
-            wid = str(i)
-            wenv = dict(env)
-            if device.startswith("cuda"):
-                wenv["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
-            argv = [sys.executable, "-m", "worker.server", "--model", cfg.model, "--device", device,
-                    "--backend", cfg.backend, "--id", wid, *common, *keys]
-            if cfg.credit is not None:
-                argv += ["--credit", str(cfg.credit)]
-            if cfg.mode:
-                argv += ["--mode", cfg.mode]
-            if cpu:
-                argv += ["--cpus", ",".join(map(str, cpu))]
-            argv += cfg.worker_args
-            self.workers[wid] = Child(f"worker {wid}", argv, wenv)
-        self.stopping = False
-        self.status_client = None
-        self.last_poll = 0.0
-        self.announced = False
+        return Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
+                                "--backend", cfg.backend, *common, *fingerprint, *cfg.broker_args], self.env)
+
+    def _worker_child(self, wid: str, device: str, cpus: list[int] | None, common: list[str]) -> Child:
+        cfg = self.cfg
+        env = dict(self.env)
+        if device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
+        argv = [sys.executable, "-m", "worker.server", "--model", cfg.model, "--device", device,
+                "--backend", cfg.backend, "--id", wid, *common]
+        if cfg.credit is not None:
+            argv += ["--credit", str(cfg.credit)]
+        if cfg.mode:
+            argv += ["--mode", cfg.mode]
+        if cpus:
+            argv += ["--cpus", ",".join(map(str, cpus))]
+        return Child(f"worker {wid}", argv + cfg.worker_args, env)
 
     # ------------------------------------------------------------------------------------------------ children
 
