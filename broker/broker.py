@@ -1,17 +1,19 @@
 """The broker: routes requests from clients (frontend ROUTER) to workers (backend ROUTER).
 
 What it owns:
-- the worker table: id, device, model fingerprint, capacity, credit, liveness, state
-  (ready / draining / restarting / drained / stopped / dead / mismatch);
+- the worker table: id, device, model fingerprint, capacity, credit, liveness, state (`WorkerState`);
 - the queue (bounded: a full queue answers "busy", retryable, instead of growing);
 - the in-flight table: a job sent to a worker that dies (missed heartbeats, vanished, or came back
   with a fresh READY) is sent to another worker, at most `max_attempts` times, never dropped silently;
 - deduplication by (client id, request id): a retry of a request still queued or running waits for
-  it (the reply goes to the retry's address), a retry of a finished one gets the cached reply;
+  it (the reply goes to the retry's address), a retry of a finished one gets the cached reply
+  (`broker.replies.ReplyCache`);
 - heartbeats both ways (Paranoid Pirate): a worker silent for `liveness` intervals is dead; a
   message from a worker the broker does not know gets DISCONNECT, so the worker re-registers.
 
-The broker speaks only the wire protocol (client/wire.py): no torch, no worker imports.
+Words: a *request* is what a client sent; a *job* is the broker's record of one request (or describe
+call) on its way to a worker, with a fresh id per dispatch. The broker speaks only the protocol package
+(protocol/): no torch, no worker or client imports.
 """
 from __future__ import annotations
 
@@ -30,21 +32,22 @@ from typing import Any
 import zmq
 
 from broker import security
-from client import wire
-from client.wire import Cmd
+from broker.replies import ReplyCache, frames_bytes
+from protocol import contract, wire
+from protocol.contract import Leave, Reason, WorkerState
+from protocol.wire import Cmd
 
 log = logging.getLogger("laya-pool.broker")
 
-LIVE_STATES = ("ready", "draining")
 FORGET_AFTER_S = 600.0          # dead entries stay in the status table this long
 
 
 @dataclass
 class BrokerConfig:
-    frontend: str = "tcp://127.0.0.1:5555"
-    backend: str = "tcp://127.0.0.1:5556"
-    heartbeat_ms: int = 1000
-    liveness: int = 3
+    frontend: str = contract.FRONTEND
+    backend: str = contract.BACKEND
+    heartbeat_ms: int = contract.HEARTBEAT_MS
+    liveness: int = contract.LIVENESS
     queue_size: int = 1024
     queue_timeout_s: float = 30.0
     max_attempts: int = 3               # workers a request may be lost on before it is failed
@@ -56,8 +59,8 @@ class BrokerConfig:
     queue_max_bytes: int = 1 << 30      # request payloads waiting or running, together
     cache_ttl_s: float = 300.0
     cache_max_reply_bytes: int = 1 << 20
-    max_frontend_bytes: int = 16 << 20  # ZMQ_MAXMSGSIZE (per frame): a larger frame drops the connection
-    max_backend_bytes: int = 1 << 30
+    max_frontend_bytes: int = contract.MAX_FRONTEND_BYTES  # ZMQ_MAXMSGSIZE (per frame): a larger one drops the client
+    max_backend_bytes: int = contract.MAX_BACKEND_BYTES
     keys: str | None = None             # CURVE key directory (laya-pool keys); needed for a non-loopback bind
 
 
@@ -73,7 +76,7 @@ class WorkerInfo:
     pid: int | None = None
     mode: str | None = None
     generation: int = 0
-    state: str = "ready"
+    state: WorkerState = WorkerState.READY
     inflight: set[int] = field(default_factory=set)
     expiry: float = 0.0
     last_sent: float = 0.0
@@ -88,12 +91,10 @@ class WorkerInfo:
     restart_requested: bool = False     # restart-worker on a worker that is down: the supervisor starts it
     stats: dict[str, Any] = field(default_factory=dict)
 
-    def fits(self, job: Job) -> bool:
-        if job.req is None:
-            return True
+    def fits(self, req: wire.Request) -> bool:
         c = self.capacity
-        return (job.req.tokens <= c.get("max_tokens", 1 << 62) and job.req.rows <= c.get("max_rows", 1 << 62)
-                and job.req.n_markers <= c.get("max_markers", 1 << 62))
+        return (req.tokens <= c.get("max_tokens", 1 << 62) and req.rows <= c.get("max_rows", 1 << 62)
+                and req.n_markers <= c.get("max_markers", 1 << 62))
 
     def row(self, now: float) -> dict[str, Any]:
         return {"id": self.id, "device": self.device, "state": self.state, "pid": self.pid,
@@ -140,9 +141,8 @@ class Broker:
         self.by_identity: dict[bytes, str] = {}
         self.queue: collections.deque[Job] = collections.deque()
         self.inflight: dict[int, Job] = {}
-        self.pending: dict[tuple[str, Any], Job] = {}
-        self.cache: collections.OrderedDict[tuple[str, Any], tuple[float, list[bytes]]] = collections.OrderedDict()
-        self.cache_bytes = 0
+        self.by_key: dict[tuple[str, Any], Job] = {}     # requests queued or running, by dedup key
+        self.replies = ReplyCache(cfg.cache_size, cfg.cache_max_bytes, cfg.cache_ttl_s, cfg.cache_max_reply_bytes)
         self.queue_bytes = 0
         self.cards: dict[str, bytes] = {}       # fingerprint -> the card body frame
         self.pool_fp: str | None = cfg.fingerprint or None
@@ -174,9 +174,9 @@ class Broker:
         s.bind(endpoint)
         return s
 
-    def _receive_all(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None], batch: int = 1000) -> None:
-        """Handle what `sock` holds, at most `batch` messages, so one side cannot starve the other."""
-        for _ in range(batch):
+    def _receive_all(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None], limit: int = 1000) -> None:
+        """Handle what `sock` holds, at most `limit` messages, so one side cannot starve the other."""
+        for _ in range(limit):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -239,11 +239,11 @@ class Broker:
                 cut = 2 if len(frames) > 1 and frames[1] == b"" else 1
                 with contextlib.suppress(Exception):
                     self._client_error(frames[:cut], wire.rid_of(frames[cut:]) if len(frames) > cut + 2 else None,
-                                       wire.STATUS_RETRYABLE, "internal broker error", reason="internal")
+                                       wire.STATUS_RETRYABLE, "internal broker error", reason=Reason.INTERNAL)
 
     def shutdown(self) -> None:
         for job in list(self.queue) + list(self.inflight.values()):
-            self._fail(job, wire.STATUS_RETRYABLE, "the broker is shutting down", reason="shutdown")
+            self._fail(job, wire.STATUS_RETRYABLE, "the broker is shutting down", reason=Reason.SHUTDOWN)
         self.queue.clear()
         self.inflight.clear()
         if self.auth is not None:
@@ -252,43 +252,53 @@ class Broker:
         self.backend.close(0)
 
     def tick(self) -> None:
+        """Between messages: dispatch, and every few tens of milliseconds the housekeeping first."""
         now = time.monotonic()
-        if now - self.last_housekeeping < min(0.05, self.hb / 4):
-            self.dispatch()
-            return
-        self.last_housekeeping = now
-        for w in list(self.workers.values()):
-            if w.state in LIVE_STATES or w.state == "mismatch":
-                stuck = [self.inflight[j] for j in w.inflight if j in self.inflight
-                         and now - self.inflight[j].dispatched > self.cfg.job_timeout_s]
-                if now > w.expiry:
-                    self._worker_lost(w, "dead", f"missed heartbeats for {now - w.last_seen:.2f} s")
-                elif stuck:
-                    # Heartbeats come from the worker's I/O thread, so a hung device still looks alive:
-                    # judge it by its oldest job, re-send its work, and make it register again.
-                    self._worker_lost(w, "dead", f"held a request for over {self.cfg.job_timeout_s:g} s")
-                    self._send(self.backend, [w.identity, *wire.encode(Cmd.DISCONNECT, {"reason": "hung"})])
-                elif now - w.last_sent >= self.hb:
-                    hdr = {"drain": "restart" if w.drain_restart else "drain"} if w.state == "draining" else {}
-                    if not self._to_worker(w, Cmd.HEARTBEAT, hdr):
-                        self._worker_lost(w, "dead", "unreachable")
-            elif w.state == "dead" and now - w.last_seen > FORGET_AFTER_S:
+        if now - self.last_housekeeping >= min(0.05, self.hb / 4):
+            self.last_housekeeping = now
+            for w in list(self.workers.values()):
+                self._watch(w, now)
+            self._expire_queue(now)
+            self.replies.expire(now)
+        self.dispatch()
+
+    def _watch(self, w: WorkerInfo, now: float) -> None:
+        """Liveness of one worker: silent, hung or unreachable means dead; otherwise a heartbeat when due."""
+        if not w.state.connected:
+            if w.state is WorkerState.DEAD and now - w.last_seen > FORGET_AFTER_S:
                 # Drained and stopped workers stay listed: `restart-worker` must still find them.
                 self.workers.pop(w.id, None)
                 self.by_identity.pop(w.identity, None)
-        if self.queue and any(now - j.enqueued > self.cfg.queue_timeout_s for j in self.queue):
-            kept: collections.deque[Job] = collections.deque()
-            for job in self.queue:
-                if now - job.enqueued > self.cfg.queue_timeout_s:
-                    self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within "
-                               f"{self.cfg.queue_timeout_s:g} s", reason="queue-timeout")
-                else:
-                    kept.append(job)
-            self.queue = kept
-        while self.cache and self.cache[next(iter(self.cache))][0] < now:
-            _, (_, dropped) = self.cache.popitem(last=False)
-            self.cache_bytes -= _frames_bytes(dropped)
-        self.dispatch()
+            return
+        if now > w.expiry:
+            self._worker_lost(w, WorkerState.DEAD, f"missed heartbeats for {now - w.last_seen:.2f} s")
+        elif self._holds_a_stuck_job(w, now):
+            # Heartbeats come from the worker's I/O thread, so a hung device still looks alive:
+            # judge it by its oldest job, re-send its work, and make it register again.
+            self._worker_lost(w, WorkerState.DEAD, f"held a request for over {self.cfg.job_timeout_s:g} s")
+            self._send(self.backend, [w.identity, *wire.encode(Cmd.DISCONNECT, {"reason": Leave.HUNG})])
+        elif now - w.last_sent >= self.hb:
+            drain = Leave.RESTART if w.drain_restart else Leave.DRAIN
+            hdr = {"drain": drain} if w.state is WorkerState.DRAINING else {}
+            if not self._to_worker(w, Cmd.HEARTBEAT, hdr):
+                self._worker_lost(w, WorkerState.DEAD, "unreachable")
+
+    def _holds_a_stuck_job(self, w: WorkerInfo, now: float) -> bool:
+        return any(j in self.inflight and now - self.inflight[j].dispatched > self.cfg.job_timeout_s
+                   for j in w.inflight)
+
+    def _expire_queue(self, now: float) -> None:
+        """Fail (retryable) what waited longer than `queue_timeout_s` for a worker."""
+        if not any(now - j.enqueued > self.cfg.queue_timeout_s for j in self.queue):
+            return
+        kept: collections.deque[Job] = collections.deque()
+        for job in self.queue:
+            if now - job.enqueued > self.cfg.queue_timeout_s:
+                self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within "
+                           f"{self.cfg.queue_timeout_s:g} s", reason=Reason.QUEUE_TIMEOUT)
+            else:
+                kept.append(job)
+        self.queue = kept
 
     # -------------------------------------------------------------------------------------------- clients
 
@@ -327,49 +337,63 @@ class Broker:
     def on_request(self, envelope: list[bytes], msg: wire.Message) -> None:
         req = wire.parse_request(msg, need_cid=True)   # dedup needs an id that survives reconnects
         self.counters["requests"] += 1
-        key = (req.cid or envelope[0].hex(), req.rid)
-        now = time.monotonic()
-        cached = self.cache.get(key)
-        if cached is not None:
-            self.counters["cache_hits"] += 1
-            self._to_client(envelope, cached[1])
+        key = (req.cid, req.rid)
+        if self._answered_or_joined(key, envelope):
             return
-        job = self.pending.get(key)
-        if job is not None:
-            # A retry of a request still queued or running: answer it there, run it once.
-            self.counters["retries_joined"] += 1
-            job.envelope = envelope
+        if req.worker is not None and not self._target_ready(req, envelope):
             return
-        if req.worker is not None:
-            w = self.workers.get(req.worker)
-            if w is None:
-                raise wire.ProtocolError("worker", f"no worker {req.worker!r} in this pool")
-            if w.state not in ("ready", "mismatch"):   # a named mismatched worker is reachable: diagnostics
-                self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE, f"worker {req.worker!r} is {w.state}",
-                                   reason="worker-unavailable")
-                return
-        ready = [w for w in self.workers.values() if w.state == "ready" and w.fingerprint == self.pool_fp]
-        probe = Job(0, "request", None, [], None, req=req)
-        if ready and not any(w.fits(probe) for w in ready):
-            c = max(ready, key=lambda w: w.capacity.get("max_tokens", 0)).capacity
-            for name, have, cap in (("ids", req.tokens, "max_tokens"), ("lengths", req.rows, "max_rows"),
-                                    ("markers", req.n_markers, "max_markers")):
-                if have > c.get(cap, 1 << 62):
-                    raise wire.ProtocolError(name, f"{have} exceeds every worker's capacity ({cap} {c[cap]})")
-            raise wire.ProtocolError("ids", "the request fits no worker's capacity")
-        size = sum(len(f) for f in msg.frames)
+        self._check_capacity(req)
+        size = frames_bytes(msg.frames)
         if len(self.queue) >= self.cfg.queue_size or self.queue_bytes + size > self.cfg.queue_max_bytes:
             self.counters["busy"] += 1
             self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE,
                                f"the pool is busy ({len(self.queue)} requests, {self.queue_bytes} B queued)",
-                               reason="busy")
+                               reason=Reason.BUSY)
             return
         job = Job(self._job_id(), "request", key, envelope, req.rid, req=req, payload=list(msg.frames),
-                  target=req.worker, enqueued=now, nbytes=size)
-        self.pending[key] = job
+                  target=req.worker, enqueued=time.monotonic(), nbytes=size)
+        self.by_key[key] = job
         self.queue_bytes += size
         self.queue.append(job)
         self.dispatch()
+
+    def _answered_or_joined(self, key: tuple[str, Any], envelope: list[bytes]) -> bool:
+        """A retry: a finished request is answered from the cache; a queued or running one is joined (its
+        reply goes to the latest attempt's address). Either way it does not run again."""
+        cached = self.replies.get(key)
+        if cached is not None:
+            self.counters["cache_hits"] += 1
+            self._to_client(envelope, cached)
+            return True
+        job = self.by_key.get(key)
+        if job is not None:
+            self.counters["retries_joined"] += 1
+            job.envelope = envelope
+            return True
+        return False
+
+    def _target_ready(self, req: wire.Request, envelope: list[bytes]) -> bool:
+        """A request that names its worker: final if there is no such worker, retryable while it is not ready."""
+        w = self.workers.get(req.worker)
+        if w is None:
+            raise wire.ProtocolError("worker", f"no worker {req.worker!r} in this pool")
+        if not w.state.dispatchable:   # a named mismatched worker is reachable: diagnostics
+            self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE, f"worker {req.worker!r} is {w.state}",
+                               reason=Reason.WORKER_UNAVAILABLE)
+            return False
+        return True
+
+    def _check_capacity(self, req: wire.Request) -> None:
+        """A request larger than every ready worker can hold is refused now (final), naming what is too large."""
+        ready = self._serving()
+        if not ready or any(w.fits(req) for w in ready):
+            return
+        c = max(ready, key=lambda w: w.capacity.get("max_tokens", 0)).capacity
+        for name, have, cap in (("ids", req.tokens, "max_tokens"), ("lengths", req.rows, "max_rows"),
+                                ("markers", req.n_markers, "max_markers")):
+            if have > c.get(cap, 1 << 62):
+                raise wire.ProtocolError(name, f"{have} exceeds every worker's capacity ({cap} {c[cap]})")
+        raise wire.ProtocolError("ids", "the request fits no worker's capacity")
 
     def on_describe(self, envelope: list[bytes], msg: wire.Message) -> None:
         rid = wire.get(msg.header, "rid", (int, str), default=None)
@@ -379,7 +403,7 @@ class Broker:
             return
         if len(self.queue) >= self.cfg.queue_size:
             self._client_error(envelope, rid, wire.STATUS_RETRYABLE, "the pool is busy", cmd=Cmd.DESCRIBE,
-                               reason="busy")
+                               reason=Reason.BUSY)
             return
         job = Job(self._job_id(), "describe", None, envelope, rid, enqueued=time.monotonic())
         self.queue.append(job)
@@ -392,18 +416,18 @@ class Broker:
         w = self.workers.get(wid)
         if w is None:
             raise wire.ProtocolError("worker", f"no worker {wid!r} in this pool")
-        if w.state not in LIVE_STATES and w.state != "mismatch" and restart:
+        if not w.state.connected and restart:
             # It is down (drained, stopped, dead): the supervisor sees this flag in the status and starts it.
             w.restart_requested = True
             self._to_client(envelope, wire.encode_body_reply(Cmd.DRAIN, rid, {
                 "worker": wid, "state": w.state, "restart": True, "restart_requested": True, "inflight": 0,
                 "registrations": w.registrations, "pid": w.pid}))
             return
-        if w.state not in LIVE_STATES and w.state != "mismatch":
+        if not w.state.connected:
             self._client_error(envelope, rid, wire.STATUS_FINAL, f"worker {wid!r} is {w.state}", field="worker",
                                cmd=Cmd.DRAIN)
             return
-        w.state, w.drain_restart = "draining", restart
+        w.state, w.drain_restart = WorkerState.DRAINING, restart
         self._to_worker(w, Cmd.DRAIN, {"restart": restart})
         log.info("worker %s: draining%s (%d in flight)", wid, " for a restart" if restart else "", len(w.inflight))
         self._to_client(envelope, wire.encode_body_reply(Cmd.DRAIN, rid, {
@@ -418,8 +442,8 @@ class Broker:
                            "fingerprint": self.pool_fp, "uptime_s": round(now - self.started, 3),
                            "heartbeat_ms": self.cfg.heartbeat_ms, "liveness": self.cfg.liveness,
                            "queue": len(self.queue), "queue_size": self.cfg.queue_size,
-                           "queue_bytes": self.queue_bytes, "cached_reply_bytes": self.cache_bytes,
-                           "inflight": len(self.inflight), "cached_replies": len(self.cache),
+                           "queue_bytes": self.queue_bytes, "cached_reply_bytes": self.replies.bytes,
+                           "inflight": len(self.inflight), "cached_replies": len(self.replies),
                            "counters": dict(self.counters)}}
 
     # -------------------------------------------------------------------------------------------- workers
@@ -443,42 +467,47 @@ class Broker:
                 log.warning("worker %r sent a bad READY (%s)", identity, e)
                 self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": f"bad READY: {e}"})])
             return
-        if w is None or w.state not in LIVE_STATES + ("mismatch",):
+        if w is None or not w.state.connected:
             # A worker we do not know (we restarted, or declared it dead): make it register again.
             if msg.cmd != Cmd.DISCONNECT:
-                self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": "not registered"})])
+                self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": Leave.NOT_REGISTERED})])
             return
         w.last_seen, w.expiry = now, now + self.hb * self.cfg.liveness
         try:
-            if msg.cmd == Cmd.HEARTBEAT:
-                stats = wire.get(msg.header, "stats", dict, default=None)
-                if stats is not None:
-                    w.stats = stats
-            elif msg.cmd == Cmd.REPLY:
-                self.on_worker_reply(w, msg)
-            elif msg.cmd == Cmd.DESCRIBE:
-                self.on_worker_card(w, msg)
-            elif msg.cmd == Cmd.DRAIN:
-                # The worker drains on its own (SIGTERM): dispatch nothing more to it.
-                if w.state == "ready":
-                    w.state = "draining"
-                    log.info("worker %s: draining (%s)", w.id, msg.header.get("reason", "its own decision"))
-            elif msg.cmd == Cmd.DISCONNECT:
-                reason = wire.get(msg.header, "reason", str, default="shutdown")
-                state = {"drain": "drained", "restart": "restarting"}.get(reason, "stopped")
-                self._worker_lost(w, state, f"left ({reason})")
-            else:
-                raise wire.ProtocolError("command", f"{msg.cmd.name} is not a worker command")
+            self._on_worker_message(w, msg)
         except wire.ProtocolError as e:
             self.counters["worker_malformed"] += 1
             log.warning("worker %s sent a bad %s (%s)", w.id, msg.cmd.name, e)
             self._confused(identity, str(e))
         self.dispatch()
 
+    def _on_worker_message(self, w: WorkerInfo, msg: wire.Message) -> None:
+        """A message from a registered worker (READY is handled before: it is how a worker gets here)."""
+        if msg.cmd == Cmd.HEARTBEAT:
+            stats = wire.get(msg.header, "stats", dict, default=None)
+            if stats is not None:
+                w.stats = stats
+        elif msg.cmd == Cmd.REPLY:
+            self.on_worker_reply(w, msg)
+        elif msg.cmd == Cmd.DESCRIBE:
+            self.on_worker_card(w, msg)
+        elif msg.cmd == Cmd.DRAIN:
+            # The worker drains on its own (SIGTERM): dispatch nothing more to it.
+            if w.state is WorkerState.READY:
+                w.state = WorkerState.DRAINING
+                log.info("worker %s: draining (%s)", w.id, msg.header.get("reason", "its own decision"))
+        elif msg.cmd == Cmd.DISCONNECT:
+            reason = wire.get(msg.header, "reason", str, default=Leave.SHUTDOWN)
+            state = {Leave.DRAIN: WorkerState.DRAINED, Leave.RESTART: WorkerState.RESTARTING}.get(
+                reason, WorkerState.STOPPED)
+            self._worker_lost(w, state, f"left ({reason})")
+        else:
+            raise wire.ProtocolError("command", f"{msg.cmd.name} is not a worker command")
+
     def _confused(self, identity: bytes, why: str) -> None:
         wid = self.by_identity.get(identity)
         if wid is not None and wid in self.workers:
-            self._worker_lost(self.workers[wid], "dead", why)
+            self._worker_lost(self.workers[wid], WorkerState.DEAD, why)
         self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": why[:200]})])
 
     def on_ready(self, identity: bytes, msg: wire.Message, now: float) -> None:
@@ -494,7 +523,7 @@ class Broker:
         registrations = 0
         if old is not None:
             registrations = old.registrations
-            if old.state in LIVE_STATES and old.inflight:
+            if old.state.live and old.inflight:
                 # The same id registered again: the old process (and its work) is gone.
                 self._requeue_from(old, "re-registered")
         w = WorkerInfo(id=wid, identity=identity, device=wire.get(h, "device", str, default="?"), fingerprint=fp,
@@ -505,13 +534,13 @@ class Broker:
                        pid=wire.get(h, "pid", int, default=None), mode=wire.get(h, "mode", str, default=None),
                        generation=wire.get(h, "generation", int, default=0), expiry=now + self.hb * self.cfg.liveness,
                        last_seen=now, since=now, registrations=registrations + 1)
-        live_fps = {x.fingerprint for x in self.workers.values() if x.state in LIVE_STATES and x.id != wid}
+        live_fps = {x.fingerprint for x in self.workers.values() if x.state.live and x.id != wid}
         # A pool started for one model (`--fingerprint`, which `laya-pool up` passes) never changes model;
         # a bare broker follows the workers it has.
         if not self.cfg.fingerprint and (self.pool_fp is None or not live_fps or self.pool_fp not in live_fps):
             self.pool_fp = fp
         if fp != self.pool_fp:
-            w.state = "mismatch"
+            w.state = WorkerState.MISMATCH
             log.error("worker %s serves model %s but the pool serves %s: not dispatching to it", wid, fp[:12],
                       self.pool_fp[:12])
         self.workers[wid] = w
@@ -529,21 +558,16 @@ class Broker:
             return
         del self.inflight[job.id]
         w.inflight.discard(job.id)
-        if rep.status == wire.STATUS_RETRYABLE and (rep.error or {}).get("reason") == "worker-fault":
+        if rep.status == wire.STATUS_RETRYABLE and (rep.error or {}).get("reason") == Reason.WORKER_FAULT:
             # The worker failed running it (and is going down): that is a lost attempt, bounded by
             # max_attempts, so one poisonous request cannot take down worker after worker.
-            self._requeue(job, w, "the worker failed running it")
+            self._lost(job, w, "the worker failed running it")
             return
         if rep.status == wire.STATUS_RETRYABLE:
             # The worker is stopping (or could not take it): another worker runs it.
-            job.bounces += 1
-            job.worker = None
-            if job.bounces > self.cfg.max_bounces:
+            if not self._requeue(job, lost=False):
                 self._fail(job, wire.STATUS_RETRYABLE, rep.message or "workers keep handing this request back",
-                           reason="bounced")
-            else:
-                job.enqueued = time.monotonic()
-                self.queue.appendleft(job)
+                           reason=Reason.BOUNCED)
             return
         if rep.status == wire.STATUS_OK:
             w.completed += 1
@@ -571,18 +595,13 @@ class Broker:
             self._to_client(job.envelope, wire.encode(Cmd.DESCRIBE, {"rid": job.client_rid, "status": wire.STATUS_OK,
                                                                      "fp": w.fingerprint}, self.cards[w.fingerprint]))
             return
-        job.worker = None
-        job.bounces += 1
-        if job.bounces > self.cfg.max_bounces:
+        if not self._requeue(job, lost=False):
             self._fail(job, wire.STATUS_RETRYABLE, "no worker could describe the model")
-        else:
-            job.enqueued = time.monotonic()
-            self.queue.appendleft(job)
 
-    def _worker_lost(self, w: WorkerInfo, state: str, why: str) -> None:
+    def _worker_lost(self, w: WorkerInfo, state: WorkerState, why: str) -> None:
         prev = w.state
         w.state = state
-        if state in ("dead",) or w.inflight:
+        if state is WorkerState.DEAD or w.inflight:
             log.warning("worker %s (%s, pid %s) %s: %s; %d requests to re-send", w.id, prev, w.pid, state, why,
                         len(w.inflight))
         else:
@@ -593,21 +612,31 @@ class Broker:
         for jid in sorted(w.inflight, reverse=True):
             job = self.inflight.pop(jid, None)
             if job is not None:
-                self._requeue(job, w, why)
+                self._lost(job, w, why)
         w.inflight.clear()
 
-    def _requeue(self, job: Job, w: WorkerInfo, why: str) -> None:
+    def _lost(self, job: Job, w: WorkerInfo, why: str) -> None:
         """Send a job `w` lost to another worker, or fail it once `max_attempts` workers have lost it."""
-        job.worker = None
-        job.attempts += 1
         w.lost += 1
         self.counters["requeued"] += 1
-        if job.attempts >= self.cfg.max_attempts:
+        if not self._requeue(job, lost=True):
             self._fail(job, wire.STATUS_FINAL, f"{job.attempts} workers were lost while running this request "
-                                               f"(last: worker {w.id}, {why})", reason="workers-lost")
+                                               f"(last: worker {w.id}, {why})", reason=Reason.WORKERS_LOST)
+
+    def _requeue(self, job: Job, *, lost: bool) -> bool:
+        """Back to the front of the queue, counting a lost attempt (`lost`) or a hand-back; False, and the
+        job left for the caller to fail, once it has used up `max_attempts` / `max_bounces`."""
+        job.worker = None
+        if lost:
+            job.attempts += 1
+            spent = job.attempts >= self.cfg.max_attempts
         else:
+            job.bounces += 1
+            spent = job.bounces > self.cfg.max_bounces
+        if not spent:
             job.enqueued = time.monotonic()
             self.queue.appendleft(job)
+        return not spent
 
     # -------------------------------------------------------------------------------------------- dispatch
 
@@ -615,11 +644,15 @@ class Broker:
         self.next_job += 1
         return self.next_job
 
+    def _serving(self) -> list[WorkerInfo]:
+        """Ready workers of the pool's model."""
+        return [w for w in self.workers.values() if w.state is WorkerState.READY and w.fingerprint == self.pool_fp]
+
     def _candidates(self) -> list[WorkerInfo]:
-        # A worker serving another model ("mismatch") only takes requests that name it: that is how
-        # compare_workers examines it, and ordinary traffic never lands there.
-        return [w for w in self.workers.values() if len(w.inflight) < w.credit and (
-            (w.state == "ready" and w.fingerprint == self.pool_fp) or w.state == "mismatch")]
+        # A worker serving another model ("mismatch") only takes requests that name it (`_pick`): that is
+        # how compare_workers examines it, and ordinary traffic never lands there.
+        return [w for w in self.workers.values() if len(w.inflight) < w.credit and w.state.dispatchable
+                and (w.state is WorkerState.MISMATCH or w.fingerprint == self.pool_fp)]
 
     def dispatch(self) -> None:
         if not self.queue:
@@ -649,15 +682,14 @@ class Broker:
 
     def _pick(self, job: Job, free: list[WorkerInfo]) -> WorkerInfo | None:
         if job.kind == "describe":
-            pool = [w for w in self.workers.values() if w.state == "ready" and w.fingerprint == self.pool_fp]
-            return min(pool, key=lambda w: len(w.inflight), default=None)
+            return min(self._serving(), key=lambda w: len(w.inflight), default=None)
         best = None
         for w in free:
             if job.target is not None and w.id != job.target:
                 continue
             if w.fingerprint != self.pool_fp and job.target != w.id:
                 continue
-            if not w.fits(job):
+            if not w.fits(job.req):
                 continue
             if best is None or (len(w.inflight) / w.credit, w.last_dispatch) < (len(best.inflight) / best.credit,
                                                                                   best.last_dispatch):
@@ -673,7 +705,7 @@ class Broker:
         else:
             ok = self._to_worker(w, Cmd.REQUEST, wire.request_header_for_worker(job.req, job.id), *job.payload)
         if not ok:
-            self._worker_lost(w, "dead", "unreachable")
+            self._worker_lost(w, WorkerState.DEAD, "unreachable")
             return False
         job.worker, job.dispatched = w.id, time.monotonic()
         w.last_dispatch = job.dispatched
@@ -683,30 +715,21 @@ class Broker:
 
     def _finish(self, job: Job, frames: list[Any]) -> None:
         if job.key is not None:
-            if self.pending.pop(job.key, None) is not None:
-                self.queue_bytes -= job.nbytes
-            size = sum(len(f) for f in frames)
-            if size <= self.cfg.cache_max_reply_bytes:
-                old = self.cache.pop(job.key, None)
-                self.cache_bytes -= _frames_bytes(old[1]) if old else 0
-                self.cache[job.key] = (time.monotonic() + self.cfg.cache_ttl_s, frames)
-                self.cache_bytes += size
-                while len(self.cache) > self.cfg.cache_size or self.cache_bytes > self.cfg.cache_max_bytes:
-                    _, (_, dropped) = self.cache.popitem(last=False)
-                    self.cache_bytes -= _frames_bytes(dropped)
+            self._forget(job)
+            self.replies.put(job.key, frames, time.monotonic())
         self.counters["replies"] += 1
         self._to_client(job.envelope, frames)
 
-    def _fail(self, job: Job, status: str, message: str, reason: str | None = None) -> None:
+    def _fail(self, job: Job, status: str, message: str, reason: Reason | None = None) -> None:
         if job.key is not None:
-            if self.pending.pop(job.key, None) is not None:
-                self.queue_bytes -= job.nbytes
+            self._forget(job)
         cmd = Cmd.DESCRIBE if job.kind == "describe" else Cmd.REPLY
         self._client_error(job.envelope, job.client_rid, status, message, cmd=cmd, reason=reason)
 
-
-def _frames_bytes(frames: list[Any]) -> int:
-    return sum(len(f) for f in frames)
+    def _forget(self, job: Job) -> None:
+        """A request is no longer queued or running: its key and payload bytes are released."""
+        if self.by_key.pop(job.key, None) is not None:
+            self.queue_bytes -= job.nbytes
 
 
 def _natural(s: str) -> tuple:
@@ -715,31 +738,48 @@ def _natural(s: str) -> tuple:
 
 # ------------------------------------------------------------------------------------------------ process
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+# The broker's policy flags, defined once: `python -m broker.broker`, `laya-pool broker` and `laya-pool up`
+# (which hands them to the broker it starts) all take these. (flag, BrokerConfig field, type, help)
+POLICY_FLAGS = (
+    ("--queue-size", "queue_size", int, "requests waiting for a worker before the pool answers busy"),
+    ("--queue-timeout", "queue_timeout_s", float, "seconds a request may wait for a worker"),
+    ("--queue-max-bytes", "queue_max_bytes", int, "request payload bytes waiting or running, together"),
+    ("--cache-max-bytes", "cache_max_bytes", int, "bytes of finished replies kept for retries"),
+    ("--max-attempts", "max_attempts", int, "workers a request may be lost on before it fails"),
+    ("--job-timeout", "job_timeout_s", float,
+     "seconds a worker may hold one request before it is declared hung (counted from dispatch, so it includes "
+     "the wait behind the worker's other requests: keep it well above credit x the slowest request)"),
+    ("--max-message-bytes", "max_frontend_bytes", int, "largest frame a client may send"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> None:
+    """The broker's flags. `supervised` (for `laya-pool up`): the backend defaults to a private ipc socket
+    and the fingerprint comes from the checkpoint, so neither is asked for."""
     d = BrokerConfig()
-    p.add_argument("--frontend", default=os.environ.get("LAYA_POOL_FRONTEND", d.frontend),
+    p.add_argument("--frontend", default=contract.default_frontend(),
                    help="endpoint clients connect to (default %(default)s)")
-    p.add_argument("--backend", default=d.backend, help="endpoint workers connect to (default %(default)s)")
+    if supervised:
+        p.add_argument("--backend", default=None, help="endpoint workers connect to (default: a private ipc socket)")
+    else:
+        p.add_argument("--backend", default=d.backend, help="endpoint workers connect to (default %(default)s)")
+        p.add_argument("--fingerprint", default=None, help="serve only this model (sha256 of the checkpoint)")
     p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms)
     p.add_argument("--liveness", type=int, default=d.liveness, help="heartbeats missed before a worker is dead")
-    p.add_argument("--queue-size", type=int, default=d.queue_size)
-    p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s)
-    p.add_argument("--queue-max-bytes", type=int, default=d.queue_max_bytes)
-    p.add_argument("--fingerprint", default=None, help="serve only this model (sha256 of the checkpoint)")
-    p.add_argument("--cache-max-bytes", type=int, default=d.cache_max_bytes)
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
-    p.add_argument("--job-timeout", type=float, default=d.job_timeout_s,
-                   help="seconds a worker may hold one request before it is declared hung")
-    p.add_argument("--max-message-bytes", type=int, default=d.max_frontend_bytes)
+    for flag, name, kind, text in POLICY_FLAGS:
+        p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys --out DIR)")
+
+
+def policy_argv(a: argparse.Namespace) -> list[str]:
+    """The policy flags of a parsed command line, as arguments for `python -m broker.broker`."""
+    return [arg for flag, name, _, _ in POLICY_FLAGS for arg in (flag, str(getattr(a, name)))]
 
 
 def config_from_args(a: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
-                        queue_size=a.queue_size, queue_timeout_s=a.queue_timeout, max_attempts=a.max_attempts,
-                        job_timeout_s=a.job_timeout, max_frontend_bytes=a.max_message_bytes, keys=a.keys,
-                        queue_max_bytes=a.queue_max_bytes, cache_max_bytes=a.cache_max_bytes,
-                        fingerprint=a.fingerprint)
+                        keys=a.keys, fingerprint=a.fingerprint,
+                        **{name: getattr(a, name) for _, name, _, _ in POLICY_FLAGS})
 
 
 def serve(cfg: BrokerConfig) -> int:
@@ -747,10 +787,10 @@ def serve(cfg: BrokerConfig) -> int:
         broker = Broker(cfg)
     except security.SecurityError as e:
         log.error("%s", e)
-        return wire.EXIT_USAGE
+        return contract.EXIT_USAGE
     except zmq.ZMQError as e:
         log.error("cannot bind %s / %s: %s", cfg.frontend, cfg.backend, e)
-        return wire.EXIT_CONFIG
+        return contract.EXIT_CONFIG
 
     def stop(signum, _frame):
         broker.stopping = True

@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_FRONTEND = os.environ.get("LAYA_POOL_FRONTEND", "tcp://127.0.0.1:5555")
+from protocol import contract, wire
+from protocol.contract import WorkerState
+
+DEFAULT_FRONTEND = contract.default_frontend()
 
 
 def _client(a: argparse.Namespace, **kw: Any):
@@ -47,14 +50,12 @@ def cmd_up(a: argparse.Namespace) -> int:
     devices = ["cuda:0" if d == "cuda" else d for d in devices]
     if not Path(a.model).is_dir():
         return _fail(f"--model: {a.model} is not a directory", 2)
-    from client import wire
     for ep in (a.frontend, a.backend or "ipc://"):
         if not wire.is_loopback(ep) and not a.keys:
             return _fail(f"refusing to bind {ep}: not a loopback address and no CURVE keys "
                          "(generate them with `laya-pool keys --out DIR`, then pass --keys DIR)", 2)
-    broker_args = ["--queue-size", str(a.queue_size), "--queue-timeout", str(a.queue_timeout),
-                   "--max-attempts", str(a.max_attempts), "--job-timeout", str(a.job_timeout),
-                   "--max-message-bytes", str(a.max_message_bytes)]
+    from broker.broker import policy_argv
+    broker_args = policy_argv(a)
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
     for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch"):
         v = getattr(a, name)
@@ -113,7 +114,7 @@ def cmd_drain(a: argparse.Namespace) -> int:
             deadline = time.monotonic() + a.wait_timeout
             while time.monotonic() < deadline:
                 w = _find(c.status(), a.id)
-                if w is None or w.get("state") not in ("draining", "ready"):
+                if w is None or w.get("state") not in (WorkerState.DRAINING, WorkerState.READY):
                     print(f"worker {a.id}: {w.get('state') if w else 'gone'}")
                     return 0
                 time.sleep(0.2)
@@ -140,7 +141,8 @@ def cmd_restart_worker(a: argparse.Namespace) -> int:
                     w = _find(c.status(), a.id)
                 except PoolError:
                     continue
-                if w and w.get("state") == "ready" and w.get("registrations", 0) > before.get("registrations", 0):
+                rejoined = w and w.get("registrations", 0) > before.get("registrations", 0)
+                if rejoined and w.get("state") == WorkerState.READY:
                     print(f"worker {a.id}: ready again (pid {w.get('pid')}, was {before.get('pid')})")
                     return 0
             return _fail(f"worker {a.id} did not come back within {a.wait_timeout:g} s")
@@ -197,46 +199,50 @@ def cmd_broker(a: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ parser
 
 def build_parser() -> argparse.ArgumentParser:
+    from broker.broker import add_arguments
     p = argparse.ArgumentParser(prog="laya-pool", description="a multi-process worker pool serving Laya models")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", "INFO"))
     sub = p.add_subparsers(dest="command", required=True)
+    _add_up(sub.add_parser("up", help="run a pool in the foreground until SIGINT/SIGTERM"))
+    _add_operator_commands(sub)
+    s = sub.add_parser("keys", help="generate CURVE keys")
+    s.add_argument("--out", required=True)
+    s.add_argument("--force", action="store_true", help="replace existing keys")
+    s.set_defaults(fn=cmd_keys)
+    s = sub.add_parser("broker", help="run a broker alone")
+    add_arguments(s)
+    s.set_defaults(fn=cmd_broker)
+    return p
 
-    def operator(name: str, help: str) -> argparse.ArgumentParser:
-        s = sub.add_parser(name, help=help)
-        s.add_argument("--frontend", default=DEFAULT_FRONTEND, help="the pool's client endpoint (%(default)s)")
-        s.add_argument("--timeout", type=float, default=5.0, help="seconds per attempt")
-        s.add_argument("--keys", default=None, help="CURVE key directory")
-        return s
 
-    up = sub.add_parser("up", help="run a pool in the foreground until SIGINT/SIGTERM")
+def _add_up(up: argparse.ArgumentParser) -> None:
+    from broker.broker import add_arguments
     up.add_argument("--model", required=True, help="checkpoint directory")
     up.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
     up.add_argument("--workers-per-device", type=int, default=1)
-    up.add_argument("--frontend", default=DEFAULT_FRONTEND)
-    up.add_argument("--backend", default=None, help="worker endpoint (default: a private ipc socket)")
-    up.add_argument("--heartbeat-ms", type=int, default=1000)
-    up.add_argument("--liveness", type=int, default=3)
-    up.add_argument("--mode", default=None, choices=("eager", "graph-fixed", "graph-cached"))
+    add_arguments(up, supervised=True)          # the broker's flags, defined once in broker.broker
+    # Handed to every worker; None leaves the worker's own default (which depends on its device).
+    up.add_argument("--mode", default=None, choices=contract.MODES)
     up.add_argument("--credit", type=int, default=None,
                     help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
     up.add_argument("--max-batch", type=int, default=None,
                     help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
-    up.add_argument("--queue-size", type=int, default=1024)
-    up.add_argument("--queue-timeout", type=float, default=30.0)
-    up.add_argument("--max-attempts", type=int, default=3)
-    up.add_argument("--job-timeout", type=float, default=300.0,
-                    help="seconds a worker may hold one request before it is declared hung (counted from "
-                         "dispatch, so it includes the wait behind the worker's other requests: keep it well "
-                         "above credit x the slowest request)")
-    up.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest frame a client may send")
     up.add_argument("--max-tokens", type=int, default=None)
     up.add_argument("--max-rows", type=int, default=None)
     up.add_argument("--max-markers", type=int, default=None)
     up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
-    up.add_argument("--keys", default=None, help="CURVE key directory (needed for a non-loopback bind)")
     up.set_defaults(fn=cmd_up)
+
+
+def _add_operator_commands(sub: Any) -> None:
+    def operator(name: str, help: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help)
+        s.add_argument("--frontend", default=DEFAULT_FRONTEND, help="the pool's client endpoint (%(default)s)")
+        s.add_argument("--timeout", type=float, default=5.0, help="seconds per attempt")
+        s.add_argument("--keys", default=None, help="CURVE key directory")
+        return s
 
     s = operator("status", "the worker table")
     s.add_argument("--json", action="store_true")
@@ -260,19 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-json", default=None, help="the state as JSON (a dict or a conversation list)")
     s.add_argument("--questions", required=True, help="JSON {id: definition}, or @FILE")
     s.add_argument("--worker", default=None)
-    s.add_argument("--mode", default=None, choices=("eager", "graph-fixed", "graph-cached"))
+    s.add_argument("--mode", default=None, choices=contract.MODES)
     s.set_defaults(fn=cmd_predict)
-
-    s = sub.add_parser("keys", help="generate CURVE keys")
-    s.add_argument("--out", required=True)
-    s.add_argument("--force", action="store_true", help="replace existing keys")
-    s.set_defaults(fn=cmd_keys)
-
-    from broker.broker import add_arguments
-    s = sub.add_parser("broker", help="run a broker alone")
-    add_arguments(s)
-    s.set_defaults(fn=cmd_broker)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client import wire
+from protocol import contract
+from protocol.contract import WorkerState
 
 log = logging.getLogger("laya-pool.supervisor")
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,39 +121,42 @@ class Supervisor:
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.env = env
         common = ["--heartbeat-ms", str(cfg.heartbeat_ms), "--liveness", str(cfg.liveness)]
-        keys = ["--keys", cfg.keys] if cfg.keys else []
-        # Pin the pool to this model: after a broker restart, a stray worker registering first must not
-        # redefine what the pool serves.
-        from client.card import CardError, directory_fingerprint
-        try:
-            fingerprint = ["--fingerprint", directory_fingerprint(cfg.model)]
-        except CardError:
-            fingerprint = []       # an unreadable checkpoint: the workers report exactly what is wrong
-        self.broker = Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
-                                       "--backend", cfg.backend, *common, *keys, *fingerprint, *cfg.broker_args],
-                            env)
-        self.workers: dict[str, Child] = {}
+        common += ["--keys", cfg.keys] if cfg.keys else []
+        self.broker = self._broker_child(common)
         cpus = _cpu_sets(cfg.devices, cfg.workers_per_device)
         slots = [d for d in cfg.devices for _ in range(cfg.workers_per_device)]
-        for i, (device, cpu) in enumerate(zip(slots, cpus)):
-            wid = str(i)
-            wenv = dict(env)
-            if device.startswith("cuda"):
-                wenv["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
-            argv = [sys.executable, "-m", "worker.server", "--model", cfg.model, "--device", device,
-                    "--backend", cfg.backend, "--id", wid, *common, *keys]
-            if cfg.credit is not None:
-                argv += ["--credit", str(cfg.credit)]
-            if cfg.mode:
-                argv += ["--mode", cfg.mode]
-            if cpu:
-                argv += ["--cpus", ",".join(map(str, cpu))]
-            argv += cfg.worker_args
-            self.workers[wid] = Child(f"worker {wid}", argv, wenv)
+        self.workers: dict[str, Child] = {str(i): self._worker_child(str(i), device, cpu, common)
+                                          for i, (device, cpu) in enumerate(zip(slots, cpus))}
         self.stopping = False
         self.status_client = None
         self.last_poll = 0.0
         self.announced = False
+
+    def _broker_child(self, common: list[str]) -> Child:
+        cfg = self.cfg
+        # Pin the pool to this model: after a broker restart, a stray worker registering first must not
+        # redefine what the pool serves.
+        try:
+            fingerprint = ["--fingerprint", contract.fingerprint(cfg.model)]
+        except OSError:
+            fingerprint = []       # an unreadable checkpoint: the workers report exactly what is wrong
+        return Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
+                                "--backend", cfg.backend, *common, *fingerprint, *cfg.broker_args], self.env)
+
+    def _worker_child(self, wid: str, device: str, cpus: list[int] | None, common: list[str]) -> Child:
+        cfg = self.cfg
+        env = dict(self.env)
+        if device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
+        argv = [sys.executable, "-m", "worker.server", "--model", cfg.model, "--device", device,
+                "--backend", cfg.backend, "--id", wid, *common]
+        if cfg.credit is not None:
+            argv += ["--credit", str(cfg.credit)]
+        if cfg.mode:
+            argv += ["--mode", cfg.mode]
+        if cpus:
+            argv += ["--cpus", ",".join(map(str, cpus))]
+        return Child(f"worker {wid}", argv + cfg.worker_args, env)
 
     # ------------------------------------------------------------------------------------------------ children
 
@@ -180,18 +184,18 @@ class Supervisor:
         if self.stopping:
             child.state = "stopped"
             return
-        if not is_worker and code in (wire.EXIT_USAGE, wire.EXIT_CONFIG):
+        if not is_worker and code in (contract.EXIT_USAGE, contract.EXIT_CONFIG):
             log.error("the broker cannot start (exit %d: an endpoint is in use or refused); stopping", code)
             child.state = "down"
-        elif is_worker and code == wire.EXIT_RESTART:
+        elif is_worker and code == contract.EXIT_RESTART:
             log.info("%s drained for a restart; starting it again", child.name)
             child.restarts += 1
             child.state, child.next_start = "backoff", now
-        elif is_worker and code == wire.EXIT_OK:
+        elif is_worker and code == contract.EXIT_OK:
             log.info("%s drained and left; it stays down (laya-pool restart-worker %s brings it back)", child.name,
                      child.name.split()[-1])
             child.state = "down"
-        elif is_worker and code == wire.EXIT_CONFIG:
+        elif is_worker and code == contract.EXIT_CONFIG:
             log.error("%s cannot serve this model or configuration (exit %d); not restarting it", child.name, code)
             child.state = "down"
         else:
@@ -233,7 +237,7 @@ class Supervisor:
                 child.restarts += 1
                 child.operator_start = now
                 self._start_worker(wid)
-        ready = sum(1 for w in rows.values() if w.get("state") == "ready")
+        ready = sum(1 for w in rows.values() if w.get("state") == WorkerState.READY)
         if not self.announced and ready >= len(self.workers):
             self.announced = True
             log.info("pool ready: %d workers on %s, frontend %s", ready, ",".join(self.cfg.devices),
@@ -260,7 +264,7 @@ class Supervisor:
                     return 1
                 for child in self.workers.values():
                     self._reap(child, True)
-                if all(c.state == "down" and c.last_exit == wire.EXIT_CONFIG for c in self.workers.values()):
+                if all(c.state == "down" and c.last_exit == contract.EXIT_CONFIG for c in self.workers.values()):
                     log.error("no worker can start (configuration errors); stopping")
                     self._shutdown()
                     return 1

@@ -10,7 +10,6 @@ Only the `tokenizers` library is used: a client must not pay for importing torch
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -19,15 +18,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from protocol.contract import fingerprint
+
 # The SDK refuses to apply a temperature outside this range (laya.common.TEMP_MIN / TEMP_MAX).
 TEMP_MIN = 0.5
 TEMP_MAX = 5.0
 DEFAULT_MAX_LEN = 512
 DEFAULT_HEAD_MAX_LEN = 192
-# The files `worker.checkpoint.fingerprint` hashes, in its order: a card read from a directory gets
-# the fingerprint the pool reports for the same directory.
-FINGERPRINT_FILES = ("rl_agent_config.json", "model.safetensors", "encoder/config.json",
-                     "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json")
 _QUESTION_CACHE_SIZE = 4096
 
 
@@ -181,15 +178,8 @@ class ModelCard:
 
 
 def directory_fingerprint(path: str | Path) -> str:
-    """sha256 over the configs, the tokenizer and the weights, as `worker.checkpoint.fingerprint` computes it."""
-    path = Path(path)
-    h = hashlib.sha256()
-    for rel in FINGERPRINT_FILES:
-        h.update(rel.encode() + b"\0")
-        try:
-            with open(path / rel, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-        except OSError as e:
-            raise CardError(f"{path / rel}: cannot read ({e})") from e
-    return h.hexdigest()
+    """`protocol.contract.fingerprint` (what the pool reports for the same directory), as a `CardError`."""
+    try:
+        return fingerprint(path)
+    except OSError as e:
+        raise CardError(f"{e.filename or path}: cannot read ({e})") from e

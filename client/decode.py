@@ -14,15 +14,15 @@ import numpy as np
 
 from client.card import ModelCard
 from client.semantics import EncodedRequest, render_criterion
+from protocol.contract import QType
 
 MODEL_NAME = "laya-rl-agent"
-_QTYPE_NAMES = {0: "choice", 1: "score", 2: "noul"}
 
 
 def temp_bucket(qtype: int, k: int) -> str:
     """The `temperature_by_options` key for a question type and option count, e.g. "choice:3-5"."""
     size = "2" if k <= 2 else "3-5" if k <= 5 else "6-10" if k <= 10 else "11+"
-    return f"{_QTYPE_NAMES[int(qtype)]}:{size}"
+    return f"{QType(int(qtype)).name.lower()}:{size}"
 
 
 def temperature_for(card: ModelCard, qtype: int, k: int) -> float:

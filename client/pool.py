@@ -10,7 +10,12 @@ request again with the SAME request id after a short backoff (Lazy Pirate, witho
 socket: replies carrying another id are stale answers to earlier attempts and are dropped). The broker
 deduplicates by (client id, request id), so a retry never runs a request twice. A "final" reply (the
 request itself is wrong) raises `RequestFailed` naming the field and row; running out of attempts raises
-`PoolUnavailable`.
+`PoolUnavailable`; every error a call raises is a `PoolError` (client/errors.py).
+
+The two clients share everything but the socket: the retry rules are `client.retry.Attempts` (no I/O),
+and each API call (`forward`, `predict`, `describe`, `status`, `drain`, `ping`) is written once as a
+plan, a generator that yields the pool calls it needs and gets their answers back. `Client` runs a plan
+with blocking calls, `AsyncClient` with awaited ones.
 
 The model card (tokenizer and config) comes from the pool with a describe call, so a client needs no
 files. This module imports neither torch nor anything from the worker or broker packages.
@@ -22,7 +27,6 @@ import contextlib
 import itertools
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -30,42 +34,29 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
 
-from client import wire
-from client.wire import Cmd
+from client.card import CardError
+from client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
+from client.retry import Action, Attempts, RetryPolicy, Step, reply_message
+from protocol import contract, wire
+from protocol.contract import Reason, WorkerState
+from protocol.wire import Cmd
 
-DEFAULT_ENDPOINT = os.environ.get("LAYA_POOL_FRONTEND", "tcp://127.0.0.1:5555")
-MAX_FRAME_BYTES = 16 << 20      # the broker's default frontend MAXMSGSIZE
+__all__ = ["Client", "AsyncClient", "ForwardResult", "LocalPool", "local_pool", "PoolError", "RequestFailed",
+           "PoolUnavailable", "MalformedReply", "BadModelCard", "configure_curve_client"]
+
+DEFAULT_ENDPOINT = contract.default_frontend()
+MAX_FRAME_BYTES = contract.MAX_FRONTEND_BYTES      # the broker's default frontend MAXMSGSIZE
 
 log = logging.getLogger("laya-pool.client")
-
-
-class PoolError(RuntimeError):
-    """Base class of the errors a pool call raises."""
-
-
-class RequestFailed(PoolError, ValueError):
-    """The pool refused the request for good ("final"): retrying the same request cannot help."""
-
-    def __init__(self, message: str, field: str | None = None, row: int | None = None,
-                 worker: str | None = None, reason: str | None = None):
-        self.field, self.row, self.worker, self.reason = field, row, worker, reason
-        super().__init__(message)
-
-
-class PoolUnavailable(PoolError):
-    """Every attempt timed out or was answered "retryable" (busy, worker lost, no worker)."""
-
-    def __init__(self, message: str, last: str | None = None, attempts: int = 0):
-        self.last, self.attempts = last, attempts
-        super().__init__(message)
+T = TypeVar("T")
 
 
 @dataclass
@@ -100,8 +91,46 @@ def _split_rows(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
     return [np.array(x, dtype=np.float32) for x in np.split(flat, bounds)] if len(counts) else []
 
 
+# ---------------------------------------------------------------------------------------------- plans
+
+@dataclass(frozen=True)
+class _Call:
+    """A plan's step: one pool call (sent and retried by the driver); its answer is (message, attempts)."""
+    cmd: Cmd
+    build: Callable[[int, str], list[Any]]     # (request id, client id) -> frames
+    timeout: float | None = None
+    retries: int | None = None
+
+
+@dataclass(frozen=True)
+class _Card:
+    """A plan's step: the model card (the driver fetches it once, under its own lock where it has one)."""
+    timeout: float | None
+    refresh: bool = False
+
+
+Plan = Generator["_Call | _Card", Any, T]
+
+
+def _header_only(cmd: Cmd, **fields: Any) -> Callable[[int, str], list[Any]]:
+    return lambda rid, cid: wire.encode(cmd, {"rid": rid, **fields})
+
+
+@contextlib.contextmanager
+def _as_pool_errors() -> Iterator[None]:
+    """What a call raises is a PoolError: a reply that breaks the protocol, a card that cannot be used."""
+    try:
+        yield
+    except PoolError:
+        raise
+    except wire.ProtocolError as e:
+        raise MalformedReply(e.field, e.message) from e
+    except CardError as e:
+        raise BadModelCard(str(e)) from e
+
+
 class _Base:
-    """What the blocking and the asyncio clients share: request building and reply interpretation."""
+    """What the blocking and the asyncio clients share: the plans, request building, reply interpretation."""
 
     def __init__(self, endpoint: str | None, timeout: float, retries: int, backoff: float, max_backoff: float,
                  keys: str | None):
@@ -127,18 +156,74 @@ class _Base:
         s.connect(self.endpoint)
         return s
 
-    def _sleep_for(self, attempt: int) -> float:
-        return min(self.max_backoff, self.backoff * (2 ** (attempt - 1))) * (0.5 + random.random() / 2)
+    def _attempts(self, timeout: float | None, retries: int | None) -> Attempts:
+        return Attempts(RetryPolicy(timeout=self.timeout if timeout is None else timeout,
+                                    retries=self.retries if retries is None else retries,
+                                    backoff=self.backoff, max_backoff=self.max_backoff))
 
-    def _request_frames(self, rows: Sequence[tuple[Any, Any, int]] | dict[str, Any], worker: str | None,
-                        mode: str | None, taps: bool) -> Callable[[int, str], list[Any]]:
-        arrays = rows if isinstance(rows, dict) else wire.pack_rows(rows)
+    # -- plans: each API call written once; the drivers run them -------------------------------------------
+    def _forward_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
+                      worker: str | None, mode: str | None, taps: bool) -> Plan[ForwardResult]:
+        arrays = self._pack(rows)
+        msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries)
+        reply = wire.parse_reply(msg)
+        if reply.status == wire.STATUS_FINAL:
+            self._raise_final(reply)
+        return self._forward_result(reply, arrays["marker_counts"], attempts)
+
+    def _predict_plan(self, state: Any, questions: dict[Any, Any], timeout: float | None, retries: int | None,
+                      max_len: int | None, head_max_len: int | None, worker: str | None,
+                      mode: str | None) -> Plan[dict[str, Any]]:
+        card = yield _Card(timeout)
+        for refreshed in (False, True):
+            encoded = self._encode(card, state, questions, max_len, head_max_len)
+            if not encoded.rows:
+                return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
+            res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
+            if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
+                return self._decode(card, encoded, res.flat, res.act)
+            if refreshed:
+                break
+            card = yield _Card(timeout, refresh=True)   # the pool now serves another model
+        raise PoolError(f"the pool answered with model {res.fingerprint[:12]} but describes {card.fingerprint[:12]}")
+
+    def _describe_plan(self, timeout: float | None, refresh: bool) -> Plan[dict[str, Any]]:
+        if self._card_dict is None or refresh:
+            msg, _ = yield _Call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
+                                 timeout)
+            self._set_card(self._body(msg))
+        return self._card_dict
+
+    def _status_plan(self, timeout: float | None, retries: int | None) -> Plan[dict[str, Any]]:
+        msg, _ = yield _Call(Cmd.STATUS, _header_only(Cmd.STATUS), timeout, retries)
+        return self._body(msg)
+
+    def _drain_plan(self, worker: str, restart: bool, timeout: float | None) -> Plan[dict[str, Any]]:
+        # Not retried: a drain is an operator's one-off, and a repeated one would find the worker draining.
+        msg, _ = yield _Call(Cmd.DRAIN, _header_only(Cmd.DRAIN, worker=str(worker), restart=bool(restart)), timeout, 0)
+        return self._body(msg)
+
+    def _ping_plan(self, timeout: float | None) -> Plan[float]:
+        t = time.perf_counter()
+        yield _Call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT), timeout, 0)
+        return time.perf_counter() - t
+
+    # -- what the plans use -------------------------------------------------------------------------------
+    @staticmethod
+    def _pack(rows: Sequence[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
+        try:
+            return wire.pack_rows(rows)
+        except wire.ProtocolError as e:       # the caller's rows, not the pool's reply
+            raise RequestFailed(str(e), field=e.field) from e
+
+    def _request_frames(self, arrays: dict[str, Any], worker: str | None, mode: str | None,
+                        taps: bool) -> Callable[[int, str], list[Any]]:
         for name in wire.REQUEST_ARRAYS:
             n = 4 * int(np.asarray(arrays[name]).size)
             if n > self.max_frame_bytes:
                 # The broker's MAXMSGSIZE would drop the connection without a word: refuse it here instead.
                 raise RequestFailed(f"{name}: {n} bytes exceed the {self.max_frame_bytes}-byte frame limit",
-                                    field=name, reason="too-large")
+                                    field=name, reason=Reason.TOO_LARGE)
 
         def build(rid: int, cid: str) -> list[Any]:
             return wire.encode_request(rid, arrays, cid=cid, worker=worker, mode=mode, taps=taps)
@@ -147,10 +232,10 @@ class _Base:
     @staticmethod
     def _forward_result(reply: wire.Reply, counts: np.ndarray, attempts: int) -> ForwardResult:
         if reply.logits is None or reply.act is None:
-            raise PoolError("an ok reply without logits")
+            raise MalformedReply("reply", "an ok reply without logits")
         if reply.logits.shape[0] != int(counts.sum()) or reply.act.shape[0] != len(counts):
-            raise wire.ProtocolError("reply", f"{reply.logits.shape[0]} logits and {reply.act.shape[0]} act rows "
-                                              f"for a request of {int(counts.sum())} markers in {len(counts)} rows")
+            raise MalformedReply("reply", f"{reply.logits.shape[0]} logits and {reply.act.shape[0]} act rows "
+                                          f"for a request of {int(counts.sum())} markers in {len(counts)} rows")
         flat = np.array(reply.logits, dtype=np.float32)
         return ForwardResult(logits=_split_rows(flat, counts), act=np.array(reply.act, dtype=np.float32), flat=flat,
                              worker=reply.worker, fingerprint=reply.fingerprint, metrics=reply.metrics,
@@ -162,6 +247,12 @@ class _Base:
         err = reply.error or {}
         raise RequestFailed(err.get("message", "request refused"), field=err.get("field"), row=err.get("row"),
                             worker=reply.worker, reason=err.get("reason"))
+
+    def _body(self, msg: wire.Message) -> Any:
+        reply = wire.parse_any_reply(msg)
+        if reply.status == wire.STATUS_FINAL:
+            self._raise_final(reply)
+        return wire.body_of(msg)
 
     def _set_card(self, card: dict[str, Any]) -> Any:
         from client.card import ModelCard
@@ -195,41 +286,87 @@ class Client(_Base):
         self._sock = self._socket(self._ctx)
         self._pid = os.getpid()
 
-    # -- transport -------------------------------------------------------------------------------------
+    # -- the pool's API ----------------------------------------------------------------------------------
+    def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
+                retries: int | None = None, worker: str | None = None, mode: str | None = None,
+                taps: bool = False) -> ForwardResult:
+        """Run pre-encoded rows `(ids, markers, qtype)`; returns per-row logits and act probabilities."""
+        return self._run(self._forward_plan(rows, timeout, retries, worker, mode, taps))
+
+    def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
+                retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
+                worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
+        """The SDK's `Agent.predict(state, questions)` result, computed by the pool."""
+        return self._run(self._predict_plan(state, questions, timeout, retries, max_len, head_max_len, worker, mode))
+
+    def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
+        """The model card (what `Checkpoint.card()` returns), fetched once from the pool and cached."""
+        return self._run(self._describe_plan(timeout, refresh))
+
+    def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
+        """The `client.card.ModelCard` built from `describe()`."""
+        if self._card is None or refresh:
+            self.describe(timeout=timeout, refresh=True)
+        return self._card
+
+    def status(self, *, timeout: float | None = None, retries: int | None = None) -> dict[str, Any]:
+        """`{"workers": [{"id", "device", "state", ...}], "broker": {...}}`."""
+        return self._run(self._status_plan(timeout, retries))
+
+    def drain(self, worker: str, *, restart: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """Stop dispatching to `worker`; it finishes its in-flight work and leaves (and with `restart`,
+        the supervisor starts it again and it re-registers)."""
+        return self._run(self._drain_plan(worker, restart, timeout))
+
+    def ping(self, *, timeout: float | None = None) -> float:
+        """Round trip to the broker, in seconds."""
+        return self._run(self._ping_plan(timeout))
+
+    # -- the driver ----------------------------------------------------------------------------------------
+    def _run(self, plan: Plan[T]) -> T:
+        with _as_pool_errors():
+            try:
+                step = next(plan)
+                while True:
+                    if isinstance(step, _Card):
+                        step = plan.send(self.card(timeout=step.timeout, refresh=step.refresh))
+                    else:
+                        step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries))
+            except StopIteration as done:
+                return done.value
+
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
              retries: int | None = None) -> tuple[wire.Message, int]:
         """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts."""
-        timeout = self.timeout if timeout is None else timeout
-        retries = self.retries if retries is None else retries
+        attempts = self._attempts(timeout, retries)
         rid = next(self._rids)
         frames = build(rid, self.cid)
-        last = "no reply"
         with self._lock:
             if self._sock is None:
                 raise PoolError("the client is closed")
             if os.getpid() != self._pid:
                 raise PoolError("a Client cannot be used across fork(); create one in the child")
-            for attempt in range(1, retries + 2):
-                try:
-                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    last = "the socket's send queue is full"
-                    time.sleep(self._sleep_for(attempt))
-                    continue
-                msg = self._wait(rid, time.monotonic() + timeout)
-                if msg is None:
-                    last = f"no reply within {timeout:g} s"
-                    continue
-                status = msg.header.get("status")
-                if status == wire.STATUS_RETRYABLE:
-                    err = msg.header.get("error")
-                    last = err.get("message", "retryable") if isinstance(err, dict) else "retryable"
-                    if attempt <= retries:
-                        time.sleep(self._sleep_for(attempt))
-                    continue
-                return msg, attempt
-        raise PoolUnavailable(f"{self.endpoint}: no answer after {retries + 1} attempts ({last})", last=last,
-                              attempts=retries + 1)
+            step, msg = attempts.start(), None
+            while True:
+                if step.sleep:
+                    time.sleep(step.sleep)
+                if step.action is Action.SEND:
+                    step = self._send(frames, attempts)
+                elif step.action is Action.WAIT:
+                    msg = self._wait(rid, time.monotonic() + step.seconds)
+                    step = attempts.timed_out() if msg is None else attempts.replied(
+                        msg.header.get("status"), reply_message(msg.header))
+                elif step.action is Action.RETURN:
+                    return msg, attempts.attempts
+                else:
+                    raise attempts.error(self.endpoint)
+
+    def _send(self, frames: list[Any], attempts: Attempts) -> Step:
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return attempts.send_failed("the socket's send queue is full")
+        return attempts.sent()
 
     def _wait(self, rid: int, deadline: float) -> wire.Message | None:
         while True:
@@ -241,74 +378,6 @@ class Client(_Base):
             if msg.header.get("rid") == rid:
                 return msg
             # a stale reply to an earlier attempt or an abandoned call: drop it
-
-    # -- the pool's API ----------------------------------------------------------------------------------
-    def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
-                retries: int | None = None, worker: str | None = None, mode: str | None = None,
-                taps: bool = False) -> ForwardResult:
-        """Run pre-encoded rows `(ids, markers, qtype)`; returns per-row logits and act probabilities."""
-        arrays = wire.pack_rows(rows)
-        msg, attempts = self.call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries)
-        reply = wire.parse_reply(msg)
-        if reply.status == wire.STATUS_FINAL:
-            self._raise_final(reply)
-        return self._forward_result(reply, arrays["marker_counts"], attempts)
-
-    def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
-                retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
-                worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
-        """The SDK's `Agent.predict(state, questions)` result, computed by the pool."""
-        card = self.card(timeout=timeout)
-        for refreshed in (False, True):
-            encoded = self._encode(card, state, questions, max_len, head_max_len)
-            if not encoded.rows:
-                return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
-            res = self.forward(encoded.rows, timeout=timeout, retries=retries, worker=worker, mode=mode)
-            if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
-                return self._decode(card, encoded, res.flat, res.act)
-            if refreshed:
-                break
-            card = self.card(timeout=timeout, refresh=True)   # the pool now serves another model
-        raise PoolError(f"the pool answered with model {res.fingerprint[:12]} but describes {card.fingerprint[:12]}")
-
-    def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
-        """The model card (what `Checkpoint.card()` returns), fetched once from the pool and cached."""
-        if self._card_dict is None or refresh:
-            msg, _ = self.call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
-                               timeout, None)
-            self._set_card(self._body(msg))
-        return self._card_dict
-
-    def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
-        """The `client.card.ModelCard` built from `describe()`."""
-        if self._card is None or refresh:
-            self.describe(timeout=timeout, refresh=True)
-        return self._card
-
-    def status(self, *, timeout: float | None = None, retries: int | None = None) -> dict[str, Any]:
-        """`{"workers": [{"id", "device", "state", ...}], "broker": {...}}`."""
-        msg, _ = self.call(Cmd.STATUS, lambda rid, cid: wire.encode(Cmd.STATUS, {"rid": rid}), timeout, retries)
-        return self._body(msg)
-
-    def drain(self, worker: str, *, restart: bool = False, timeout: float | None = None) -> dict[str, Any]:
-        """Stop dispatching to `worker`; it finishes its in-flight work and leaves (and with `restart`,
-        the supervisor starts it again and it re-registers)."""
-        msg, _ = self.call(Cmd.DRAIN, lambda rid, cid: wire.encode(Cmd.DRAIN, {"rid": rid, "worker": str(worker),
-                                                                               "restart": bool(restart)}),
-                           timeout, 0)
-        return self._body(msg)
-
-    def ping(self, *, timeout: float | None = None) -> float:
-        """Round trip to the broker, in seconds."""
-        t = time.perf_counter()
-        self.call(Cmd.HEARTBEAT, lambda rid, cid: wire.encode(Cmd.HEARTBEAT, {"rid": rid}), timeout, 0)
-        return time.perf_counter() - t
-
-    def _body(self, msg: wire.Message) -> Any:
-        reply = wire.parse_any_reply(msg)
-        if reply.status == wire.STATUS_FINAL:
-            self._raise_final(reply)
-        return wire.body_of(msg)
 
     def close(self) -> None:
         with self._lock:
@@ -343,6 +412,52 @@ class AsyncClient(_Base):
         self._reader: asyncio.Task | None = None
         self._card_lock: asyncio.Lock | None = None
 
+    # -- the pool's API (the same as Client's, awaited) ------------------------------------------------------
+    async def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
+                      retries: int | None = None, worker: str | None = None, mode: str | None = None,
+                      taps: bool = False) -> ForwardResult:
+        return await self._run(self._forward_plan(rows, timeout, retries, worker, mode, taps))
+
+    async def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
+                      retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
+                      worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
+        return await self._run(self._predict_plan(state, questions, timeout, retries, max_len, head_max_len,
+                                                  worker, mode))
+
+    async def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
+        # One describe at a time: concurrent first calls share the card instead of each asking for it.
+        if self._card_lock is None:
+            self._card_lock = asyncio.Lock()
+        async with self._card_lock:
+            return await self._run(self._describe_plan(timeout, refresh))
+
+    async def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
+        if self._card is None or refresh:
+            await self.describe(timeout=timeout, refresh=True)
+        return self._card
+
+    async def status(self, *, timeout: float | None = None, retries: int | None = None) -> dict[str, Any]:
+        return await self._run(self._status_plan(timeout, retries))
+
+    async def drain(self, worker: str, *, restart: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        return await self._run(self._drain_plan(worker, restart, timeout))
+
+    async def ping(self, *, timeout: float | None = None) -> float:
+        return await self._run(self._ping_plan(timeout))
+
+    # -- the driver ----------------------------------------------------------------------------------------
+    async def _run(self, plan: Plan[T]) -> T:
+        with _as_pool_errors():
+            try:
+                step = next(plan)
+                while True:
+                    if isinstance(step, _Card):
+                        step = plan.send(await self.card(timeout=step.timeout, refresh=step.refresh))
+                    else:
+                        step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries))
+            except StopIteration as done:
+                return done.value
+
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
@@ -361,83 +476,34 @@ class AsyncClient(_Base):
                    retries: int | None = None) -> tuple[wire.Message, int]:
         if self._sock is None:
             raise PoolError("the client is closed")
-        timeout = self.timeout if timeout is None else timeout
-        retries = self.retries if retries is None else retries
+        attempts = self._attempts(timeout, retries)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read())
         rid = next(self._rids)
         frames = build(rid, self.cid)
-        last = "no reply"
         loop = asyncio.get_running_loop()
         try:
-            for attempt in range(1, retries + 2):
-                fut = loop.create_future()
-                self._waiters[rid] = fut
-                await self._sock.send_multipart(frames, copy=False)
-                try:
-                    msg = await asyncio.wait_for(fut, timeout)
-                except asyncio.TimeoutError:
-                    last = f"no reply within {timeout:g} s"
-                    continue
-                if msg.header.get("status") == wire.STATUS_RETRYABLE:
-                    err = msg.header.get("error")
-                    last = err.get("message", "retryable") if isinstance(err, dict) else "retryable"
-                    if attempt <= retries:
-                        await asyncio.sleep(self._sleep_for(attempt))
-                    continue
-                return msg, attempt
+            step, fut, msg = attempts.start(), None, None
+            while True:
+                if step.sleep:
+                    await asyncio.sleep(step.sleep)
+                if step.action is Action.SEND:
+                    fut = self._waiters[rid] = loop.create_future()
+                    await self._sock.send_multipart(frames, copy=False)
+                    step = attempts.sent()
+                elif step.action is Action.WAIT:
+                    try:
+                        msg = await asyncio.wait_for(fut, step.seconds)
+                    except asyncio.TimeoutError:
+                        step = attempts.timed_out()
+                        continue
+                    step = attempts.replied(msg.header.get("status"), reply_message(msg.header))
+                elif step.action is Action.RETURN:
+                    return msg, attempts.attempts
+                else:
+                    raise attempts.error(self.endpoint)
         finally:
             self._waiters.pop(rid, None)
-        raise PoolUnavailable(f"{self.endpoint}: no answer after {retries + 1} attempts ({last})", last=last,
-                              attempts=retries + 1)
-
-    async def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
-                      retries: int | None = None, worker: str | None = None, mode: str | None = None,
-                      taps: bool = False) -> ForwardResult:
-        arrays = wire.pack_rows(rows)
-        msg, attempts = await self.call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout,
-                                        retries)
-        reply = wire.parse_reply(msg)
-        if reply.status == wire.STATUS_FINAL:
-            self._raise_final(reply)
-        return self._forward_result(reply, arrays["marker_counts"], attempts)
-
-    async def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
-                      retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
-                      worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
-        card = await self.card(timeout=timeout)
-        for refreshed in (False, True):
-            encoded = self._encode(card, state, questions, max_len, head_max_len)
-            if not encoded.rows:
-                return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
-            res = await self.forward(encoded.rows, timeout=timeout, retries=retries, worker=worker, mode=mode)
-            if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
-                return self._decode(card, encoded, res.flat, res.act)
-            if refreshed:
-                break
-            card = await self.card(timeout=timeout, refresh=True)
-        raise PoolError(f"the pool answered with model {res.fingerprint[:12]} but describes {card.fingerprint[:12]}")
-
-    async def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
-        if self._card_lock is None:
-            self._card_lock = asyncio.Lock()
-        async with self._card_lock:
-            if self._card_dict is None or refresh:
-                msg, _ = await self.call(Cmd.DESCRIBE,
-                                         lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}), timeout)
-                self._set_card(self._body(msg))
-        return self._card_dict
-
-    async def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
-        if self._card is None or refresh:
-            await self.describe(timeout=timeout, refresh=True)
-        return self._card
-
-    async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
-        msg, _ = await self.call(Cmd.STATUS, lambda rid, cid: wire.encode(Cmd.STATUS, {"rid": rid}), timeout)
-        return self._body(msg)
-
-    _body = Client._body
 
     def close(self) -> None:
         if self._reader is not None:
@@ -500,44 +566,18 @@ def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_pe
     tmp = Path(tempfile.mkdtemp(prefix="laya-pool-"))
     os.chmod(tmp, 0o700)
     frontend = frontend or f"ipc://{tmp}/frontend"
-    backend = f"ipc://{tmp}/backend"
-    n_workers = len([d for d in devices.split(",") if d.strip()]) * workers_per_device
     cmd = [sys.executable, "-m", "broker.cli", "up", "--model", str(model_dir), "--devices", devices,
-           "--workers-per-device", str(workers_per_device), "--frontend", frontend, "--backend", backend]
-    if heartbeat_ms is not None:
-        cmd += ["--heartbeat-ms", str(heartbeat_ms)]
-    if liveness is not None:
-        cmd += ["--liveness", str(liveness)]
-    if keys is not None:
-        cmd += ["--keys", str(keys)]
-    cmd += list(extra_args)
-    full_env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
-    full_env.update(env or {})
+           "--workers-per-device", str(workers_per_device), "--frontend", frontend, "--backend", f"ipc://{tmp}/backend"]
+    for flag, value in (("--heartbeat-ms", heartbeat_ms), ("--liveness", liveness), ("--keys", keys)):
+        if value is not None:
+            cmd += [flag, str(value)]
     log_path = Path(log) if log is not None else tmp / "pool.log"
-    out = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    out.close()
-    pool = LocalPool(frontend, proc, log_path, keys=None if keys is None else str(keys))
+    pool = LocalPool(frontend, _spawn([*cmd, *extra_args], log_path, env), log_path,
+                     keys=None if keys is None else str(keys))
     failed = True
     try:
-        deadline = time.monotonic() + startup_timeout
-        with pool.client(timeout=2.0, retries=0) as c:
-            while True:
-                if proc.poll() is not None:
-                    raise PoolError(f"the pool exited with code {proc.returncode} while starting "
-                                    f"(log: {log_path}):\n{pool.log()[-4000:]}")
-                try:
-                    st = c.status()
-                    if sum(1 for w in st["workers"] if w["state"] == "ready") >= n_workers:
-                        break
-                except PoolUnavailable:
-                    pass
-                if time.monotonic() > deadline:
-                    raise PoolError(f"the pool did not get {n_workers} workers ready within {startup_timeout:g} s "
-                                    f"(log: {log_path}):\n{pool.log()[-4000:]}")
-                time.sleep(0.2)
+        n_workers = len([d for d in devices.split(",") if d.strip()]) * workers_per_device
+        _wait_for_workers(pool, n_workers, startup_timeout)
         yield pool
         failed = False
     finally:
@@ -549,3 +589,32 @@ def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_pe
                     p.unlink()
         with contextlib.suppress(OSError):
             tmp.rmdir()
+
+
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None) -> subprocess.Popen:
+    """`cmd` in its own session with this checkout first on PYTHONPATH, its output appended to `log_path`."""
+    full_env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    full_env.update(env or {})
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+
+def _wait_for_workers(pool: LocalPool, n_workers: int, timeout: float) -> None:
+    """Until `n_workers` are ready; PoolError (with the log's tail) if the pool exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    with pool.client(timeout=2.0, retries=0) as c:
+        while True:
+            if pool.process.poll() is not None:
+                raise PoolError(f"the pool exited with code {pool.process.returncode} while starting "
+                                f"(log: {pool.log_path}):\n{pool.log()[-4000:]}")
+            try:
+                if sum(1 for w in c.status()["workers"] if w["state"] == WorkerState.READY) >= n_workers:
+                    return
+            except PoolUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                raise PoolError(f"the pool did not get {n_workers} workers ready within {timeout:g} s "
+                                f"(log: {pool.log_path}):\n{pool.log()[-4000:]}")
+            time.sleep(0.2)

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from client.card import ModelCard
+from protocol.contract import QTYPES
 
-QTYPES = {"choice": 0, "score": 1, "noul": 2}
 OPTION_TOKEN_CAP = 48          # tokens of one option's text (after its [MASK])
 _MIN_OPTION_BUDGET = 16        # below this many head tokens left for the instruction, options get capped
 _MIN_OPTION_TOKENS = 4

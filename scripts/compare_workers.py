@@ -28,7 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = ("eager", "graph-fixed", "graph-cached")
+from protocol.contract import MODES  # noqa: E402
+
 # Stated tolerances against the fp32 reference, per worker dtype: probabilities, and taps by nRMS.
 TOL = {"fp32": {"dp": 1e-4, "nrms": 1e-4}, "bf16": {"dp": 0.06, "nrms": 0.05}}
 TAP_ORDER = ["embeddings"]

@@ -1,9 +1,13 @@
 import os
 import subprocess
 import sys
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +41,44 @@ def stop_all(procs: list) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, message: str | Callable[[], str],
+               interval: float = 0.05, ignore: tuple[type[BaseException], ...] = ()) -> Any:
+    """Poll `predicate` until it returns something truthy (returned), failing with `message` after `timeout`
+    seconds. Exceptions of the `ignore` types count as "not yet" (a pool that is still starting); any other
+    exception, an assertion inside the predicate included, fails at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except ignore:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"after {timeout:g} s: {message() if callable(message) else message}")
+        time.sleep(interval)
+
+
+def make_rows(seed: int, n: int = 3, length: int | tuple[int, int] = 40, markers: int | tuple[int, int] = (1, 4),
+              vocab: int = 1000) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """`n` request rows `(ids int32, markers int32, qtype)`, the same for the same arguments.
+
+    `length` and `markers` (per row) are a number or a [low, high) range to draw from; markers are distinct
+    sorted positions after [CLS]; question types cycle 0, 1, 2, so three rows cover every type."""
+    rng = np.random.default_rng(seed)
+
+    def draw(v: int | tuple[int, int]) -> int:
+        return v if isinstance(v, int) else int(rng.integers(*v))
+
+    rows = []
+    for i in range(n):
+        size = draw(length)
+        k = min(draw(markers), size - 1)
+        where = np.sort(rng.choice(np.arange(1, size), size=k, replace=False)).astype(np.int32)
+        rows.append((rng.integers(5, vocab, size).astype(np.int32), where, i % 3))
+    return rows
 
 
 def make_ckpt(out: Path, preset: str = "tiny", seed: int = 0) -> Path:

@@ -30,7 +30,7 @@ def test_client_imports_no_torch_or_transformers(tiny_ckpt):
 
 def test_client_modules_name_no_heavy_imports():
     # a lazy `import torch` inside a function would pass the probe above and still cost a user later
-    for name in ("card.py", "semantics.py", "decode.py", "__init__.py"):
+    for name in ("card.py", "semantics.py", "decode.py", "errors.py", "retry.py", "__init__.py"):
         text = (ROOT / "client" / name).read_text(encoding="utf-8")
         for heavy in ("import torch", "from torch", "import transformers", "from transformers",
                       "from kernels", "from worker"):

@@ -3,12 +3,11 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SUBPROCESS_ENV, stop_all
+from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compare_workers.py"
@@ -37,16 +36,12 @@ def _perturbed(src: Path, dst: Path, tensor: str) -> Path:
 
 
 def _wait(client, pred, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            st = client.status()
-            if pred(st):
-                return st
-        except Exception:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("pool did not reach the expected state")
+    from client.pool import PoolError
+
+    def reached():
+        st = client.status()
+        return st if pred(st) else None
+    return wait_until(reached, timeout, "pool did not reach the expected state", interval=0.3, ignore=(PoolError,))
 
 
 def test_planted_difference_is_named(tiny_ckpt, tmp_path):
@@ -64,7 +59,7 @@ def test_planted_difference_is_named(tiny_ckpt, tmp_path):
             procs.append(subprocess.Popen(worker + ["--model", str(bad), "--id", "bad1"], env=ENV, cwd=ROOT))
             _wait(c, lambda st: any(w["id"] == "bad1" and w["state"] == "mismatch" for w in st["workers"]))
             # ordinary traffic never reaches the mismatched worker
-            res = c.forward([(np.arange(5, 40, dtype=np.int32), np.array([1, 3], np.int32), 0)])
+            res = c.forward(make_rows(2, 1))
             assert res.worker == "good0"
         report = tmp_path / "report.json"
         proc = subprocess.run([sys.executable, str(SCRIPT), "--frontend", fe, "--model", str(tiny_ckpt),

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import SUBPROCESS_ENV, stop_all
+from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
 
 from client.pool import Client
 
@@ -22,12 +22,10 @@ def test_hung_worker_is_declared_dead_and_its_request_runs_elsewhere(tiny_ckpt, 
     try:
         procs.append(subprocess.Popen(worker + ["--id", "hangs"], env=dict(ENV, LAYA_WORKER_HANG_ROWS="3"), cwd=ROOT))
         with Client(fe, timeout=20.0, retries=2) as c:
-            deadline = time.monotonic() + 60
-            while not any(w["id"] == "hangs" and w["state"] == "ready" for w in c.status()["workers"]):
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            wait_until(lambda: any(w["id"] == "hangs" and w["state"] == "ready" for w in c.status()["workers"]), 60,
+                       "the hanging worker never registered")
             procs.append(subprocess.Popen(worker + ["--id", "healthy"], env=ENV, cwd=ROOT))
-            rows = [(np.arange(5, 40, dtype=np.int32), np.array([1, 5], np.int32), i % 3) for i in range(3)]
+            rows = make_rows(0, 3)           # LAYA_WORKER_HANG_ROWS=3
             # Only the hanging worker is up yet: it takes the request and never answers it.
             t0 = time.monotonic()
             res = c.forward(rows)

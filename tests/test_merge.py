@@ -9,6 +9,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import make_rows
 
 from client.pool import AsyncClient, RequestFailed, local_pool
 from worker.batch import Batch
@@ -20,20 +21,12 @@ from worker.workspace import Capacity
 pytestmark = pytest.mark.timeout(240)
 
 
-def _rows(rng, n: int) -> list:
-    out = []
-    for _ in range(n):
-        length = int(rng.integers(8, 120))
-        k = int(rng.integers(1, 6))
-        out.append((rng.integers(5, 1000, size=length).astype(np.int32),
-                    np.sort(rng.choice(np.arange(1, length), size=k, replace=False)).astype(np.int32),
-                    int(rng.integers(0, 3))))
-    return out
+def _rows(seed: int, n: int) -> list:
+    return make_rows(seed, n, length=(8, 120), markers=(1, 6))
 
 
 def test_group_packs_and_splits_requests_in_order(tiny_ckpt):
-    rng = np.random.default_rng(1)
-    parts = [Batch.from_rows(_rows(rng, int(rng.integers(1, 4)))) for _ in range(5)]
+    parts = [Batch.from_rows(_rows(10 + i, 1 + i % 3)) for i in range(5)]
     g = Group()
     for b in parts:
         g.add(b)
@@ -49,8 +42,7 @@ def test_group_packs_and_splits_requests_in_order(tiny_ckpt):
 
 
 def test_group_admits_within_capacity_only():
-    rng = np.random.default_rng(2)
-    b = Batch.from_rows(_rows(rng, 3))
+    b = Batch.from_rows(_rows(2, 3))
     g = Group()
     cap = Capacity(max_tokens=2 * b.tokens, max_rows=64, max_markers=2048)
     assert g.admits(b, cap)
@@ -62,11 +54,10 @@ def test_group_admits_within_capacity_only():
 
 
 def test_pool_merges_queued_requests_and_fails_a_bad_one_alone(tiny_ckpt):
-    rng = np.random.default_rng(3)
-    requests = [_rows(rng, int(rng.integers(1, 3))) for _ in range(48)]
+    requests = [_rows(100 + i, 1 + i % 2) for i in range(48)]
     bad, faulty = 17, 29
     requests[bad] = [(np.array([5, 6, 99999, 7], np.int32), np.array([1, 2], np.int32), 0)]
-    requests[faulty] = _rows(rng, 7)     # LAYA_WORKER_FAULT_ROWS=7: its run raises inside the worker
+    requests[faulty] = _rows(99, 7)     # LAYA_WORKER_FAULT_ROWS=7: its run raises inside the worker
 
     async def burst(endpoint):
         async with AsyncClient(endpoint, timeout=30.0, retries=2) as c:

@@ -7,14 +7,13 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-from conftest import SUBPROCESS_ENV, stop_all
+from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
 
 from broker.supervisor import Supervisor, SupervisorConfig
-from worker.server import _cuda_local_device
+from worker.placement import cuda_local_device as _cuda_local_device
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
@@ -50,7 +49,7 @@ def _free_port() -> int:
 
 
 def test_remote_style_workers_join_over_tcp_and_agree(tiny_ckpt):
-    from client.pool import Client
+    from client.pool import Client, PoolError
     fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)]
@@ -60,17 +59,9 @@ def test_remote_style_workers_join_over_tcp_and_agree(tiny_ckpt):
                                            "--device", "cpu", "--backend", be, "--id", wid, "--threads", "1",
                                            "--heartbeat-ms", "300"], env=ENV, cwd=ROOT))
         with Client(fe, timeout=5.0, retries=2) as c:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if sum(w["state"] == "ready" for w in c.status()["workers"]) == 2:
-                        break
-                except Exception:
-                    pass
-                time.sleep(0.3)
-            else:
-                raise AssertionError("workers did not join over tcp")
-            rows = [(np.arange(5, 60, dtype=np.int32), np.array([1, 4, 9], np.int32), 0)]
+            wait_until(lambda: sum(w["state"] == "ready" for w in c.status()["workers"]) == 2, 120,
+                       "workers did not join over tcp", interval=0.3, ignore=(PoolError,))
+            rows = make_rows(1, 1, length=55, markers=3)
             served = {c.forward(rows, worker=w).worker for w in ("hostA-0", "hostB-0")}
             a, b = (c.forward(rows, worker=w) for w in ("hostA-0", "hostB-0"))
             assert served == {"hostA-0", "hostB-0"}

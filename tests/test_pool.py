@@ -1,6 +1,6 @@
 """The pool as processes: a supervisor, a broker and CPU workers on loopback tcp and ipc.
 
-Every test is bounded (pytest-timeout plus explicit deadlines); heartbeats are short so a lost worker or
+Every test is bounded (pytest-timeout, and `wait_until` deadlines); heartbeats are short so a lost worker or
 broker is noticed in about a second. Two pools live for the whole module (one on tcp, one on ipc); tests
 that kill or restart processes leave them whole again (the supervisor restarts what dies) and check so.
 """
@@ -22,11 +22,11 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import SUBPROCESS_ENV
+from conftest import SUBPROCESS_ENV, make_rows, wait_until
 
-from client import wire
 from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
-from client.wire import Cmd
+from protocol import contract, wire
+from protocol.wire import Cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 HB_MS, LIVENESS = 250, 4
@@ -108,16 +108,10 @@ def _workers(pool) -> dict[str, dict]:
 
 
 def _wait_ready(pool, n: int = 2, timeout: float = 90.0, pred=None) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            ws = _workers(pool)
-            if sum(w["state"] == "ready" for w in ws.values()) >= n and (pred is None or pred(ws)):
-                return ws
-        except PoolUnavailable:
-            pass
-        assert time.monotonic() < deadline, f"pool not ready:\n{pool.log()[-3000:]}"
-        time.sleep(0.1)
+    def ready():
+        ws = _workers(pool)
+        return ws if sum(w["state"] == "ready" for w in ws.values()) >= n and (pred is None or pred(ws)) else None
+    return wait_until(ready, timeout, lambda: f"pool not ready:\n{pool.log()[-3000:]}", ignore=(PoolUnavailable,))
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +119,6 @@ def expected(sdk_agent):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return [sdk_agent.predict(state, qs) for state, qs in CASES]
-
-
-def _rows(seed: int, n_rows: int = 3, length: int = 40) -> list:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(5, 1000, length).astype(np.int32), np.array([1, 4, 9][: 1 + i % 3], np.int32), i % 3)
-            for i in range(n_rows)]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +170,7 @@ def expected_empty():
 
 
 def test_forward_equals_runtime_on_every_worker(tcp_pool, runtime, tiny_ckpt):
-    rows = _rows(1)
+    rows = make_rows(1)
     want_logits, want_act = _reference(runtime, rows)
     with tcp_pool.client(timeout=30) as c:
         seen = set()
@@ -224,26 +212,27 @@ def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):
     _wait_ready(tcp_pool)
     raw = Raw(tcp_pool.endpoint)
     try:
-        frames = wire.encode_request(42, wire.pack_rows(_rows(2)), cid="dedup-client", worker="1")
+        frames = wire.encode_request(42, wire.pack_rows(make_rows(2)), cid="dedup-client", worker="1")
         first = raw.ask(frames)
         assert first is not None and first.header["status"] == "ok"
-        time.sleep(3 * HB_MS / 1000)          # let the worker's heartbeat report its count
-        before = _workers(tcp_pool)["1"]
+        # the worker's own count comes with its heartbeats: wait until it has caught up with the broker's
+        before = wait_until(lambda: (w := _workers(tcp_pool)["1"])["stats"].get("ok") == w["completed"] and w,
+                            10, "worker 1's heartbeat never reported its count")
         again = raw.ask(frames)                # the same (client id, request id): not run again
         assert again.header == first.header and [bytes(f) for f in again.frames] == [bytes(f) for f in first.frames]
-        time.sleep(3 * HB_MS / 1000)
+        time.sleep(3 * HB_MS / 1000)           # not a wait for something: three heartbeats to show a re-run, if any
         after = _workers(tcp_pool)["1"]
         assert after["completed"] == before["completed"]
         assert after["stats"]["ok"] == before["stats"]["ok"]
         assert tcp_pool.status()["broker"]["counters"]["cache_hits"] >= 1
         # a retry that arrives while the request is still running joins it: one execution, one reply
-        big = wire.encode_request(43, wire.pack_rows(_rows(3, 16, 256)), cid="dedup-client", worker="1")
+        big = wire.encode_request(43, wire.pack_rows(make_rows(3, 16, 256)), cid="dedup-client", worker="1")
         raw.sock.send_multipart(big)
         raw.sock.send_multipart(big)
         assert raw.sock.poll(30000)
         assert wire.decode(raw.sock.recv_multipart()).header["rid"] == 43
         assert not raw.sock.poll(500)
-        time.sleep(3 * HB_MS / 1000)
+        time.sleep(3 * HB_MS / 1000)           # time for a second execution to be counted, if there was one
         assert _workers(tcp_pool)["1"]["completed"] == after["completed"] + 1
     finally:
         raw.close()
@@ -251,66 +240,92 @@ def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):
 
 # ------------------------------------------------------------------------------------------------ bad input
 
-def test_malformed_input_gets_errors_and_the_pool_stays_up(tcp_pool, runtime):
-    ws0 = _wait_ready(tcp_pool)
+_GOOD = [bytes(f) for f in wire.encode_request(1, wire.pack_rows(make_rows(4)), cid="bad-client")]
+_H = msgpack.unpackb(_GOOD[2])
+# (what, frames, the field the final reply names)
+MALFORMED = [
+    ("not the protocol", [b"garbage"], "version"),
+    ("another version", [b"LAYA0", bytes([Cmd.REQUEST]), msgpack.packb({"rid": 1})], "version"),
+    ("unknown command", [b"LAYA1", bytes([200]), msgpack.packb({"rid": 2})], "command"),
+    ("header not msgpack", [b"LAYA1", bytes([Cmd.REQUEST]), b"\xc1not msgpack"], "header"),
+    ("truncated buffer", _GOOD[:3] + [_GOOD[3][:-3]] + _GOOD[4:], "ids"),
+    ("a frame missing", _GOOD[:-1], "frames"),
+    ("counts that disagree", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "rows": 5})] + _GOOD[3:], "lengths"),
+    ("unknown mode", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "mode": "warp"})] + _GOOD[3:], "mode"),
+    ("a worker command from a client", [_GOOD[0], bytes([Cmd.READY]), msgpack.packb({"rid": 3})], "command"),
+    ("drain of an unknown worker", [_GOOD[0], bytes([Cmd.DRAIN]), msgpack.packb({"rid": 4, "worker": "nope"})],
+     "worker"),
+]
+
+
+@pytest.fixture(scope="module")
+def tcp_pool_before_bad_input(tcp_pool) -> dict[str, dict]:
+    """The tcp pool's workers before the bad-input tests: afterwards the same processes must be serving."""
+    return _wait_ready(tcp_pool)
+
+
+@pytest.mark.parametrize("frames,field", [(f, x) for _, f, x in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_frames_get_a_final_error_naming_the_field(tcp_pool, tcp_pool_before_bad_input, frames, field):
     raw = Raw(tcp_pool.endpoint)
-    good = [bytes(f) for f in wire.encode_request(1, wire.pack_rows(_rows(4)), cid="bad-client")]
-    h = msgpack.unpackb(good[2])
-    cases = [
-        ([b"garbage"], "version"),
-        ([b"LAYA0", bytes([Cmd.REQUEST]), msgpack.packb({"rid": 1})], "version"),
-        ([b"LAYA1", bytes([200]), msgpack.packb({"rid": 2})], "command"),
-        ([b"LAYA1", bytes([Cmd.REQUEST]), b"\xc1not msgpack"], "header"),
-        (good[:3] + [good[3][:-3]] + good[4:], "ids"),                      # truncated buffer
-        (good[:-1], "frames"),
-        ([good[0], good[1], msgpack.packb({**h, "rows": 5})] + good[3:], "lengths"),
-        ([good[0], good[1], msgpack.packb({**h, "mode": "warp"})] + good[3:], "mode"),
-        ([good[0], bytes([Cmd.READY]), msgpack.packb({"rid": 3})], "command"),   # a worker command from a client
-        ([good[0], bytes([Cmd.DRAIN]), msgpack.packb({"rid": 4, "worker": "nope"})], "worker"),
-    ]
     try:
-        for frames, field in cases:
-            rep = raw.ask(frames)
-            assert rep is not None, f"no reply for a bad {field}"
-            assert rep.header["status"] == "final", rep.header
-            assert rep.header["error"]["field"] == field, rep.header
-        # semantically wrong requests: the worker refuses them, naming field and row
-        with tcp_pool.client(timeout=30, retries=0) as c:
-            rows = _rows(5)
-            rows[1] = (np.array([1, 2, 99999, 3], np.int32), np.array([0], np.int32), 0)     # id out of vocab
-            with pytest.raises(RequestFailed) as e:
-                c.forward(rows)
-            assert (e.value.field, e.value.row) == ("ids", 1) and "vocabulary" in str(e.value)
-            rows = _rows(6)
-            rows[2] = (rows[2][0], np.array([3, 200], np.int32), 1)                          # marker past the row
-            with pytest.raises(RequestFailed) as e:
-                c.forward(rows)
-            assert (e.value.field, e.value.row) == ("markers", 2)
-            with pytest.raises(RequestFailed) as e:                                           # qtype 7
-                c.forward([(np.array([1, 2, 3], np.int32), np.array([0], np.int32), 7)])
-            assert e.value.field == "types"
-            with pytest.raises(RequestFailed) as e:                                           # over capacity
-                c.forward([(np.ones(600, np.int32), np.array([0], np.int32), 0)] * 30)
-            assert e.value.field == "ids" and "capacity" in str(e.value)
-            with pytest.raises(RequestFailed) as e:                                           # unknown worker
-                c.forward(_rows(7), worker="nope")
-            assert e.value.field == "worker"
-            with pytest.raises(RequestFailed) as e:                                           # over MAXMSGSIZE
-                c.forward([(np.ones(5 << 20, np.int32), np.array([0], np.int32), 0)])
-            assert e.value.field == "ids" and e.value.reason == "too-large"
-            # a frame over the broker's MAXMSGSIZE from a raw socket: the connection is dropped, nothing else
-            huge = wire.encode_request(9, {"ids": np.zeros(5 << 20, np.int32), "lengths": np.array([5 << 20]),
-                                           "types": np.zeros(1, np.int32), "marker_counts": np.ones(1, np.int32),
-                                           "markers": np.zeros(1, np.int32)}, cid="huge")
-            assert raw.ask(huge, timeout=1.0) is None
-            # and the next request is right
-            rows = _rows(8)
-            want_logits, want_act = _reference(runtime, rows)
-            logits, act = c.forward(rows)
-            np.testing.assert_allclose(np.concatenate(logits), want_logits, rtol=1e-5, atol=1e-5)
+        rep = raw.ask(frames)
     finally:
         raw.close()
-    ws = _wait_ready(tcp_pool)
+    assert rep is not None, f"no reply for a bad {field}"
+    assert rep.header["status"] == "final" and rep.header["error"]["field"] == field, rep.header
+
+
+def _with_row(seed: int, i: int, row: tuple) -> list:
+    rows = make_rows(seed)
+    rows[i] = row
+    return rows
+
+
+def _one(ids, markers, qtype: int = 0) -> tuple:
+    return np.asarray(ids, np.int32), np.asarray(markers, np.int32), qtype
+
+
+# (what, the rows (built when the test runs: one is 20 MB), forward() keywords, field, row,
+#  words in the message or the reason)
+BAD_REQUESTS = [
+    ("an id outside the vocabulary", lambda: _with_row(5, 1, _one([1, 2, 99999, 3], [0])), {}, "ids", 1, "vocabulary"),
+    ("a marker past its row", lambda: _with_row(6, 2, _one(np.arange(5, 45), [3, 200], 1)), {}, "markers", 2,
+     "outside"),
+    ("question type 7", lambda: [_one([1, 2, 3], [0], 7)], {}, "types", 0, "question type"),
+    ("over every worker's capacity", lambda: [_one(np.ones(600), [0])] * 30, {}, "ids", None, "capacity"),
+    ("an unknown worker", lambda: make_rows(7), {"worker": "nope"}, "worker", None, "no worker"),
+    ("a frame over the broker's limit", lambda: [_one(np.ones(5 << 20), [0])], {}, "ids", None, "too-large"),
+]
+
+
+@pytest.mark.parametrize("rows,kw,field,row,words", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_requests_are_refused_naming_field_and_row(tcp_pool, tcp_pool_before_bad_input, rows, kw, field, row,
+                                                       words):
+    with tcp_pool.client(timeout=30, retries=0) as c:
+        with pytest.raises(RequestFailed) as e:
+            c.forward(rows(), **kw)
+    assert (e.value.field, e.value.row) == (field, row)
+    assert words in str(e.value) or words == e.value.reason, (str(e.value), e.value.reason)
+
+
+def test_a_frame_over_the_limit_drops_only_that_connection(tcp_pool, tcp_pool_before_bad_input, runtime):
+    raw = Raw(tcp_pool.endpoint)
+    try:
+        huge = wire.encode_request(9, {"ids": np.zeros(5 << 20, np.int32), "lengths": np.array([5 << 20]),
+                                       "types": np.zeros(1, np.int32), "marker_counts": np.ones(1, np.int32),
+                                       "markers": np.zeros(1, np.int32)}, cid="huge")
+        assert raw.ask(huge, timeout=1.0) is None
+    finally:
+        raw.close()
+    rows = make_rows(8)
+    want_logits, _ = _reference(runtime, rows)
+    with tcp_pool.client(timeout=30, retries=0) as c:
+        logits, _ = c.forward(rows)
+    np.testing.assert_allclose(np.concatenate(logits), want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_left_the_same_processes_serving(tcp_pool, tcp_pool_before_bad_input):
+    ws, ws0 = _wait_ready(tcp_pool), tcp_pool_before_bad_input
     assert {k: w["pid"] for k, w in ws.items()} == {k: w["pid"] for k, w in ws0.items()}
     assert {k: w["registrations"] for k, w in ws.items()} == {k: w["registrations"] for k, w in ws0.items()}
     assert tcp_pool.process.poll() is None
@@ -322,7 +337,7 @@ class _Load:
     """Client threads sending known requests and checking every answer, until the `with` block ends."""
 
     def __init__(self, pool, runtime, n_threads: int, shape=(3, 40)):
-        self.cases = [_rows(100 + i, *shape) for i in range(4)]
+        self.cases = [make_rows(100 + i, *shape) for i in range(4)]
         self.want = [_reference(runtime, r) for r in self.cases]
         self.pool, self.stop = pool, threading.Event()
         self.results: list = []          # the worker that answered, per answer
@@ -345,10 +360,17 @@ class _Load:
 
     def answered_more(self, k: int, within: float, what: str) -> None:
         """Wait until `k` more requests are answered (the pool keeps serving)."""
-        n, deadline = len(self.results), time.monotonic() + within
-        while len(self.results) < n + k:
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)
+        n = len(self.results)
+        wait_until(lambda: self.no_errors() and len(self.results) >= n + k, within, what)
+
+    def no_errors(self) -> bool:
+        assert not self.errors, self.errors[:3]
+        return True
+
+    def until_holding(self, pool, wid: str) -> None:
+        """Wait until worker `wid` holds a request of this load (so that killing it loses work)."""
+        wait_until(lambda: self.no_errors() and _workers(pool)[wid]["inflight"] > 0, 60,
+                   f"worker {wid} never held a request", interval=0.02)
 
     def __enter__(self) -> _Load:
         for t in self.threads:
@@ -364,10 +386,7 @@ class _Load:
 def test_kill_9_of_a_worker_holding_requests(ipc_pool, runtime):
     ws = _wait_ready(ipc_pool)
     with _Load(ipc_pool, runtime, 4, shape=(16, 256)) as load:
-        deadline = time.monotonic() + 60
-        while _workers(ipc_pool)["0"]["inflight"] == 0:
-            assert time.monotonic() < deadline and not load.errors, load.errors
-            time.sleep(0.02)
+        load.until_holding(ipc_pool, "0")
         os.kill(ws["0"]["pid"], signal.SIGKILL)
         load.answered_more(8, 60, "the pool stopped answering")      # on the other worker
     assert not load.errors, load.errors[:3]
@@ -385,16 +404,12 @@ def test_a_silent_worker_is_declared_dead_and_rejoins(tcp_pool, runtime):
     stopped = False
     with _Load(tcp_pool, runtime, 3, shape=(16, 256)) as load:
         try:
-            deadline = time.monotonic() + 60
-            while _workers(tcp_pool)["1"]["inflight"] == 0:
-                assert time.monotonic() < deadline and not load.errors, load.errors
-                time.sleep(0.02)
+            load.until_holding(tcp_pool, "1")
             os.kill(pid, signal.SIGSTOP)
             stopped = True
             t0 = time.monotonic()
-            while _workers(tcp_pool)["1"]["state"] != "dead":
-                assert time.monotonic() - t0 < 20, "a silent worker was never declared dead"
-                time.sleep(0.05)
+            wait_until(lambda: _workers(tcp_pool)["1"]["state"] == "dead", 20,
+                       "a silent worker was never declared dead")
             load.answered_more(6, 60 - (time.monotonic() - t0),
                                "requests held by the silent worker were not re-sent")
             os.kill(pid, signal.SIGCONT)
@@ -417,7 +432,7 @@ def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
 def test_restart_worker_under_load_fails_nothing(tcp_pool, runtime):
     ws = _wait_ready(tcp_pool)
     with _Load(tcp_pool, runtime, 3) as load:
-        time.sleep(0.5)
+        load.answered_more(3, 30, "the load never got going")
         r = _cli("restart-worker", "0", "--frontend", tcp_pool.endpoint, "--wait-timeout", "120", timeout=150)
         assert r.returncode == 0, r.stdout + r.stderr + tcp_pool.log()[-3000:]
         assert "ready again" in r.stdout
@@ -435,7 +450,7 @@ def test_drain_then_restart_brings_a_worker_back(tcp_pool):
     assert r.returncode == 0, r.stderr
     assert _workers(tcp_pool)["1"]["state"] == "drained"
     with tcp_pool.client(timeout=30) as c:        # the other worker serves everything meanwhile
-        assert {c.forward(_rows(9)).worker for _ in range(4)} == {"0"}
+        assert {c.forward(make_rows(9)).worker for _ in range(4)} == {"0"}
     r = _cli("restart-worker", "1", "--frontend", tcp_pool.endpoint, "--wait-timeout", "120", timeout=150)
     assert r.returncode == 0, r.stdout + r.stderr
     ws2 = _wait_ready(tcp_pool)
@@ -444,15 +459,13 @@ def test_drain_then_restart_brings_a_worker_back(tcp_pool):
 
 def test_sigterm_finishes_in_flight_work_and_exits_0(ipc_pool, runtime):
     ws = _wait_ready(ipc_pool)
-    rows = _rows(12, 16, 256)
+    rows = make_rows(12, 16, 256)
     want, _ = _reference(runtime, rows)
     raw = Raw(ipc_pool.endpoint)
     try:
         raw.sock.send_multipart(wire.encode_request(1, wire.pack_rows(rows), cid="term", worker="1"))
-        deadline = time.monotonic() + 30
-        while _workers(ipc_pool)["1"]["inflight"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: _workers(ipc_pool)["1"]["inflight"] > 0, 30, "worker 1 never took the request",
+                   interval=0.01)
         os.kill(ws["1"]["pid"], signal.SIGTERM)
         assert raw.sock.poll(30000)
         rep = wire.parse_reply(wire.decode(raw.sock.recv_multipart()))
@@ -460,14 +473,9 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(ipc_pool, runtime):
         np.testing.assert_allclose(rep.logits, want, rtol=1e-5, atol=1e-5)
     finally:
         raw.close()
-    deadline = time.monotonic() + 30
-    while _workers(ipc_pool)["1"]["state"] != "stopped":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    deadline = time.monotonic() + 30
-    while "worker 1 drained and left" not in ipc_pool.log():      # exit code 0: the supervisor leaves it down
-        assert time.monotonic() < deadline, ipc_pool.log()[-2000:]
-        time.sleep(0.05)
+    wait_until(lambda: _workers(ipc_pool)["1"]["state"] == "stopped", 30, "worker 1 never left")
+    # exit code 0: the supervisor leaves it down
+    wait_until(lambda: "worker 1 drained and left" in ipc_pool.log(), 30, lambda: ipc_pool.log()[-2000:])
     r = _cli("restart-worker", "1", "--frontend", ipc_pool.endpoint, "--wait-timeout", "120", timeout=150)
     assert r.returncode == 0, r.stdout + r.stderr
     _wait_ready(ipc_pool)
@@ -476,7 +484,7 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(ipc_pool, runtime):
 def test_broker_killed_and_restarted(ipc_pool, runtime):
     _wait_ready(ipc_pool)
     old = ipc_pool.status()["broker"]["pid"]
-    rows = _rows(11)
+    rows = make_rows(11)
     want, _ = _reference(runtime, rows)
     with ipc_pool.client(timeout=2, retries=30) as c:
         c.forward(rows)
@@ -524,8 +532,8 @@ def test_busy_queue_and_no_workers(tmp_path):
         with Client(fe, timeout=5, retries=0) as c:
             c.status()                                    # up
         for rid in (1, 2):
-            raw.sock.send_multipart(wire.encode_request(rid, wire.pack_rows(_rows(rid)), cid="q"))
-        rep = raw.ask(wire.encode_request(3, wire.pack_rows(_rows(3)), cid="q"), timeout=5)
+            raw.sock.send_multipart(wire.encode_request(rid, wire.pack_rows(make_rows(rid)), cid="q"))
+        rep = raw.ask(wire.encode_request(3, wire.pack_rows(make_rows(3)), cid="q"), timeout=5)
         assert rep.header["rid"] == 3 and rep.header["status"] == "retryable"
         assert rep.header["error"]["reason"] == "busy"
         # the two queued ones time out in the queue (no worker ever came) and are told to retry
@@ -534,7 +542,7 @@ def test_busy_queue_and_no_workers(tmp_path):
         assert all(r.header["error"]["reason"] == "queue-timeout" for r in got)
         with Client(fe, timeout=0.5, retries=1, backoff=0.01) as c:
             with pytest.raises(PoolUnavailable):
-                c.forward(_rows(4))
+                c.forward(make_rows(4))
     finally:
         raw.close()
         p.send_signal(signal.SIGTERM)
@@ -572,7 +580,7 @@ def test_a_curve_pool_serves_key_holders_only(tmp_path, tiny_ckpt, runtime):
     assert _cli("keys", "--out", str(keys)).returncode == 0
     fe = f"tcp://127.0.0.1:{_free_port()}"
     with local_pool(tiny_ckpt, "cpu", frontend=fe, heartbeat_ms=HB_MS, liveness=LIVENESS, keys=str(keys)) as pool:
-        rows = _rows(13)
+        rows = make_rows(13)
         want, _ = _reference(runtime, rows)
         with pool.client(timeout=30) as c:                     # workers and clients are CURVE clients
             np.testing.assert_allclose(c.forward(rows).flat, want, rtol=1e-5, atol=1e-5)
@@ -596,4 +604,4 @@ def test_worker_exit_codes(tmp_path):
     r = subprocess.run([sys.executable, "-m", "worker.server", "--model", str(tmp_path / "missing"), "--device", "cpu",
                         "--backend", f"ipc://{tmp_path}/be", "--id", "x"], env=SUBPROCESS_ENV,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == wire.EXIT_CONFIG and "missing" in r.stderr
+    assert r.returncode == contract.EXIT_CONFIG and "missing" in r.stderr

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 import torch
+from conftest import make_rows
 
 from worker.batch import Batch, Limits, RequestError, validate
 from worker.checkpoint import load_checkpoint
@@ -71,14 +72,7 @@ def runtime(tiny_ckpt):
 
 
 def _rows(seed: int, n: int, vocab: int):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        length = int(rng.integers(12, 60))
-        k = int(rng.integers(1, 5))
-        markers = np.sort(rng.choice(np.arange(1, length), size=k, replace=False))
-        out.append((rng.integers(5, vocab, length).astype(np.int32), markers.astype(np.int32), int(rng.integers(0, 3))))
-    return out
+    return make_rows(seed, n, length=(12, 60), markers=(1, 5), vocab=vocab)
 
 
 def test_workspace_is_reused_by_address(runtime):

@@ -1,4 +1,4 @@
-"""The wire protocol (client/wire.py): round trips, and strict refusal of everything else."""
+"""The wire protocol (protocol/wire.py): round trips, and strict refusal of everything else."""
 from __future__ import annotations
 
 import subprocess
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client import wire
-from client.wire import Cmd, ProtocolError
+from protocol import wire
+from protocol.wire import Cmd, ProtocolError
 
 ROWS = [(np.array([1, 5, 9, 2], np.int32), np.array([1, 3], np.int32), 0),
         (np.array([7, 8, 9], np.int32), np.array([0], np.int32), 2)]
@@ -155,9 +155,9 @@ def test_pack_rows_is_strict():
 
 
 def test_no_pickle_and_no_torch():
-    code = ("import sys, client, client.wire, client.pool, broker.broker, broker.cli, broker.supervisor; "
+    code = ("import sys, client, protocol.wire, client.pool, broker.broker, broker.cli, broker.supervisor; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
-            "import inspect; src = inspect.getsource(client.wire) + inspect.getsource(client.pool); "
+            "import inspect; src = inspect.getsource(protocol.wire) + inspect.getsource(client.pool); "
             "assert 'import pickle' not in src and 'recv_pyobj' not in src and 'send_pyobj' not in src")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
 

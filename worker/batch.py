@@ -1,7 +1,8 @@
-"""One request as the worker receives it, and validation of the whole group before CUDA sees any of it.
+"""A batch (the rows one forward runs) and their validation, whole, before CUDA sees any of it.
 
-A request is a group of rows sharing one upload: packed token ids, a length, a question type and
-marker positions per row. Everything is checked here, on the host, so a bad request costs a clear
+A request arrives as rows sharing one upload: packed token ids, a length, a question type and
+marker positions per row; its batch is those rows (a merged group's batch is its members' rows back to
+back, see merge.py). Everything is checked here, on the host, so a bad request costs a clear
 error and nothing else: the workspace and the device are untouched and the next request works.
 """
 from __future__ import annotations
@@ -10,9 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client import wire
+from protocol import wire
+from protocol.contract import QType
 
-MAX_QTYPE = 2
+MAX_QTYPE = int(max(QType))
+_QTYPE_TEXT = ", ".join(str(int(q)) for q in QType if q < MAX_QTYPE) + f" or {MAX_QTYPE}"   # "0, 1 or 2"
 
 
 class RequestError(ValueError):
@@ -41,15 +44,8 @@ class Batch(wire.Rows):
 
     @classmethod
     def from_rows(cls, rows: list[tuple[np.ndarray, np.ndarray, int]]) -> Batch:
-        """Pack `(ids, markers, qtype)` rows, the shape the client produces."""
-        ids = [np.asarray(r[0], np.int32) for r in rows]
-        mk = [np.asarray(r[1], np.int32) for r in rows]
-        cat = np.concatenate
-        return cls(ids=cat(ids) if ids else np.zeros(0, np.int32),
-                   lengths=np.array([len(x) for x in ids], np.int32),
-                   types=np.array([int(r[2]) for r in rows], np.int32),
-                   marker_counts=np.array([len(m) for m in mk], np.int32),
-                   markers=cat(mk) if mk else np.zeros(0, np.int32))
+        """Pack `(ids, markers, qtype)` rows, the shape the client produces, with the client's packer."""
+        return cls(**wire.pack_rows(rows))
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,7 @@ def validate(batch: Batch, limits: Limits) -> None:
     bad = (batch.types < 0) | (batch.types > MAX_QTYPE)
     if bad.any():
         i = _first_bad_row(bad)
-        raise RequestError("types", f"question type {int(batch.types[i])} is not 0, 1 or 2", i)
+        raise RequestError("types", f"question type {int(batch.types[i])} is not {_QTYPE_TEXT}", i)
     counts = batch.marker_counts
     bad = counts < 1
     if bad.any():

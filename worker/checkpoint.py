@@ -5,7 +5,6 @@ exit message has nothing else to go on.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +13,10 @@ from typing import Any
 import torch
 
 from kernels.arch import Arch, ConfigError, parse_arch
+from protocol.contract import FINGERPRINT_FILES, fingerprint
 
-REQUIRED_FILES = ("rl_agent_config.json", "model.safetensors", "encoder/config.json",
-                  "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json")
+# Every file the fingerprint covers must be there, and nothing else is needed.
+REQUIRED_FILES = FINGERPRINT_FILES
 _DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
 
@@ -53,17 +53,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
-
-
-def fingerprint(path: Path) -> str:
-    """sha256 over the configs, the tokenizer and the weights: two workers agree iff they serve the same model."""
-    h = hashlib.sha256()
-    for rel in REQUIRED_FILES:
-        h.update(rel.encode() + b"\0")
-        with open(path / rel, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_tensors(weights: Path, arch: Arch) -> dict[str, torch.Tensor]:

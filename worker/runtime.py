@@ -16,13 +16,13 @@ import torch
 
 from kernels.fast import FastModel, supports
 from kernels.reference import ReferenceModel
+from protocol.contract import MODES
 
 from .batch import Batch, Limits, RequestError, validate
 from .checkpoint import Checkpoint
 from .graphs import CachePolicy, GraphCache, GraphEntry
 from .workspace import Capacity, Shape, Workspace
 
-MODES = ("eager", "graph-fixed", "graph-cached")
 ROW_LEN_STEP = 64
 # Buckets a graph-cached worker captures before it reports ready: the request classes a decision loop
 # sends most (one to sixteen questions, short to full-length states), so steady traffic sees no capture.

@@ -11,6 +11,7 @@ and types, a missing or extra frame, or a buffer whose size does not match the h
 `ProtocolError` naming the problem. See docs/protocol.md for the full description.
 
 Pure Python + numpy + msgpack: no zmq, no torch, so every process (and `import client`) can import it.
+The facts around the format (modes, reasons, exit codes, defaults) are in `protocol.contract`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+from protocol.contract import MODES
 
 PROTOCOL = b"LAYA1"
 
@@ -42,14 +45,6 @@ STATUS_RETRYABLE = "retryable"   # try again (same request id): busy, worker los
 STATUS_FINAL = "final"           # do not retry: the request itself is wrong (names field and row)
 STATUSES = (STATUS_OK, STATUS_RETRYABLE, STATUS_FINAL)
 
-MODES = ("eager", "graph-fixed", "graph-cached")
-
-# Worker process exit codes (the supervisor reads them; a dead worker never looks like a clean exit).
-EXIT_OK = 0          # SIGTERM / drain: finished its in-flight work and left
-EXIT_FATAL = 1       # crashed or hit a fatal device error: restart with backoff
-EXIT_USAGE = 2       # bad command line
-EXIT_RESTART = 75    # drained for `laya-pool restart-worker`: restart now
-EXIT_CONFIG = 78     # the checkpoint or the configuration is unusable: restarting will not help
 REQUEST_ARRAYS = ("ids", "lengths", "types", "marker_counts", "markers")
 
 
@@ -68,7 +63,7 @@ class ProtocolError(ValueError):
     """A message that does not follow this protocol; `field` names the part that is wrong."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
 
 
@@ -394,7 +389,7 @@ def encode_error(rid: Any, status: str, message: str, *, field: str | None = Non
     if row is not None:
         err["row"] = int(row)
     if reason is not None:
-        err["reason"] = reason
+        err["reason"] = str(reason)     # a contract.Reason travels as its text
     h: dict[str, Any] = {"rid": rid, "status": status, "error": err}
     if worker is not None:
         h["worker"] = worker
@@ -513,11 +508,11 @@ def is_loopback(endpoint: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "client") -> None:
-    """Make a zmq socket a CURVE client (role "client" or "worker") with keys from `laya-pool keys --out DIR`.
+def load_curve_keys(keys: str | os.PathLike, role: str = "client") -> tuple[bytes, bytes, bytes]:
+    """(public, secret, server public) for `role` ("client" or "worker") from a `laya-pool keys` directory.
 
-    Here, in the one module every process imports, so clients and workers authenticate the same way.
-    """
+    Raises FileNotFoundError for a missing file and ValueError for one that is not a key, so a process
+    can check its keys before it does anything expensive (a worker does, before loading the model)."""
     import zmq.auth
 
     if role not in ("client", "worker"):
@@ -528,6 +523,17 @@ def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "clie
             raise FileNotFoundError(f"{keys / name}: missing (generate keys with `laya-pool keys --out DIR`)")
     public, secret = zmq.auth.load_certificate(str(keys / f"{role}.key_secret"))
     server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
+    if not public or not secret or not server_public:
+        raise ValueError(f"{keys}: the {role} key pair or the server key is incomplete")
+    return public, secret, server_public
+
+
+def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "client") -> None:
+    """Make a zmq socket a CURVE client (role "client" or "worker") with keys from `laya-pool keys --out DIR`.
+
+    Here, in the one module every process imports, so clients and workers authenticate the same way.
+    """
+    public, secret, server_public = load_curve_keys(keys, role)
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = server_public

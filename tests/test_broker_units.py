@@ -1,0 +1,134 @@
+"""The broker's pure parts, from tables: the reply cache's limits, the worker states, the requeue rule."""
+from __future__ import annotations
+
+import pytest
+
+from broker.broker import Broker, BrokerConfig, Job
+from broker.replies import ReplyCache
+from protocol import wire
+from protocol.contract import WorkerState
+
+# ------------------------------------------------------------------------------------------------ ReplyCache
+
+LIMITS = dict(max_entries=3, max_bytes=100, ttl_s=10.0, max_reply_bytes=40)
+
+
+def _frames(n: int) -> list[bytes]:
+    return [b"h", b"x" * (n - 1)]
+
+
+# (what, [(op, key, bytes, now)], keys left oldest first, bytes held)
+CACHE = [
+    ("kept", [("put", "a", 10, 0)], ["a"], 10),
+    ("entry limit drops the oldest", [("put", k, 10, 0) for k in "abcd"], ["b", "c", "d"], 30),
+    ("byte limit drops the oldest", [("put", "a", 40, 0), ("put", "b", 40, 0), ("put", "c", 30, 0)], ["b", "c"], 70),
+    ("a reply over the per-reply limit is not kept", [("put", "a", 41, 0)], [], 0),
+    ("the per-reply limit is inclusive", [("put", "a", 40, 0)], ["a"], 40),
+    ("a second put replaces and moves to the back", [("put", "a", 10, 0), ("put", "b", 10, 0), ("put", "a", 20, 1)],
+     ["b", "a"], 30),
+    ("expire drops what is older than ttl", [("put", "a", 10, 0), ("put", "b", 10, 5), ("expire", None, 0, 10.5)],
+     ["b"], 10),
+    ("expire keeps what is exactly at its ttl", [("put", "a", 10, 0), ("expire", None, 0, 10.0)], ["a"], 10),
+    ("expire of everything", [("put", "a", 10, 0), ("put", "b", 10, 1), ("expire", None, 0, 99)], [], 0),
+]
+
+
+@pytest.mark.parametrize("ops,keys,held", [(o, k, b) for _, o, k, b in CACHE], ids=[c[0] for c in CACHE])
+def test_reply_cache(ops, keys, held):
+    c = ReplyCache(**LIMITS)
+    for op, key, n, now in ops:
+        if op == "put":
+            c.put(key, _frames(n), now)
+        else:
+            c.expire(now)
+    assert [k for k in "abcd" if k in c] == sorted(keys) and len(c) == len(keys)
+    assert list(c._items) == keys, "oldest first"
+    assert c.bytes == held
+
+
+def test_reply_cache_get_and_put_results():
+    c = ReplyCache(**LIMITS)
+    assert c.get("a") is None
+    assert c.put("a", _frames(10), 0) is True and c.get("a") == _frames(10)
+    assert c.put("big", _frames(41), 0) is False and c.get("big") is None
+    assert c.expire(5) == 0 and c.expire(11) == 1
+
+
+# ------------------------------------------------------------------------------------------------ WorkerState
+
+STATES = {  # state: (live, connected, dispatchable)
+    WorkerState.READY: (True, True, True),
+    WorkerState.DRAINING: (True, True, False),
+    WorkerState.MISMATCH: (False, True, True),
+    WorkerState.RESTARTING: (False, False, False),
+    WorkerState.DRAINED: (False, False, False),
+    WorkerState.STOPPED: (False, False, False),
+    WorkerState.DEAD: (False, False, False),
+}
+
+
+@pytest.mark.parametrize("state", list(WorkerState))
+def test_worker_state_predicates(state):
+    assert (state.live, state.connected, state.dispatchable) == STATES[state]
+    assert state == state.value and f"{state}" == state.value    # travels in status as its text
+
+
+# ------------------------------------------------------------------------------------------------ requeue
+
+@pytest.fixture
+def broker(tmp_path):
+    b = Broker(BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be", max_attempts=3,
+                            max_bounces=2))
+    yield b
+    b.shutdown()
+
+
+# (lost?, how many times, requeued each time?)
+REQUEUE = [
+    (True, 1, [True]),
+    (True, 3, [True, True, False]),           # the third lost attempt is the last: max_attempts 3
+    (False, 3, [True, True, False]),          # two hand-backs are allowed, the third is one too many
+    (False, 1, [True]),
+]
+
+
+@pytest.mark.parametrize("lost,times,want", REQUEUE)
+def test_requeue_goes_to_the_front_until_its_chances_are_spent(broker, lost, times, want):
+    behind = Job(1, "request", ("c", 1), [b"x"], 1)
+    broker.queue.append(behind)
+    job = Job(2, "request", ("c", 2), [b"y"], 2, worker="0")
+    got = []
+    for _ in range(times):
+        ok = broker._requeue(job, lost=lost)
+        got.append(ok)
+        if ok:
+            assert broker.queue[0] is job and job.worker is None
+            broker.queue.popleft()
+    assert got == want
+    assert (job.attempts, job.bounces) == ((times, 0) if lost else (0, times))
+    assert list(broker.queue) == [behind]
+
+
+def test_a_lost_job_fails_as_workers_lost_after_max_attempts(broker, tmp_path):
+    import zmq
+
+    from broker.broker import WorkerInfo
+    ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.IDENTITY, b"client")
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(f"ipc://{tmp_path}/fe")
+    try:
+        client.send_multipart(wire.encode(wire.Cmd.HEARTBEAT, {"rid": 1}))    # a ping: the broker learns the route
+        assert broker.frontend.poll(5000)
+        broker._receive_all(broker.frontend, broker.on_frontend)
+        assert client.poll(5000) and wire.decode(client.recv_multipart()).header["rid"] == 1
+        w = WorkerInfo(id="0", identity=b"0")
+        broker._lost(Job(2, "request", None, [b"client"], 7, attempts=2), w, "died")
+        assert not broker.queue and w.lost == 1 and broker.counters["requeued"] == 1
+        assert client.poll(5000)
+        rep = wire.parse_reply(wire.decode(client.recv_multipart()))
+        assert rep.status == wire.STATUS_FINAL and rep.error["reason"] == "workers-lost" and rep.rid == 7
+    finally:
+        client.close(0)
+        ctx.term()

@@ -1,0 +1,89 @@
+"""Imports go one way, checked for every room (as test_client_imports checks that the client stays light).
+
+protocol and kernels import nothing of ours; the client imports only the protocol; the worker uses the
+kernels and the protocol, never the client or the broker; the broker core speaks only the protocol, and the
+operator tools beside it (cli, supervisor) reach a pool through the client's public `client.pool`. No broker
+module imports the worker, the kernels or torch: workers are processes started by module name.
+
+Every import statement counts, a lazy one inside a function included (ast, not a run), so a rule cannot be
+dodged by importing late.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"protocol", "client", "kernels", "worker", "broker", "scripts"}
+
+ALLOWED = {           # room -> the packages of ours its modules may import
+    "protocol": {"protocol"},
+    "kernels": {"kernels"},
+    "client": {"client", "protocol"},
+    "worker": {"worker", "kernels", "protocol"},
+    "broker": {"broker", "protocol"},
+}
+# The operator tools may use the client library, and only its public pool module.
+EXCEPTIONS = {"broker/cli.py": {"client.pool"}, "broker/supervisor.py": {"client.pool"}}
+NEVER = {"broker": {"torch"}, "protocol": {"torch", "zmq.asyncio"}, "client": {"torch", "transformers", "laya"}}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            out.add(path.parent.name)         # a relative import stays inside its own room
+    return out
+
+
+def _modules(room: str) -> list[Path]:
+    return sorted((ROOT / room).glob("*.py"))
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_room_imports_go_one_way(room):
+    bad = []
+    for path in _modules(room):
+        rel = f"{room}/{path.name}"
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in OURS and top not in ALLOWED[room] and name not in EXCEPTIONS.get(rel, set()):
+                bad.append(f"{rel} imports {name}")
+            if any(name == n or name.startswith(n + ".") for n in NEVER.get(room, ())):
+                bad.append(f"{rel} imports {name}")
+    assert bad == []
+
+
+def test_the_rule_sees_a_lazy_import(tmp_path):
+    # the checker itself: an import inside a function is still an import
+    f = tmp_path / "m.py"
+    f.write_text("def later():\n    from worker.runtime import Runtime\n    import torch\n")
+    assert {"worker.runtime", "torch"} <= _imports(f)
+
+
+def test_every_room_is_packaged():
+    text = (ROOT / "pyproject.toml").read_text()
+    packages = json.loads(text.split("packages = ", 1)[1].split("\n", 1)[0])
+    assert set(packages) == set(ALLOWED)
+
+
+_PROBE = """
+import json, sys
+import broker.broker, broker.replies, protocol.wire, protocol.contract
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "worker", "kernels", "client"))))
+"""
+
+
+def test_the_broker_process_loads_no_torch_and_no_worker():
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, check=True, capture_output=True, text=True,
+                         timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

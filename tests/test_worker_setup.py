@@ -1,0 +1,63 @@
+"""A worker's start-up: its typed config, its fault hooks, and configuration problems found before the model loads."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, SUBPROCESS_ENV
+
+from protocol import contract
+from worker.compute import FaultHooks
+from worker.server import WorkerConfig, build_parser
+
+CPU = [("cpu", None, None, None, ("eager", 1, 2)),
+       ("cpu", None, 4, None, ("eager", 4, 8)),
+       ("cpu", "graph-fixed", 1, 7, ("graph-fixed", 1, 7))]
+CUDA = [("cuda:0", None, None, None, ("graph-cached", 32, 64)), ("cuda:0", "eager", 3, None, ("eager", 3, 6))]
+
+
+@pytest.mark.parametrize("device,mode,max_batch,credit,want", CPU + CUDA)
+def test_device_defaults(device, mode, max_batch, credit, want):
+    argv = ["--model", "m", "--backend", "ipc://b", "--id", "0", "--device", device]
+    for flag, v in (("--mode", mode), ("--max-batch", max_batch), ("--credit", credit)):
+        if v is not None:
+            argv += [flag, str(v)]
+    cfg = WorkerConfig.from_args(build_parser().parse_args(argv)).for_device(device.startswith("cuda"))
+    assert (cfg.mode, cfg.max_batch, cfg.credit) == want
+    assert cfg.usage_problem() is None
+
+
+def test_parser_and_config_agree_on_every_field():
+    a = build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0"])
+    assert WorkerConfig.from_args(a) == WorkerConfig("m", "b", "0", log_level=a.log_level)
+
+
+@pytest.mark.parametrize("env,want", [({}, FaultHooks(0, 0)), ({"LAYA_WORKER_HANG_ROWS": "3"}, FaultHooks(3, 0)),
+                                      ({"LAYA_WORKER_FAULT_ROWS": "5", "LAYA_WORKER_HANG_ROWS": ""}, FaultHooks(0, 5))])
+def test_fault_hooks_from_env(env, want):
+    assert FaultHooks.from_env(env) == want
+
+
+def _worker(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.server", "--device", "cpu", "--id", "x", *args],
+                          env=SUBPROCESS_ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_bad_keys_exit_config_before_the_model_loads(tmp_path):
+    # The model is missing too: naming the keys proves they were checked first.
+    r = _worker("--model", str(tmp_path / "missing"), "--backend", f"ipc://{tmp_path}/be", "--keys", str(tmp_path))
+    assert r.returncode == contract.EXIT_CONFIG, r.stderr
+    assert "worker.key_secret" in r.stderr and "checkpoint" not in r.stderr
+
+
+def test_bad_warmup_shapes_exit_config_before_the_model_loads(tmp_path):
+    r = _worker("--model", str(tmp_path / "missing"), "--backend", f"ipc://{tmp_path}/be", "--mode", "graph-cached",
+                "--warmup-shapes", "4x256")
+    assert r.returncode == contract.EXIT_CONFIG, r.stderr
+    assert "--warmup-shapes" in r.stderr and "checkpoint" not in r.stderr
+
+
+def test_usage_problem_exits_usage(tmp_path):
+    r = _worker("--model", str(tmp_path), "--backend", f"ipc://{tmp_path}/be", "--credit", "0")
+    assert r.returncode == contract.EXIT_USAGE and "must be positive" in r.stderr
