@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.launch import pdl
+from kernels.launch import launch
 
 try:
     import triton
@@ -84,9 +84,8 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     """
     rows = row_start.shape[0]
     bm, bn = 64, 64
-    gdc = pdl(qkv.device)
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
     _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,
-                            USE_GDC=gdc, launch_pdl=gdc, num_warps=4, num_stages=2)
+                            **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=4, num_stages=2)
     return out

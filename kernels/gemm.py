@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.launch import pdl
+from kernels.launch import launch, sms
 
 try:
     import triton
@@ -196,7 +196,7 @@ def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.
     n_out = n // 2 if epi == Epi.GEGLU else n
     if epi == Epi.RESIDUAL:
         assert out.dtype == torch.float32
-    t = tiles or pick_tiles(m, n_out, k, epi, _sms(a.device))
+    t = tiles or pick_tiles(m, n_out, k, epi, sms(a.device))
     half, partner, rope_heads = 1, 0, 0
     pos = cos = sin = w
     if epi == Epi.GEGLU:
@@ -219,16 +219,15 @@ def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.
     if tma:
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
         w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
-    gdc = pdl(a.device)
     _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin,
                        m, n_out, k, a.stride(0), w.stride(0), out.stride(0), partner, rope_heads,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
-                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, USE_GDC=gdc, launch_pdl=gdc,
+                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, **launch(a.device, grid[0] * grid[1]),
                        num_warps=t.warps, num_stages=t.stages)
     return out
 
 
-TMA_MIN_M = 513           # below it the pointer loads are as fast (device probe); `LAYA_TMA=0` turns it off
+TMA_MIN_M = 4096          # below it pointer loads were faster in a whole forward (device run 3); LAYA_TMA=0: off
 
 
 def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -236,15 +235,3 @@ def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:
     if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or os.environ.get("LAYA_TMA") == "0":
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132                 # Triton's CPU interpreter (tests): any count will do
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]

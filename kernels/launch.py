@@ -13,8 +13,28 @@ import os
 import torch
 
 
-def pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` are launched with programmatic dependent launch."""
+def gdc(device: torch.device) -> bool:
+    """Whether kernels on `device` wait for their predecessors in-kernel (so may be launched with PDL)."""
     if device.type != "cuda" or os.environ.get("LAYA_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch(device: torch.device, programs: int) -> dict:
+    """Launch options for a kernel of `programs` blocks. Only a grid of at most one block per SM is launched
+    early: a larger grid's waiting blocks would hold SMs its predecessor still needs (measured: PDL on every
+    launch made a 32x48 forward 6% slower, on single-wave launches only it makes 1x48 7% faster)."""
+    wait = gdc(device)
+    return {"USE_GDC": wait, "launch_pdl": wait and programs <= sms(device)}
+
+
+_SMS: dict[int, int] = {}
+
+
+def sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132                 # Triton's CPU interpreter (tests): any count will do
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]

@@ -14,7 +14,7 @@ write bf16 where the next op is a GEMM.
 """
 from __future__ import annotations
 
-from kernels.launch import pdl
+from kernels.launch import launch
 
 try:
     import triton
@@ -154,11 +154,6 @@ if triton is not None:
         tl.store(y_ptr + r * C + c, e / tl.sum(e, 0), mask=ok)
 
 
-def _launch(device) -> dict:
-    gdc = pdl(device)
-    return {"USE_GDC": gdc, "launch_pdl": gdc}
-
-
 def _block(n: int) -> int:
     return triton.next_power_of_2(n)
 
@@ -172,21 +167,21 @@ def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id: int, eps: flo
     rows = row_start.shape[0]
     b = _block(n)
     _embed_kernel[(t,)](ids, row_start, row_len, emb, w, h, x, pos, row, rows, ids.shape[0], pad_id, eps,
-                        N=n, BLOCK=b, RB=_block(max(rows, 2)), **_launch(h.device), num_warps=_warps(b))
+                        N=n, BLOCK=b, RB=_block(max(rows, 2)), **launch(h.device, t), num_warps=_warps(b))
 
 
 def layer_norm(h, w, b, x, eps: float) -> None:
     t, n = h.shape
     blk = _block(n)
     _layer_norm_kernel[(t,)](h, w, b if b is not None else w, x, eps, N=n, BLOCK=blk, HAS_BIAS=b is not None,
-                             **_launch(h.device), num_warps=_warps(blk))
+                             **launch(h.device, t), num_warps=_warps(blk))
 
 
 def head_entry(h, row, qtype, final_w, type_emb, w1, b1, x, eps: float, eps1: float) -> None:
     t, n = h.shape
     blk = _block(n)
     _head_entry_kernel[(t,)](h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, N=n, BLOCK=blk,
-                             **_launch(h.device), num_warps=_warps(blk))
+                             **launch(h.device, t), num_warps=_warps(blk))
 
 
 def gather_norm(h, row_start, markers, w, b, x, max_row_len: int, eps: float) -> None:
@@ -194,7 +189,7 @@ def gather_norm(h, row_start, markers, w, b, x, max_row_len: int, eps: float) ->
     n = h.shape[1]
     blk = _block(n)
     _gather_norm_kernel[(rows * k,)](h, row_start, markers, w, b, x, k, max_row_len, h.shape[0], eps, N=n, BLOCK=blk,
-                                     **_launch(h.device), num_warps=_warps(blk))
+                                     **launch(h.device, rows * k), num_warps=_warps(blk))
 
 
 def features(score, markers, h, row_start, logits, act_in, absent: float, wide: int) -> None:
@@ -202,9 +197,9 @@ def features(score, markers, h, row_start, logits, act_in, absent: float, wide: 
     n = h.shape[1]
     blk = _block(n)
     _features_kernel[(rows,)](score, markers, h, row_start, logits, act_in, k, h.shape[0], absent, act_in.stride(0),
-                              N=n, BLOCK=blk, WIDE=_block(wide), **_launch(h.device), num_warps=_warps(blk))
+                              N=n, BLOCK=blk, WIDE=_block(wide), **launch(h.device, rows), num_warps=_warps(blk))
 
 
 def softmax_rows(x, y) -> None:
     rows, c = x.shape
-    _softmax_kernel[(rows,)](x, y, c, BLOCK=_block(max(c, 2)), **_launch(x.device), num_warps=1)
+    _softmax_kernel[(rows,)](x, y, c, BLOCK=_block(max(c, 2)), **launch(x.device, rows), num_warps=1)

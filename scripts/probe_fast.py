@@ -267,7 +267,8 @@ def step_model(model_dir, report):
         key = f"{R}x{L}"
         for label, (tv, same) in variants.items():
             print(f"        {label}: {tv[0]:.3f}/{tv[1]:.3f} ms, same bits {same}")
-        rec[key] = {"variants": variants, "dp_max_vs_ref": dp, "agree_vs_ref": agree, "graph_fast": t_fast, "graph_ref": t_ref,
+        rec[key] = {"variants": variants,
+                    "dp_max_vs_ref": dp, "agree_vs_ref": agree, "graph_fast": t_fast, "graph_ref": t_ref,
                     "eager_fast_ms": eager, "kernels": sum(cnt.values()),
                     "by_family": {k: (cnt[k], round(v, 4)) for k, v in fam.most_common()}}
         print(f"{key:7s} fast {t_fast[0]:.3f}/{t_fast[1]:.3f}  ref {t_ref[0]:.3f}/{t_ref[1]:.3f}  "

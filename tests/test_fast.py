@@ -17,6 +17,7 @@ from kernels.gemm import Epi, pick_tiles
 from kernels.reference import ReferenceModel
 from worker.checkpoint import load_checkpoint
 
+
 def _has_triton() -> bool:
     try:
         import triton  # noqa: F401

@@ -7,6 +7,7 @@ in place.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -100,6 +101,8 @@ class Runtime:
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
         # The fast path (packed Triton kernels) where it runs; the plain-torch reference elsewhere (CPU, fp32).
         self.why_reference = supports(arch, self.device, self.dtype)
+        if self.why_reference is None and os.environ.get("LAYA_FORWARD") == "reference":
+            self.why_reference = "LAYA_FORWARD=reference"     # for measuring the two side by side
         if self.why_reference is None:
             self.model = FastModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
         else:

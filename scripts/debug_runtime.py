@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Device debug: where does a tiny Runtime on CUDA first fail? Each step synchronises and says OK or the error."""
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from worker.batch import Batch  # noqa: E402
+from worker.checkpoint import load_checkpoint  # noqa: E402
+from worker.runtime import Runtime, RuntimeConfig  # noqa: E402
+from worker.workspace import Capacity  # noqa: E402
+
+ck = load_checkpoint(sys.argv[1])
+mode = sys.argv[2] if len(sys.argv) > 2 else "eager"
+rng = np.random.default_rng(0)
+b = Batch.from_rows([(rng.integers(5, 1000, 48).astype(np.int32), np.array([1, 5, 9], np.int32), 0)])
+
+
+def step(name, fn):
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        print("OK  ", name, flush=True)
+        return out
+    except Exception as e:
+        print("FAIL", name, repr(e)[:300], flush=True)
+        traceback.print_exc(limit=4)
+        sys.exit(1)
+
+
+cap = Capacity(max_tokens=16 * 512, max_rows=16, max_markers=1024, row_markers=64)
+rt = step("runtime init", lambda: Runtime(ck, device="cuda", config=RuntimeConfig(mode=mode, capacity=cap)))
+print("forward:", rt.forward_name, type(rt.model).__name__)
+step("upload first", lambda: rt.upload.submit(rt.workspace.pack(b, rt.exact(b))) or rt.stream.synchronize())
+step("one eager forward on the stream", lambda: rt._forward(rt.exact(b)) and rt.stream.synchronize())
+step("upload after a forward", lambda: rt.upload.submit(rt.workspace.pack(b, rt.exact(b))) or rt.stream.synchronize())
+step("warmup", rt.warmup)
+step("upload after warmup", lambda: rt.upload.submit(rt.workspace.pack(b, rt.exact(b))) or rt.stream.synchronize())
+r = step("run", lambda: rt.run(b))
+print("logits", r.logits, "act", r.act)
