@@ -42,3 +42,9 @@ step("warmup", rt.warmup)
 step("upload after warmup", lambda: rt.upload.submit(rt.workspace.pack(b, rt.exact(b))) or rt.stream.synchronize())
 r = step("run", lambda: rt.run(b))
 print("logits", r.logits, "act", r.act)
+# As tests/test_runtime_gpu.py does: three runtimes in one process, each warmed, then each runs the batch.
+rts = {m: step(f"init+warmup {m}", lambda m=m: (lambda r: (r.warmup(), r)[1])(
+    Runtime(ck, device="cuda", config=RuntimeConfig(mode=m, dtype="bf16", capacity=cap))))
+    for m in ("eager", "graph-fixed", "graph-cached")}
+for m, r in rts.items():
+    step(f"run {m}", lambda r=r: r.run(b))
