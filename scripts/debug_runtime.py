@@ -48,3 +48,9 @@ rts = {m: step(f"init+warmup {m}", lambda m=m: (lambda r: (r.warmup(), r)[1])(
     for m in ("eager", "graph-fixed", "graph-cached")}
 for m, r in rts.items():
     step(f"run {m}", lambda r=r: r.run(b))
+# The frozen request cases of the gpu tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_runtime_gpu import frozen_batches  # noqa: E402
+
+for i, fb in enumerate(frozen_batches(sys.argv[1])):
+    step(f"frozen batch {i} ({fb.rows} rows, {fb.tokens} tokens) eager", lambda fb=fb: rts["eager"].run(fb))
