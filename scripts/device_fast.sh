@@ -14,10 +14,7 @@ for step in ${*:-probe tests}; do
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -s ${TESTS:-tests/} 2>&1 \
              | tee "$OUT/gpu_tests.log" | grep -E "SUMMARY|passed|failed|Error|error|assert|modes|merged|^  " | tail -40 ;;
     debug) [ -d /tmp/tiny ] || python3 scripts/make_checkpoint.py --out /tmp/tiny --preset tiny --seed 0 | tail -1
-           timeout 100 python3 scripts/debug_runtime.py /tmp/tiny graph-fixed 2>&1 | grep -v "^OK" | tail -8
-           T=tests/test_runtime_gpu.py::test_modes_are_byte_identical
-           LAYA_FORWARD=reference timeout 100 python3 -m pytest -x -q -p no:cacheprovider $T 2>&1 | tail -2
-           timeout 100 python3 -m pytest -x -q -p no:cacheprovider -p no:timeout -p no:faulthandler $T 2>&1 | tail -2 ;;
+           timeout 100 python3 scripts/debug_order.py /tmp/tiny 2>&1 | grep -vE "Warning|warn" | tail -22 ;;
     peer) bash scripts/device_peer.sh ;;
     profile) timeout 200 python3 devtools/profile_forward.py /tmp/large 2>&1 | tail -30 ;;
   esac

@@ -127,7 +127,8 @@ def test_taps_follow_the_reference(models):
 def test_unsupported_configurations_say_why():
     from kernels.fast import supports
     arch = load_checkpoint_arch()
-    assert "bf16" in supports(arch, torch.device("cpu"), torch.float32)
+    why = supports(arch, torch.device("cpu"), torch.float32)
+    assert why is not None and ("bf16" in why or "Triton" in why), why
 
 
 def load_checkpoint_arch():
