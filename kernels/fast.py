@@ -22,7 +22,7 @@ from kernels import rows as rk
 from kernels.arch import Arch
 from kernels.attention import attention
 from kernels.gemm import Act, Epi, gemm
-from kernels.reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables
+from kernels.reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
 __all__ = ["FastModel", "supports"]
 
@@ -37,6 +37,8 @@ def supports(arch: Arch, device: torch.device, dtype: torch.dtype) -> str | None
         # fp16 exists for Triton's CPU interpreter alone, which cannot run bf16 dots: the tests check the
         # fast path's indexing and fusion in fp16 on the CPU, and its bf16 numbers on the GPU.
         return f"the fast path runs bf16 only, not {dtype}"
+    if arch.head_layers < 1:
+        return "the fast path enters the decision head through its first layer's norm; this model has none"
     if arch.head_dim not in (16, 32, 64, 128) or arch.hidden % 64:
         return f"head_dim {arch.head_dim} / hidden {arch.hidden} is not a supported shape"
     return None
@@ -64,50 +66,9 @@ class FastModel:
         why = supports(arch, torch.device(device), dtype)
         if why:
             raise ValueError(why)
-        missing = sorted(set(arch.tensor_shapes()) - set(tensors))
-        if missing:
-            raise KeyError(f"missing tensor {missing[0]!r}")
         self.arch, self.device, self.dtype = arch, torch.device(device), dtype
-        cd = dtype
-        dev = self.device
-
-        def mat(name: str) -> torch.Tensor:
-            return tensors[name].to(device=dev, dtype=cd).contiguous()
-
-        def f32(name: str) -> torch.Tensor:
-            return tensors[name].to(device=dev, dtype=torch.float32).contiguous()
-
-        a = arch
-        self.tok_emb = f32("encoder.embeddings.tok_embeddings.weight")   # fp32, as under the SDK's autocast
-        self.emb_norm = f32("encoder.embeddings.norm.weight")
-        self.layers = []
-        for i in range(a.layers):
-            p = f"encoder.layers.{i}."
-            self.layers.append({
-                "attn_norm": f32(p + "attn_norm.weight") if i > 0 else None,
-                "Wqkv": mat(p + "attn.Wqkv.weight"), "Wo": mat(p + "attn.Wo.weight"),
-                "mlp_norm": f32(p + "mlp_norm.weight"),
-                "Wi": mat(p + "mlp.Wi.weight"), "Wo_mlp": mat(p + "mlp.Wo.weight"),
-                "window": None if a.is_global(i) else a.half_window, "theta": a.theta(i),
-            })
-        self.final_norm = f32("encoder.final_norm.weight")
-        self.head = []
-        for j in range(a.head_layers):
-            p = f"head.layers.{j}."
-            self.head.append({
-                "in_w": mat(p + "self_attn.in_proj_weight"), "in_b": mat(p + "self_attn.in_proj_bias"),
-                "out_w": mat(p + "self_attn.out_proj.weight"), "out_b": mat(p + "self_attn.out_proj.bias"),
-                "l1_w": mat(p + "linear1.weight"), "l1_b": mat(p + "linear1.bias"),
-                "l2_w": mat(p + "linear2.weight"), "l2_b": mat(p + "linear2.bias"),
-                "n1_w": f32(p + "norm1.weight"), "n1_b": f32(p + "norm1.bias"),
-                "n2_w": f32(p + "norm2.weight"), "n2_b": f32(p + "norm2.bias"),
-            })
-        self.type_emb = f32("type_emb.weight")
-        self.sc_norm_w, self.sc_norm_b = f32("scorer.0.weight"), f32("scorer.0.bias")
-        self.sc1_w, self.sc1_b = mat("scorer.1.weight"), mat("scorer.1.bias")
-        self.sc3_w, self.sc3_b = mat("scorer.3.weight"), mat("scorer.3.bias")
-        self.act0_w, self.act0_b = mat("act_head.0.weight"), mat("act_head.0.bias")
-        self.act2_w, self.act2_b = mat("act_head.2.weight"), mat("act_head.2.bias")
+        load_weights(self, arch, tensors, self.device, dtype)
+        a, dev = arch, self.device
         # RoPE tables [max_len, D/2] in fp32, built as the reference (and the SDK) builds them.
         self.max_positions = a.max_len
         half = a.head_dim // 2
@@ -154,7 +115,7 @@ class FastModel:
                 rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps)
             cos, sin = self.rope[lay["theta"]]
             gemm(x, lay["Wqkv"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
-            attention(qkv, att, row_start, row_len, H, D, L, lay["window"], scale)
+            attention(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
             gemm(att, lay["Wo"], h, epi=Epi.RESIDUAL)
             rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps)
             inner = mid[:, : a.intermediate]
@@ -181,9 +142,6 @@ class FastModel:
             gemm(x, lay["l1_w"], inner, bias=lay["l1_b"], act=Act.RELU)
             gemm(inner, lay["l2_w"], h, epi=Epi.RESIDUAL, bias=lay["l2_b"])
             tap(f"head.{j}", h)
-        if not self.head:
-            rk.head_entry(h, row, qtype, self.final_norm, self.type_emb, self.final_norm, self.final_norm, x,
-                          a.norm_eps, HEAD_NORM_EPS)
 
         # ---- scorer at the [MASK] markers, confidence features, act head
         m = empty((R * K, d), device=dev, dtype=cd)
@@ -208,9 +166,4 @@ class FastModel:
     __call__ = forward
 
     def parameter_bytes(self) -> int:
-        seen = [self.tok_emb, self.emb_norm, self.final_norm, self.type_emb, self.sc_norm_w, self.sc_norm_b,
-                self.sc1_w, self.sc1_b, self.sc3_w, self.sc3_b, self.act0_w, self.act0_b, self.act2_w, self.act2_b]
-        for lay in self.layers + self.head:
-            seen += [t for t in lay.values() if isinstance(t, torch.Tensor)]
-        seen += [t for pair in self.rope.values() for t in pair]
-        return sum(t.numel() * t.element_size() for t in seen)
+        return weight_bytes(self, tuple(t for pair in self.rope.values() for t in pair))

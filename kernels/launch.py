@@ -17,7 +17,13 @@ def gdc(device: torch.device) -> bool:
     """Whether kernels on `device` wait for their predecessors in-kernel (so may be launched with PDL)."""
     if device.type != "cuda" or os.environ.get("LAYA_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _HOPPER:          # asked on every launch: read the device once
+        _HOPPER[i] = torch.cuda.get_device_capability(i)[0] >= 9
+    return _HOPPER[i]
+
+
+_HOPPER: dict[int, bool] = {}
 
 
 def launch(device: torch.device, programs: int) -> dict:

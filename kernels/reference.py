@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kernels.arch import Arch
 from kernels.linear import linear
 
-__all__ = ["ReferenceModel", "ABSENT_LOGIT", "HEAD_NORM_EPS"]
+__all__ = ["ReferenceModel", "ABSENT_LOGIT", "HEAD_NORM_EPS", "load_weights", "weight_bytes"]
 
 ABSENT_LOGIT = -1e4        # the SDK's fill for a marker a row does not have
 HEAD_NORM_EPS = 1e-5       # nn.TransformerEncoderLayer / nn.LayerNorm default, used by the whole decision head
@@ -53,6 +53,67 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def load_weights(model, arch: Arch, tensors: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+    """Put a checkpoint's tensors on `model` under the names both forwards use (this one and kernels/fast.py):
+    matmul operands and their biases in `dtype`; the embedding table, norms and residual-stream additions in
+    fp32, as the SDK's autocast leaves them."""
+    missing = sorted(set(arch.tensor_shapes()) - set(tensors))
+    if missing:
+        raise KeyError(f"missing tensor {missing[0]!r}")
+
+    def mat(name: str) -> torch.Tensor:      # matmul operands (and their biases): compute dtype
+        return tensors[name].to(device=device, dtype=dtype).contiguous()
+
+    def f32(name: str) -> torch.Tensor:      # norms, residual-stream additions: fp32
+        return tensors[name].to(device=device, dtype=torch.float32).contiguous()
+
+    a = arch
+    model.tok_emb = f32("encoder.embeddings.tok_embeddings.weight")   # not autocast in the SDK either
+    model.emb_norm = f32("encoder.embeddings.norm.weight")
+    model.layers = []
+    for i in range(a.layers):
+        p = f"encoder.layers.{i}."
+        model.layers.append({
+            "attn_norm": f32(p + "attn_norm.weight") if i > 0 else None,
+            "Wqkv": mat(p + "attn.Wqkv.weight"),
+            "Wo": mat(p + "attn.Wo.weight"),
+            "mlp_norm": f32(p + "mlp_norm.weight"),
+            "Wi": mat(p + "mlp.Wi.weight"),
+            "Wo_mlp": mat(p + "mlp.Wo.weight"),
+            "global": a.is_global(i),
+            "theta": a.theta(i),
+        })
+    model.final_norm = f32("encoder.final_norm.weight")
+    model.head = []
+    for j in range(a.head_layers):
+        p = f"head.layers.{j}."
+        model.head.append({
+            "in_w": mat(p + "self_attn.in_proj_weight"), "in_b": mat(p + "self_attn.in_proj_bias"),
+            "out_w": mat(p + "self_attn.out_proj.weight"), "out_b": mat(p + "self_attn.out_proj.bias"),
+            "l1_w": mat(p + "linear1.weight"), "l1_b": mat(p + "linear1.bias"),
+            "l2_w": mat(p + "linear2.weight"), "l2_b": mat(p + "linear2.bias"),
+            "n1_w": f32(p + "norm1.weight"), "n1_b": f32(p + "norm1.bias"),
+            "n2_w": f32(p + "norm2.weight"), "n2_b": f32(p + "norm2.bias"),
+        })
+    model.type_emb = f32("type_emb.weight")   # added to the fp32 residual stream, as the SDK does
+    model.sc_norm_w, model.sc_norm_b = f32("scorer.0.weight"), f32("scorer.0.bias")
+    model.sc1_w, model.sc1_b = mat("scorer.1.weight"), mat("scorer.1.bias")
+    model.sc3_w, model.sc3_b = mat("scorer.3.weight"), mat("scorer.3.bias")
+    model.act0_w, model.act0_b = mat("act_head.0.weight"), mat("act_head.0.bias")
+    model.act2_w, model.act2_b = mat("act_head.2.weight"), mat("act_head.2.bias")
+
+
+def weight_bytes(model, extra: tuple[torch.Tensor, ...] = ()) -> int:
+    """Bytes of the tensors `load_weights` put on `model`, plus `extra` (a forward's own tables)."""
+    m = model
+    seen = [m.tok_emb, m.emb_norm, m.final_norm, m.type_emb, m.sc_norm_w, m.sc_norm_b,
+            m.sc1_w, m.sc1_b, m.sc3_w, m.sc3_b, m.act0_w, m.act0_b, m.act2_w, m.act2_b, *extra]
+    for lay in m.layers + m.head:
+        seen += [t for t in lay.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in seen)
+
+
 class ReferenceModel:
     """Plain-torch Laya forward over packed rows. See the module docstring and docs/interfaces.md."""
 
@@ -63,54 +124,12 @@ class ReferenceModel:
         if gemm not in ("invariant", "vendor"):
             raise ValueError(f"gemm must be 'invariant' or 'vendor', got {gemm!r}")
         self.invariant = gemm == "invariant"
-        missing = sorted(set(arch.tensor_shapes()) - set(tensors))
-        if missing:
-            raise KeyError(f"missing tensor {missing[0]!r}")
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = dtype
+        load_weights(self, arch, tensors, self.device, dtype)
         dev = self.device
-
-        def mat(name: str) -> torch.Tensor:      # matmul operands (and their biases): compute dtype
-            return tensors[name].to(device=dev, dtype=dtype).contiguous()
-
-        def f32(name: str) -> torch.Tensor:      # norms, residual-stream additions: fp32
-            return tensors[name].to(device=dev, dtype=torch.float32).contiguous()
-
         a = arch
-        self.tok_emb = f32("encoder.embeddings.tok_embeddings.weight")   # not autocast in the SDK either
-        self.emb_norm = f32("encoder.embeddings.norm.weight")
-        self.layers = []
-        for i in range(a.layers):
-            p = f"encoder.layers.{i}."
-            self.layers.append({
-                "attn_norm": f32(p + "attn_norm.weight") if i > 0 else None,
-                "Wqkv": mat(p + "attn.Wqkv.weight"),
-                "Wo": mat(p + "attn.Wo.weight"),
-                "mlp_norm": f32(p + "mlp_norm.weight"),
-                "Wi": mat(p + "mlp.Wi.weight"),
-                "Wo_mlp": mat(p + "mlp.Wo.weight"),
-                "global": a.is_global(i),
-                "theta": a.theta(i),
-            })
-        self.final_norm = f32("encoder.final_norm.weight")
-        self.head = []
-        for j in range(a.head_layers):
-            p = f"head.layers.{j}."
-            self.head.append({
-                "in_w": mat(p + "self_attn.in_proj_weight"), "in_b": mat(p + "self_attn.in_proj_bias"),
-                "out_w": mat(p + "self_attn.out_proj.weight"), "out_b": mat(p + "self_attn.out_proj.bias"),
-                "l1_w": mat(p + "linear1.weight"), "l1_b": mat(p + "linear1.bias"),
-                "l2_w": mat(p + "linear2.weight"), "l2_b": mat(p + "linear2.bias"),
-                "n1_w": f32(p + "norm1.weight"), "n1_b": f32(p + "norm1.bias"),
-                "n2_w": f32(p + "norm2.weight"), "n2_b": f32(p + "norm2.bias"),
-            })
-        self.type_emb = f32("type_emb.weight")   # added to the fp32 residual stream, as the SDK does
-        self.sc_norm_w, self.sc_norm_b = f32("scorer.0.weight"), f32("scorer.0.bias")
-        self.sc1_w, self.sc1_b = mat("scorer.1.weight"), mat("scorer.1.bias")
-        self.sc3_w, self.sc3_b = mat("scorer.3.weight"), mat("scorer.3.bias")
-        self.act0_w, self.act0_b = mat("act_head.0.weight"), mat("act_head.0.bias")
-        self.act2_w, self.act2_b = mat("act_head.2.weight"), mat("act_head.2.bias")
 
         # Static tables, built once so forward() allocates nothing that needs the host.
         self.max_positions = a.max_len
@@ -251,9 +270,4 @@ class ReferenceModel:
 
     def parameter_bytes(self) -> int:
         """Bytes of weights this model holds on its device (for a worker's memory report)."""
-        seen = [self.tok_emb, self.emb_norm, self.final_norm, self.type_emb, self.sc_norm_w, self.sc_norm_b,
-                self.sc1_w, self.sc1_b, self.sc3_w, self.sc3_b, self.act0_w, self.act0_b, self.act2_w, self.act2_b]
-        for lay in self.layers + self.head:
-            seen += [t for t in lay.values() if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in seen)
-
+        return weight_bytes(self)
