@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Device probe: where the fast path's bf16 numbers leave the SDK's, op by op and tap by tap.
+
+    python3 scripts/probe_parity.py --model /tmp/large [--out DIR]
+
+ops: each fast-path kernel against the torch op sequence the SDK's bf16 autocast runs (cuBLAS linear, fp32
+LayerNorm, SDPA with a boolean mask), fed the same inputs taken from a real forward: the fraction of bf16
+outputs that differ, and each one's distance to an fp32 truth. An op that rounds where the SDK does not
+shows many more differing elements than a GEMM's accumulation order alone explains.
+taps: whole forwards, fast vs the reference (invariant GEMMs, the worker path) vs the reference on cuBLAS
+(the SDK's bits) vs fp32: relative distance per tap and the answers' |dp|.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kernels import rows as rk  # noqa: E402
+from kernels.attention import attention  # noqa: E402
+from kernels.fast import FastModel  # noqa: E402
+from kernels.gemm import Epi, gemm  # noqa: E402
+from kernels.reference import ReferenceModel, _rotate_half  # noqa: E402
+from worker.checkpoint import load_checkpoint  # noqa: E402
+
+
+def batch(lens, k=8, seed=0, vocab=1000):
+    rng = np.random.default_rng(seed)
+    ids = np.concatenate([rng.integers(5, vocab, n) for n in lens]).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+    mk = np.full((len(lens), k), -1, np.int32)
+    for r, n in enumerate(lens):
+        mk[r, :6] = np.linspace(1, n - 1, 6).astype(np.int32)
+    t = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    return dict(ids=t(ids), row_start=t(starts), row_len=t(np.array(lens, np.int32)),
+                qtype=t(np.arange(len(lens), dtype=np.int32) % 3), markers=t(mk), max_row_len=max(lens))
+
+
+def differ(a, b, truth=None) -> dict:
+    a, b = a.float(), b.float()
+    out = {"differ": float((a != b).float().mean()), "nrms": float((a - b).norm() / b.norm().clamp_min(1e-30))}
+    if truth is not None:
+        t = truth.float()
+        out["fast_vs_truth"] = float((a - t).norm() / t.norm())
+        out["sdk_vs_truth"] = float((b - t).norm() / t.norm())
+    return out
+
+
+def ops(ck, fast, n=512):
+    """One row of n tokens through layer 5's ops, inputs from the cuBLAS reference's taps."""
+    a = ck.arch
+    ref = ReferenceModel(a, ck.tensors, device="cuda", dtype=torch.bfloat16, gemm="vendor")
+    inp = batch([n])
+    taps = {}
+    ref(**inp, taps=taps)
+    i = next(j for j in range(2, a.layers) if not a.is_global(j))      # a local layer
+    g = next(j for j in range(2, a.layers) if a.is_global(j))
+    h = taps[f"encoder.{i - 1}"][0].contiguous()                        # [n, d] fp32
+    lay = fast.layers[i]
+    d, H, D = a.hidden, a.heads, a.head_dim
+    res = {}
+    # LayerNorm
+    x = torch.empty(n, d, device="cuda", dtype=torch.bfloat16)
+    rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps)
+    x_sdk = F.layer_norm(h, (d,), lay["attn_norm"], None, a.norm_eps)
+    res["layer_norm"] = differ(x, x_sdk.bfloat16(), x_sdk)
+    x = x_sdk.bfloat16()
+    # QKV GEMM (plain) and with RoPE
+    qkv_sdk = F.linear(x, lay["Wqkv"])
+    truth = F.linear(x.float(), lay["Wqkv"].float())
+    out = torch.empty_like(qkv_sdk)
+    gemm(x, lay["Wqkv"], out)
+    res["gemm_plain_qkv"] = differ(out, qkv_sdk, truth)
+    cos, sin = ref.rope[lay["theta"]]
+
+    def rope_sdk(y):        # y [n, 3d] bf16 -> q, k rotated (as ref._rope), v as is
+        v = y.view(n, 3, H, D)
+        q, k = (((v[:, j].float() * cos[:n, None]) + _rotate_half(v[:, j].float()) * sin[:n, None]).bfloat16()
+                for j in (0, 1))
+        return torch.stack([q, k, v[:, 2]], 1).reshape(n, 3 * d)
+    pos = torch.arange(n, device="cuda", dtype=torch.int32)
+    fc, fs = fast.rope[lay["theta"]]
+    gemm(x, lay["Wqkv"], out, epi=Epi.ROPE, rope=(pos, fc, fs, D, 2 * H))
+    res["gemm_rope"] = differ(out, rope_sdk(qkv_sdk))
+    res["rope_alone_on_sdk_qkv"] = differ(rope_sdk(qkv_sdk), rope_sdk(qkv_sdk))   # 0 by construction: a control
+    qkv = rope_sdk(qkv_sdk)
+    # attention, local and global, on the same qkv
+    rs = torch.zeros(1, device="cuda", dtype=torch.int32)
+    rl = torch.full((1,), n, device="cuda", dtype=torch.int32)
+    q, k, v = (qkv.view(n, 3, H, D)[:, j].transpose(0, 1)[None] for j in range(3))   # [1, H, n, D]
+    p = torch.arange(n, device="cuda")
+    for name, win in (("attention_local", a.half_window), ("attention_global", None)):
+        band = (p[:, None] - p[None, :]).abs() <= (n if win is None else win)
+        mask = band
+        o_sdk = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=D ** -0.5)
+        o_true = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[None, None],
+                                                scale=D ** -0.5)
+        o = torch.empty(n, d, device="cuda", dtype=torch.bfloat16)
+        attention(qkv, o, rs, rl, H, D, n, win, D ** -0.5)
+        flat = lambda t: t[0].transpose(0, 1).reshape(n, d)  # noqa: E731
+        res[name] = differ(o, flat(o_sdk), flat(o_true))
+        # The math backend rounds like a plain bf16 matmul chain; which SDPA kernel does the SDK's call pick?
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+            o_math = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=D ** -0.5)
+        res[name + "_sdpa_math_vs_default"] = differ(flat(o_math), flat(o_sdk), flat(o_true))
+    att = flat(o_sdk)
+    # Wo + residual
+    hh = h.clone()
+    gemm(att, lay["Wo"], hh, epi=Epi.RESIDUAL)
+    h_sdk = h + F.linear(att, lay["Wo"]).float()
+    res["gemm_residual"] = differ(hh, h_sdk, h + F.linear(att.float(), lay["Wo"].float()))
+    # GeGLU
+    x2 = F.layer_norm(h_sdk, (d,), lay["mlp_norm"], None, a.norm_eps).bfloat16()
+    inner = torch.empty(n, a.intermediate, device="cuda", dtype=torch.bfloat16)
+    gemm(x2, lay["Wi"], inner, epi=Epi.GEGLU)
+    u, gt = F.linear(x2, lay["Wi"]).chunk(2, -1)
+    u32, g32 = F.linear(x2.float(), lay["Wi"].float()).chunk(2, -1)
+    res["gemm_geglu"] = differ(inner, F.gelu(u) * gt, F.gelu(u32) * g32)
+    res["layer"] = {"local": i, "global": g}
+    return res
+
+
+def taps(ck, fast, shapes):
+    a = ck.arch
+    refs = {"worker": ReferenceModel(a, ck.tensors, device="cuda", dtype=torch.bfloat16),
+            "sdk": ReferenceModel(a, ck.tensors, device="cuda", dtype=torch.bfloat16, gemm="vendor"),
+            "fp32": ReferenceModel(a, ck.tensors, device="cuda", dtype=torch.float32, gemm="vendor")}
+    out = {}
+    for lens in shapes:
+        inp = batch(lens, seed=len(lens))
+        got = {"fast": {}}
+        fast(**inp, taps=got["fast"])
+        for k, m in refs.items():
+            got[k] = {}
+            m(**inp, taps=got[k])
+        names = [n for n in got["sdk"] if n in got["fast"]]
+        rows = {}
+        valid = (torch.arange(max(lens), device="cuda")[None, :] < inp["row_len"][:, None].long())
+        for name in names:
+            t = got["fp32"][name].float()
+            sel = (lambda x, v=valid: x[v]) if t.dim() == 3 else (lambda x: x)  # noqa: E731
+            t = sel(t)
+            rows[name] = {k: float((sel(got[k][name].float()) - sel(got["sdk"][name].float())).norm()
+                                   / sel(got["sdk"][name].float()).norm().clamp_min(1e-30))
+                          for k in ("fast", "worker", "fp32")}
+        present = inp["markers"] >= 0
+        for k in ("fast", "worker", "fp32"):
+            pk = torch.softmax(got[k]["logits"].float(), -1)
+            ps = torch.softmax(got["sdk"]["logits"].float(), -1)
+            rows[f"dp_{k}"] = float((pk - ps)[present].abs().max())
+            rows[f"argmax_{k}"] = float((pk.argmax(-1) == ps.argmax(-1)).float().mean())
+        out["x".join(map(str, lens))] = rows
+        print("x".join(map(str, lens)), flush=True)
+        for name, r in rows.items():
+            print(f"  {name:14s} {r}" if isinstance(r, dict) else f"  {name:14s} {r:.5f}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    args = ap.parse_args()
+    ck = load_checkpoint(args.model)
+    fast = FastModel(ck.arch, ck.tensors, device="cuda")
+    result = {"ops": ops(ck, fast)}
+    for name, r in result["ops"].items():
+        print(f"{name:36s} {r}", flush=True)
+    result["taps"] = taps(ck, fast, [[48], [200, 130, 96], [512, 512]])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_parity.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
