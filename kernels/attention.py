@@ -31,7 +31,7 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          USE_GDC: tl.constexpr):
+                          USE_GDC: tl.constexpr, ACC_IN_DOT: tl.constexpr = False, RECIP: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -69,23 +69,31 @@ if triton is not None:
                 alpha = tl.math.exp2(m_i - m_new)
                 p = tl.math.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                if ACC_IN_DOT:
+                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-            o = acc / l_i[:, None]
+            if RECIP:
+                o = acc * (1.0 / l_i)[:, None]
+            else:
+                o = acc / l_i[:, None]
             tl.store(out_ptr + (start + qi[:, None]) * so + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=q_ok[:, None])
 
 
 def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row_len: torch.Tensor,
-              heads: int, head_dim: int, max_row_len: int, window: int | None, scale: float) -> torch.Tensor:
+              heads: int, head_dim: int, max_row_len: int, window: int | None, scale: float,
+              **variant) -> torch.Tensor:
     """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None.
 
     Tokens outside every row are left as they are (never read by a real row downstream).
     """
     rows = row_start.shape[0]
-    bm, bn = 64, 64
+    bm, bn = variant.pop("bm", 64), variant.pop("bn", 64)     # variants: scripts/probe_parity.py only
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
     _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,
-                            **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=4, num_stages=2)
+                            **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=4, num_stages=2,
+                            **variant)
     return out

@@ -106,6 +106,15 @@ def ops(ck, fast, n=512):
         attention(qkv, o, rs, rl, H, D, n, win, D ** -0.5)
         flat = lambda t: t[0].transpose(0, 1).reshape(n, d)  # noqa: E731
         res[name] = differ(o, flat(o_sdk), flat(o_true))
+        for var in ({"ACC_IN_DOT": True}, {"RECIP": True}, {"ACC_IN_DOT": True, "RECIP": True},
+                    {"bn": 32}, {"bn": 128}, {"bm": 128}, {"bm": 32, "bn": 32}, {"ACC_IN_DOT": True, "bn": 128},
+                    {"ACC_IN_DOT": True, "RECIP": True, "bn": 128}, {"ACC_IN_DOT": True, "RECIP": True, "bm": 128}):
+            try:
+                o = torch.zeros(n, d, device="cuda", dtype=torch.bfloat16)
+                attention(qkv, o, rs, rl, H, D, n, win, D ** -0.5, **dict(var))
+                res[f"{name} {var}"] = differ(o, flat(o_sdk), flat(o_true))
+            except Exception as e:  # a variant Triton cannot build
+                res[f"{name} {var}"] = repr(e)[:120]
         # The math backend rounds like a plain bf16 matmul chain; which SDPA kernel does the SDK's call pick?
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
             o_math = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=D ** -0.5)
@@ -173,6 +182,8 @@ def main() -> None:
     result = {"ops": ops(ck, fast)}
     for name, r in result["ops"].items():
         print(f"{name:36s} {r}", flush=True)
+    if os.environ.get("PARITY_OPS_ONLY") == "1":
+        return
     result["taps"] = taps(ck, fast, [[48], [200, 130, 96], [512, 512]])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_parity.json"), "w") as f:
