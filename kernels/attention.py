@@ -25,6 +25,11 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
     triton = None
 
 LOG2E = 1.4426950408889634
+# Keys are reduced in blocks of 128 from the row's start: the block torch's SDPA kernels use, so a query's online
+# softmax rescales at the same keys as the SDK's attention and rounds to the same bits (device probe of
+# 2026-12-03, scripts/probe_parity.py: 0 of 512x1024 outputs differ from SDPA's on a local layer, 4e-6 on a
+# global one; blocks of 64 left 12-15% of the outputs one bf16 ulp apart, and the answers 8x further from the SDK).
+KEY_BLOCK = 128
 
 
 if triton is not None:
@@ -90,7 +95,7 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     Tokens outside every row are left as they are (never read by a real row downstream).
     """
     rows = row_start.shape[0]
-    bm, bn = variant.pop("bm", 64), variant.pop("bn", 64)     # variants: scripts/probe_parity.py only
+    bm, bn = variant.pop("bm", 64), variant.pop("bn", KEY_BLOCK)     # variants: scripts/probe_parity.py only
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
     _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,

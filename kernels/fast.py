@@ -21,7 +21,7 @@ import torch
 from kernels import rows as rk
 from kernels.arch import Arch
 from kernels.attention import attention
-from kernels.gemm import Act, Epi, gemm
+from kernels.gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual
 from kernels.reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
 __all__ = ["FastModel", "supports"]
@@ -76,6 +76,9 @@ class FastModel:
         for theta in sorted({a.theta(i) for i in range(a.layers)}):
             cos, sin = _rope_tables(self.max_positions, a.head_dim, theta, dev)
             self.rope[theta] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+        # The most K chunks any residual GEMM has (kernels/gemm.py): the depth of the chunk-sum workspace.
+        ks = [a.hidden, a.intermediate] + ([4 * a.hidden] if self.head else [])
+        self.max_chunks = max(-(-k // k_chunk(k)) if k_chunk(k) else 1 for k in ks)
 
     @torch.no_grad()
     def forward(self, ids, row_start, row_len, qtype, markers, max_row_len: int,
@@ -105,22 +108,28 @@ class FastModel:
         mid = empty((T, ff), device=dev, dtype=cd)
         pos = empty(T, device=dev, dtype=torch.int32)
         row = empty(T, device=dev, dtype=torch.int32)
+        # Chunk sums of split residual GEMMs, added by the next row kernel (kernels/gemm.py); none with taps, which
+        # read h between layers, and none where M is too large to split.
+        parts = None
+        if taps is None and self.max_chunks > 1 and T <= SPLIT_MAX_M:
+            parts = empty((self.max_chunks, T, d), device=dev, dtype=torch.float32)
+        pending = None
 
         rk.embed(ids, row_start, row_len, self.tok_emb, self.emb_norm, h, x, pos, row, a.pad_id, a.norm_eps)
         tap = _Taps(taps, row_start, row_len, L)
         tap("embeddings", h)
         scale = D ** -0.5
         for i, lay in enumerate(self.layers):
-            if lay["attn_norm"] is not None:
-                rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps)
+            if lay["attn_norm"] is not None:       # layer 0 has none, and nothing pending before it
+                rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps, pending)
             cos, sin = self.rope[lay["theta"]]
             gemm(x, lay["Wqkv"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
             attention(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
-            gemm(att, lay["Wo"], h, epi=Epi.RESIDUAL)
-            rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps)
+            pending = residual(att, lay["Wo"], h, parts)
+            rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)
             inner = mid[:, : a.intermediate]
             gemm(x, lay["Wi"], inner, epi=Epi.GEGLU)
-            gemm(inner, lay["Wo_mlp"], h, epi=Epi.RESIDUAL)
+            pending = residual(inner, lay["Wo_mlp"], h, parts)
             tap(f"encoder.{i}", h)
         if taps is not None:
             tap("final_norm", torch.nn.functional.layer_norm(h, (d,), self.final_norm, None, a.norm_eps))
@@ -131,16 +140,18 @@ class FastModel:
         for j, lay in enumerate(self.head):
             if j == 0:
                 rk.head_entry(h, row, qtype, self.final_norm, self.type_emb, lay["n1_w"], lay["n1_b"], x,
-                              a.norm_eps, HEAD_NORM_EPS)
+                              a.norm_eps, HEAD_NORM_EPS, pending)
             else:
-                rk.layer_norm(h, lay["n1_w"], lay["n1_b"], x, HEAD_NORM_EPS)
+                rk.layer_norm(h, lay["n1_w"], lay["n1_b"], x, HEAD_NORM_EPS, pending)
             gemm(x, lay["in_w"], qkv, bias=lay["in_b"], bias_apart=True)
             attention(qkv, att, row_start, row_len, HH, HD, L, None, HD ** -0.5)
-            gemm(att, lay["out_w"], h, epi=Epi.RESIDUAL, bias=lay["out_b"], bias_apart=True)
-            rk.layer_norm(h, lay["n2_w"], lay["n2_b"], x, HEAD_NORM_EPS)
+            pending = residual(att, lay["out_w"], h, parts, bias=lay["out_b"], bias_apart=True)
+            rk.layer_norm(h, lay["n2_w"], lay["n2_b"], x, HEAD_NORM_EPS, pending)
             inner = mid[:, : 4 * d]
             gemm(x, lay["l1_w"], inner, bias=lay["l1_b"], act=Act.RELU)
-            gemm(inner, lay["l2_w"], h, epi=Epi.RESIDUAL, bias=lay["l2_b"])
+            # The last one finishes in place: what reads h next (the scorer's gathers) adds no chunk sums.
+            last = j == len(self.head) - 1
+            pending = residual(inner, lay["l2_w"], h, None if last else parts, bias=lay["l2_b"])
             tap(f"head.{j}", h)
 
         # ---- scorer at the [MASK] markers, confidence features, act head

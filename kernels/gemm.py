@@ -8,6 +8,14 @@ for every configuration this module picks is not taken on trust: `tests/test_fas
 (N, K) of a checkpoint at every configuration and compares rows bit for bit. All configurations keep
 BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction (wgmma on Hopper).
 
+K chunks (`k_chunk`). A residual GEMM whose N is the hidden size has too few output tiles to keep the SMs busy at
+small M (1024 columns in tiles of 16-32: 32-64 programs on 132 SMs). Its K is therefore cut into fixed chunks,
+chosen from K alone: each chunk is its own MMA chain from zero, and the chunks' sums are added in chunk order in
+fp32, ((c0 + c1) + c2) ... At small M each chunk runs in its own program and writes its fp32 sum to a
+workspace, and the row kernel that next reads the residual stream (kernels/rows.py) adds them up and finishes
+the epilogue; at large M one program runs its chunks in turn and finishes itself. Both orders are the same
+additions of the same values, so both give the same bits, and which one runs (by M) changes nothing.
+
 Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
 - PLAIN: y = bf16(acc [+ bias]) [-> bf16(act(y))]; `bias_apart` rounds acc before adding the bias (torch's
   unfused matmul + add that the SDK's decision head takes).
@@ -104,10 +112,10 @@ if triton is not None:
 
     @triton.jit
     def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                     M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS,
+                     M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS, CHUNKS, sps,
                      EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
                      HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     TMA: tl.constexpr, USE_GDC: tl.constexpr):
+                     TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False):
         # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
         # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
         CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
@@ -126,32 +134,61 @@ if triton is not None:
             cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < N_OUT
         row_ok = rm < M
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if EPI >= 2:
-            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        if TMA:
-            n0 = tl.min(cols, 0)
-            for k0 in range(0, K, BK):
-                a = a_ptr.load([pid_m * BM, k0])
-                acc = tl.dot(a, w_ptr.load([n0, k0]).T, acc)
-                if EPI >= 2:
-                    acc2 = tl.dot(a, w_ptr.load([n0 + PARTNER, k0]).T, acc2)
+        if CHUNK > 0:
+            # K in fixed chunks (module docstring): SPLIT runs chunk program_id(2) and leaves its sum in the
+            # workspace `out_ptr` [CHUNKS, M, N_OUT]; otherwise this program adds its chunks up in order.
+            if SPLIT:
+                first = tl.program_id(2)
+                last = first + 1
+            else:
+                first = 0
+                last = CHUNKS
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for ck in range(first, last):
+                part = tl.zeros((BM, BN), dtype=tl.float32)
+                k_lo = ck * CHUNK
+                k_hi = tl.minimum(K, k_lo + CHUNK)
+                for k0 in range(k_lo, k_hi, BK):
+                    if TMA:     # chunk boundaries are whole BK tiles, so the copy engine reads no other chunk
+                        part = tl.dot(a_ptr.load([pid_m * BM, k0]), w_ptr.load([tl.min(cols, 0), k0]).T, part)
+                    else:
+                        kk = k0 + rk
+                        k_ok = kk < k_hi
+                        a = tl.load(a_ptr + rm[:, None] * sam + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                                    other=0.0)
+                        b = tl.load(w_ptr + cols[None, :] * swn + kk[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                                    other=0.0)
+                        part = tl.dot(a, b, part)
+                acc = tl.where(ck == first, part, acc + part)      # c0 itself, not 0 + c0: the sign of a zero
         else:
-            a_ptrs = a_ptr + rm[:, None] * sam + rk[None, :]
-            w_ptrs = w_ptr + cols[None, :] * swn + rk[:, None]
-            for k0 in range(0, K, BK):
-                k_ok = (k0 + rk) < K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = tl.dot(a, b, acc)
-                if EPI >= 2:
-                    b2 = tl.load(w_ptrs + PARTNER * swn, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-                    acc2 = tl.dot(a, b2, acc2)
-                a_ptrs += BK
-                w_ptrs += BK
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if EPI >= 2:
+                acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+            if TMA:
+                n0 = tl.min(cols, 0)
+                for k0 in range(0, K, BK):
+                    a = a_ptr.load([pid_m * BM, k0])
+                    acc = tl.dot(a, w_ptr.load([n0, k0]).T, acc)
+                    if EPI >= 2:
+                        acc2 = tl.dot(a, w_ptr.load([n0 + PARTNER, k0]).T, acc2)
+            else:
+                a_ptrs = a_ptr + rm[:, None] * sam + rk[None, :]
+                w_ptrs = w_ptr + cols[None, :] * swn + rk[:, None]
+                for k0 in range(0, K, BK):
+                    k_ok = (k0 + rk) < K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                    acc = tl.dot(a, b, acc)
+                    if EPI >= 2:
+                        b2 = tl.load(w_ptrs + PARTNER * swn, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                        acc2 = tl.dot(a, b2, acc2)
+                    a_ptrs += BK
+                    w_ptrs += BK
         out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        if EPI == 0:
+        if SPLIT:
+            tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=ok)
+        elif EPI == 0:
             y = _finish(acc, bias_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
         elif EPI == 1:
@@ -183,19 +220,79 @@ if triton is not None:
 def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.PLAIN,
          bias: torch.Tensor | None = None, bias_apart: bool = False, act: Act = Act.NONE,
          rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
-         tiles: Tiles | None = None, tma: bool | None = None) -> torch.Tensor:
+         tiles: Tiles | None = None, tma: bool | None = None, chunk: int | None = None) -> torch.Tensor:
     """out <- epilogue(a @ w.T). a [M, K] bf16 (row stride free, unit column stride), w [N, K] contiguous.
 
     PLAIN: out [M, N] bf16. RESIDUAL: out [M, N] fp32, added to. GEGLU: w holds [inp; gate] (N = 2F),
     out [M, F]. ROPE: `rope=(pos [M] int32, cos [P, D/2] fp32, sin, D, rope_heads)`: out [M, N]; the first
-    `rope_heads` heads of D columns are rotated (query and key), the rest pass through.
+    `rope_heads` heads of D columns are rotated (query and key), the rest pass through. `chunk`: K per chunk
+    (default `k_chunk`; 0 for one chain), residual GEMMs only.
     """
+    _launch(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, None)
+    return out
+
+
+@dataclass
+class Pending:
+    """The chunk sums a split residual GEMM left in `parts` [chunks, M, N] for the next row kernel, which adds
+    them in order, finishes the epilogue (bias, rounding) and adds the result to the residual stream."""
+    parts: torch.Tensor
+    chunks: int
+    bias: torch.Tensor | None
+    bias_apart: bool
+
+
+def residual(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, parts: torch.Tensor | None, *,
+             bias: torch.Tensor | None = None, bias_apart: bool = False, split: bool | None = None,
+             chunk: int | None = None, tiles: Tiles | None = None, tma: bool | None = None) -> Pending | None:
+    """h += a @ w.T (+ bias), or, when K is chunked and too few output tiles would keep the SMs busy (or
+    `split=True`), run one program per chunk into `parts` and return what the next row kernel must add. The
+    bits are the same either way (module docstring)."""
+    m, k = a.shape
+    c = k_chunk(k) if chunk is None else chunk
+    chunks = triton.cdiv(k, c) if c else 1
+    if split is None:
+        t = tiles or pick_tiles(m, w.shape[0], k, Epi.RESIDUAL, sms(a.device))
+        split = (parts is not None and chunks > 1 and m <= SPLIT_MAX_M
+                 and triton.cdiv(m, t.bm) * triton.cdiv(w.shape[0], t.bn) < sms(a.device))
+    if not split:
+        _launch(a, w, h, Epi.RESIDUAL, bias, bias_apart, Act.NONE, None, tiles, tma, c, None)
+        return None
+    assert chunks > 1 and parts is not None and parts.shape[0] >= chunks and parts.dtype == torch.float32
+    view = parts[:chunks, :m, : w.shape[0]]
+    _launch(a, w, view, Epi.RESIDUAL, bias, bias_apart, Act.NONE, None, tiles, tma, c, view.stride(0))
+    return Pending(view, chunks, bias, bias_apart)
+
+
+SPLIT_MAX_M = 2048        # beyond it the chunk sums' round trip through memory costs more than idle SMs
+
+
+def k_chunk(k: int) -> int:
+    """K per chunk of a residual GEMM (0: one chain over all of K). A function of K alone, never of M or of the
+    device, so every worker and every batch reduces the same chunks in the same order."""
+    if k < 1024:
+        return 0
+    return 512 if k <= 1024 else 1024
+
+
+def split_tiles(t: Tiles, m: int, n_out: int, chunks: int, sms: int) -> Tiles:
+    """Narrower N tiles until a split GEMM's chunk programs fill the SMs (tiles never change the bits)."""
+    while t.bn > 16 and -(-m // t.bm) * -(-n_out // t.bn) * chunks < sms:
+        t = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
+    return t
+
+
+def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: Tiles | None, tma: bool | None,
+            chunk: int | None, split_stride: int | None) -> None:
     m, k = a.shape
     n = w.shape[0]
-    assert a.stride(1) == 1 and w.is_contiguous() and out.stride(1) == 1 and w.shape[1] == k
+    assert a.stride(1) == 1 and w.is_contiguous() and out.stride(-1) == 1 and w.shape[1] == k
     n_out = n // 2 if epi == Epi.GEGLU else n
     if epi == Epi.RESIDUAL:
         assert out.dtype == torch.float32
+    chunk = (k_chunk(k) if chunk is None else chunk) if epi == Epi.RESIDUAL else 0
+    chunks = triton.cdiv(k, chunk) if chunk else 1
+    split = split_stride is not None
     t = tiles or pick_tiles(m, n_out, k, epi, sms(a.device))
     half, partner, rope_heads = 1, 0, 0
     pos = cos = sin = w
@@ -211,20 +308,24 @@ def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.
         partner = half
         programs_n = (n // d) * (half // bn)
     else:
+        if split and tiles is None:
+            t = split_tiles(t, m, n_out, chunks, sms(a.device))
         programs_n = triton.cdiv(n_out, t.bn)
-    grid = (triton.cdiv(m, t.bm), programs_n)
+    assert not chunk or chunk % t.bk == 0, (chunk, t)      # chunk edges on whole K tiles (TMA reads no neighbour)
+    grid = (triton.cdiv(m, t.bm), programs_n, chunks if split else 1)
     if tma is None:
         tma = use_tma(m, a, w)
     a_arg, w_arg = a, w
     if tma:
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
         w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
+    out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
     _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin,
-                       m, n_out, k, a.stride(0), w.stride(0), out.stride(0), partner, rope_heads,
+                       m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
+                       split_stride or 0,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
-                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, **launch(a.device, grid[0] * grid[1]),
-                       num_warps=t.warps, num_stages=t.stages)
-    return out
+                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
+                       **launch(a.device, grid[0] * grid[1] * grid[2]), num_warps=t.warps, num_stages=t.stages)
 
 
 TMA_MIN_M = 4096          # below it pointer loads were faster in a whole forward (device run 3); LAYA_TMA=0: off

@@ -7,6 +7,9 @@ write bf16 where the next op is a GEMM.
 - `embed`: packed ids -> token row and row-relative position, embedding gather, embedding LayerNorm;
   writes the fp32 residual h, its bf16 copy for layer 0 (which has no attention norm) and pos/row.
 - `layer_norm`: h -> bf16 LN(h).
+- `layer_norm` and `head_entry` first finish a split residual GEMM when given its `Pending` (kernels/gemm.py): add
+  its chunk sums in chunk order, run its epilogue (bias, rounding to bf16) and add the result to h, exactly the
+  operations the GEMM's own epilogue runs when it does not split.
 - `head_entry`: h <- LN_final(h) + type_emb[type of the token's row]; x <- bf16 LN_1(h) (the head's first norm).
 - `gather_norm`: the scorer's LayerNorm of h at each row's [MASK] markers.
 - `features`: the logits of a row's markers, their softmax's confidence features and the act head's input.
@@ -35,6 +38,21 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr, CD: tl.constexpr,
+                        P_BIAS: tl.constexpr, P_APART: tl.constexpr):
+        """h + epilogue(c0 + c1 + ...): kernels/gemm.py's RESIDUAL epilogue on the chunk sums of a split GEMM."""
+        acc = tl.load(p_ptr + t * N + cols, mask=ok, other=0.0)
+        for c in range(1, CHUNKS):
+            acc = acc + tl.load(p_ptr + c * sps + t * N + cols, mask=ok, other=0.0)
+        if P_BIAS:
+            b = tl.load(pb_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            if P_APART:
+                acc = acc.to(CD).to(tl.float32) + b
+            else:
+                acc = acc + b
+        return h + acc.to(CD).to(tl.float32)
+
+    @triton.jit
     def _embed_kernel(ids_ptr, start_ptr, len_ptr, emb_ptr, w_ptr, h_ptr, x_ptr, pos_ptr, row_ptr,
                       R, n_ids, pad_id, eps, N: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
                       USE_GDC: tl.constexpr):
@@ -61,8 +79,9 @@ if triton is not None:
         tl.store(row_ptr + t, row)
 
     @triton.jit
-    def _layer_norm_kernel(h_ptr, w_ptr, b_ptr, x_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr):
+    def _layer_norm_kernel(h_ptr, w_ptr, b_ptr, x_ptr, eps, p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr,
+                           PENDING: tl.constexpr = False, P_BIAS: tl.constexpr = False, P_APART: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -70,12 +89,16 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         ok = cols < N
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
+        if PENDING:
+            h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, x_ptr.dtype.element_ty, P_BIAS, P_APART)
+            tl.store(h_ptr + t * N + cols, h, mask=ok)
         y = _norm(h, ok, w_ptr, b_ptr, cols, eps, N, HAS_BIAS)
         tl.store(x_ptr + t * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _head_entry_kernel(h_ptr, row_ptr, qtype_ptr, fw_ptr, temb_ptr, w1_ptr, b1_ptr, x_ptr, eps, eps1,
-                           N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+                           p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+                           PENDING: tl.constexpr = False, P_BIAS: tl.constexpr = False, P_APART: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -83,6 +106,8 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         ok = cols < N
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
+        if PENDING:
+            h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, x_ptr.dtype.element_ty, P_BIAS, P_APART)
         row = tl.load(row_ptr + t)
         qt = tl.load(qtype_ptr + tl.maximum(row, 0))
         qt = tl.where(row >= 0, qt, 0)
@@ -170,18 +195,31 @@ def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id: int, eps: flo
                         N=n, BLOCK=b, RB=_block(max(rows, 2)), **launch(h.device, t), num_warps=_warps(b))
 
 
-def layer_norm(h, w, b, x, eps: float) -> None:
-    t, n = h.shape
-    blk = _block(n)
-    _layer_norm_kernel[(t,)](h, w, b if b is not None else w, x, eps, N=n, BLOCK=blk, HAS_BIAS=b is not None,
-                             **launch(h.device, t), num_warps=_warps(blk))
+def _pending_args(pending, h) -> tuple[tuple, dict]:
+    """Kernel arguments for a split GEMM's `Pending` (kernels/gemm.py), or for none."""
+    if pending is None:
+        return (h, h, 1, 0), {}
+    p = pending
+    assert p.parts.shape[1:] == h.shape and p.parts.stride(1) == h.shape[1]
+    return ((p.parts, p.bias if p.bias is not None else p.parts, p.chunks, p.parts.stride(0)),
+            {"PENDING": True, "P_BIAS": p.bias is not None, "P_APART": p.bias_apart})
 
 
-def head_entry(h, row, qtype, final_w, type_emb, w1, b1, x, eps: float, eps1: float) -> None:
+def layer_norm(h, w, b, x, eps: float, pending=None) -> None:
+    """x <- bf16 LN(h); first h += the split GEMM `pending` left, if any."""
     t, n = h.shape
     blk = _block(n)
-    _head_entry_kernel[(t,)](h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, N=n, BLOCK=blk,
-                             **launch(h.device, t), num_warps=_warps(blk))
+    args, flags = _pending_args(pending, h)
+    _layer_norm_kernel[(t,)](h, w, b if b is not None else w, x, eps, *args, N=n, BLOCK=blk, HAS_BIAS=b is not None,
+                             **flags, **launch(h.device, t), num_warps=_warps(blk))
+
+
+def head_entry(h, row, qtype, final_w, type_emb, w1, b1, x, eps: float, eps1: float, pending=None) -> None:
+    t, n = h.shape
+    blk = _block(n)
+    args, flags = _pending_args(pending, h)
+    _head_entry_kernel[(t,)](h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, *args, N=n, BLOCK=blk,
+                             **flags, **launch(h.device, t), num_warps=_warps(blk))
 
 
 def gather_norm(h, row_start, markers, w, b, x, max_row_len: int, eps: float) -> None:

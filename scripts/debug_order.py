@@ -18,23 +18,21 @@ from worker.runtime import Runtime, RuntimeConfig  # noqa: E402
 
 
 def diagnose(rts):
-    from cuda.bindings import driver as drv
-    from cuda.bindings import runtime as rt
-
-    from worker.cudart import PinnedBuffer
-    print("ctx current", drv.cuCtxGetCurrent(), "device", rt.cudaGetDevice(), "last error", rt.cudaPeekAtLastError())
-    print("primary ctx state", drv.cuDevicePrimaryCtxGetState(0))
+    """Is the context itself broken (torch fails too), or only the call that failed?"""
+    from worker.cudart import PinnedBuffer, memcpy_async, stream_synchronize
+    try:
+        torch.cuda.synchronize()
+        print("torch synchronize ok; torch copy", torch.ones(4, device="cuda").sum().item(), flush=True)
+    except Exception as e:
+        print("torch fails too:", repr(e)[:200], flush=True)
     for m, r in rts.items():
-        ws = r.workspace
-        h, d = ws.host_address, ws.device_address
-        print(m, "host attrs", rt.cudaPointerGetAttributes(h)[0], "dev attrs", rt.cudaPointerGetAttributes(d)[0])
-        err = rt.cudaMemcpyAsync(d, h, 64, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, r.stream.cuda_stream)
-        print(m, "retry own stream", err, "default stream",
-              rt.cudaMemcpyAsync(d, h, 64, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, 0))
-    fresh = PinnedBuffer(4096)
-    d = rts["eager"].workspace.device_address
-    print("fresh pinned", rt.cudaMemcpyAsync(d, fresh.ptr, 64, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, 0))
-    print("sync", rt.cudaDeviceSynchronize(), "torch copy", torch.ones(4, device="cuda").sum().item())
+        try:
+            fresh = PinnedBuffer(4096)
+            memcpy_async(r.workspace.device_address, fresh.ptr, 64, True, r.stream.cuda_stream)
+            stream_synchronize(r.stream.cuda_stream)
+            print(m, "fresh pinned upload ok", flush=True)
+        except Exception as e:
+            print(m, "fresh pinned upload fails:", repr(e)[:200], flush=True)
 
 
 ck = load_checkpoint(sys.argv[1])

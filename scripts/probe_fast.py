@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kernels.gemm import Act, Epi, Tiles, gemm, pick_tiles  # noqa: E402
+from kernels import rows as rk  # noqa: E402
+from kernels.gemm import Act, Epi, Tiles, gemm, pick_tiles, residual  # noqa: E402
 
 ALT = [Tiles(64, 16, 64, 4, 4), Tiles(64, 32, 128, 4, 4), Tiles(64, 64, 64, 4, 3), Tiles(64, 128, 64, 4, 3),
        Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3), Tiles(128, 128, 128, 8, 2), Tiles(128, 256, 64, 8, 3)]
@@ -115,6 +116,8 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
     err = float((canon - ref).abs().max()) if ref is not None else float("nan")
     rec = {"n": n, "k": k, "epi": epi.name, "tiles_differ": [str(t) for t in bad_tiles], "m_differ": bad_m,
            "residual_max_err_vs_torch": err, "time": {}}
+    if epi == Epi.RESIDUAL:
+        rec["split"] = _split_case(name, a, w, bias, kw.get("bias_apart", False), h0, canon)
     print(f"{name:14s} N={n} K={k}: tiles differing {len(bad_tiles)}/{len(ALT) - 1} {bad_tiles}; "
           f"M differing {bad_m}; residual err {err:.3g}")
     for m in TIMED_MS:
@@ -122,7 +125,9 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
         flops, wbytes = 2 * m * n * k, 2 * n * k
         row = {}
         picked = pick_tiles(m, n_out, k, epi)
-        variants = [(None, None)] + [(t, False) for t in ALT] + [(t, True) for t in ALT if m > 512]
+        variants = [(None, None)]
+        if os.environ.get("PROBE_ALT_TIMES", "1") == "1":
+            variants += [(t, False) for t in ALT] + [(t, True) for t in ALT if m > 512]
         for t, tma in variants:
             name_t = f"picked {picked}" if t is None else f"{t}{' tma' if tma else ''}"
             try:
@@ -144,6 +149,32 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
               f"{flops / pk[0] / 1e9:.0f} TF/s) best {best[0]:.4f} {best[1]} | cuBLAS {p50:.4f} "
               f"({wbytes / p50 / 1e6:.0f} GB/s, {flops / p50 / 1e9:.0f} TF/s)")
         rec["time"][m] = row
+    return rec
+
+
+def _split_case(name, a, w, bias, apart, h0, canon):
+    """K chunks in their own programs, finished by the next LayerNorm: the same bits as the in-program chunks
+    (`canon`) at every M a worker splits, at every tiling; and the time of GEMM + LayerNorm split or not."""
+    dev, n = "cuda", w.shape[0]
+    parts = torch.empty(8, 2048, n, device=dev)
+    ones = torch.ones(n, device=dev)
+
+    def run(m, split, tiles=None, chunk=None):
+        o = h0[:m].clone()
+        x = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        p = residual(a[:m], w, o, parts, bias=bias, bias_apart=apart, split=split, tiles=tiles, chunk=chunk)
+        rk.layer_norm(o, ones, None, x, 1e-5, p)
+        return o
+    bad_m = [m for m in MS if m <= 2048 and not torch.equal(run(m, True), canon[:m])]
+    bad_t = [str(t) for t in ALT[:5] if not torch.equal(run(48, True, t), canon[:48])]
+    rec = {"m_differ": bad_m, "tiles_differ": bad_t, "time": {}}
+    line = []
+    for m in (48, 128, 1024, 1536):
+        for label, split, chunk in (("auto", None, None), ("in-program", False, None), ("one chain", False, 0)):
+            p50, p95 = graph_time(lambda m=m, s=split, c=chunk: run(m, s, chunk=c))
+            rec["time"][f"{m} {label}"] = (p50, p95)
+            line.append(f"M={m} {label} {p50 * 1e3:.1f}us")
+    print(f"   split {name}: M differing {bad_m}, tiles differing {bad_t}; GEMM+LN: " + ", ".join(line))
     return rec
 
 

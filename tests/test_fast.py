@@ -124,6 +124,56 @@ def test_taps_follow_the_reference(models):
         assert float((g - w).norm() / w.norm()) < 5e-3, name
 
 
+@interpreted
+def test_split_residual_gemm_equals_the_unsplit_one_bit_for_bit():
+    """A residual GEMM with K in chunks gives the same bits whether its chunks run in their own programs and the
+    next LayerNorm adds them up (small M), or one program adds them in turn (large M); with biases as the
+    decision head rounds them too."""
+    from kernels import rows as rk
+    from kernels.gemm import Tiles, residual
+    g = torch.Generator().manual_seed(3)
+    m, k, n = 48, 384, 64
+    a = torch.randn(m, k, generator=g).half()
+    w = (torch.randn(n, k, generator=g) / 8).half()
+    bias = torch.randn(n, generator=g).half()
+    h0 = torch.randn(m, n, generator=g)
+    norm_w = torch.ones(n)
+    # One tiling for all three: the interpreter's dots are numpy matmuls, whose sums may follow the tile shape
+    # (the hardware's MMA chain does not: the GPU probe checks every tiling).
+    tiles = Tiles(64, 32, 128, 4, 2)
+    for b, apart in ((None, False), (bias, False), (bias, True)):
+        whole, alone, split = h0.clone(), h0.clone(), h0.clone()
+        assert residual(a, w, whole, None, bias=b, bias_apart=apart, chunk=0, tiles=tiles) is None
+        assert residual(a, w, alone, None, bias=b, bias_apart=apart, chunk=128, tiles=tiles) is None
+        parts = torch.empty(3, m, n)
+        pending = residual(a, w, split, parts, bias=b, bias_apart=apart, chunk=128, split=True, tiles=tiles)
+        assert pending is not None and pending.chunks == 3 and torch.equal(split, h0), "nothing added yet"
+        x = torch.empty(m, n, dtype=torch.float16)
+        rk.layer_norm(split, norm_w, None, x, 1e-5, pending)
+        assert torch.equal(split, alone), (b is not None, apart)
+        assert torch.allclose(alone, whole, atol=1e-2)
+
+
+@interpreted
+def test_a_forward_with_split_gemms_answers_the_bits_of_one_without(models, monkeypatch):
+    """The whole fast forward, residual GEMMs in K chunks: split into programs (and finished by the row kernels)
+    or not split at all, the same logits and act probabilities."""
+    import kernels.fast as fast_mod
+    import kernels.gemm as gemm_mod
+    from kernels.fast import FastModel
+    ck = models[0]
+    monkeypatch.setattr(gemm_mod, "k_chunk", lambda k: 128 if k > 128 else 0)    # tiny K: chunks of 128
+    monkeypatch.setattr(fast_mod, "k_chunk", gemm_mod.k_chunk)
+    monkeypatch.setattr(gemm_mod, "split_tiles", lambda t, *_: t)    # one tiling: see the test above
+    model = FastModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float16)
+    assert model.max_chunks > 1
+    inp = _inputs([40, 25, 9], extra_rows=1)
+    split = model(**inp)
+    monkeypatch.setattr(fast_mod, "SPLIT_MAX_M", 0)        # no chunk-sum workspace: every GEMM finishes itself
+    whole = model(**inp)
+    assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+
+
 def test_unsupported_configurations_say_why():
     from kernels.fast import supports
     arch = load_checkpoint_arch()

@@ -168,10 +168,11 @@ def test_capture_failure_falls_back_without_leaking(ckpt, tiny_ckpt):
 
 
 def test_staging_is_pinned_and_steady_state_allocates_nothing(ckpt, tiny_ckpt):
-    from cuda.bindings import runtime as cudart
+    from cuda.bindings import driver
     rt = runtime(ckpt, "graph-cached")
-    err, attrs = cudart.cudaPointerGetAttributes(rt.workspace.host_address)
-    assert err == cudart.cudaError_t.cudaSuccess and attrs.type == cudart.cudaMemoryType.cudaMemoryTypeHost
+    err, kind = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                             rt.workspace.host_address)
+    assert err == driver.CUresult.CUDA_SUCCESS and kind == driver.CUmemorytype.CU_MEMORYTYPE_HOST, (err, kind)
     batches = frozen_batches(tiny_ckpt)
     for b in batches:
         rt.run(b)

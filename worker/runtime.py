@@ -99,12 +99,11 @@ class Runtime:
         cap = Capacity(cap.max_tokens, cap.max_rows, cap.max_markers, min(cap.row_markers, arch.max_len))
         self.capacity = cap
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
-        # The fast path is opt-in (LAYA_FORWARD=fast) until two open findings are settled (docs/PERF.md, "Fast
-        # forward"): its bf16 answers sit further from the SDK's than the reference path's, and one device
-        # sequence (three runtimes created in one process, cold Triton cache) ended in a sticky CUDA error.
+        # The fast path is the default on CUDA in bf16; LAYA_FORWARD=reference keeps the plain-torch forward (the
+        # in-house oracle) for comparisons.
         self.why_reference = supports(arch, self.device, self.dtype)
-        if self.why_reference is None and os.environ.get("LAYA_FORWARD", "reference") != "fast":
-            self.why_reference = "the fast path is opt-in: LAYA_FORWARD=fast"
+        if self.why_reference is None and os.environ.get("LAYA_FORWARD", "fast") == "reference":
+            self.why_reference = "LAYA_FORWARD=reference"
         if self.why_reference is None:
             self.model = FastModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
         else:
@@ -115,7 +114,8 @@ class Runtime:
         self.upload = None
         if self.is_cuda:
             from .upload import UploadGroup
-            self.upload = UploadGroup(self.workspace, self.stream.cuda_stream)
+            self.device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.upload = UploadGroup(self.workspace, self.stream.cuda_stream, self.device_index)
         self.cache = GraphCache(cfg.cache_policy, self._capture, self._release)
         # The default fixed graph holds the "16 questions at full length" class of request.
         self.fixed_shape = cfg.fixed_shape or Shape(min(16, cap.max_rows), arch.max_len, min(32, cap.row_markers))
@@ -317,9 +317,10 @@ class Runtime:
                 logits, act = self._forward(shape, taps)
             logits, act = logits.contiguous(), act.contiguous()
             ws = self.workspace
-            memcpy_async(ws.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
-            memcpy_async(ws.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
-            stream_synchronize(handle)
+            i = self.device_index
+            memcpy_async(ws.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle, i)
+            memcpy_async(ws.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle, i)
+            stream_synchronize(handle, i)
         return logits, act
 
     def stats(self) -> dict[str, Any]:
