@@ -76,9 +76,9 @@ class FastModel:
         for theta in sorted({a.theta(i) for i in range(a.layers)}):
             cos, sin = _rope_tables(self.max_positions, a.head_dim, theta, dev)
             self.rope[theta] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
-        # The most K chunks any residual GEMM has (kernels/gemm.py): the depth of the chunk-sum workspace.
+        # Whether any residual GEMM has K chunks (kernels/gemm.py), which a chunk-sum workspace then holds.
         ks = [a.hidden, a.intermediate] + ([4 * a.hidden] if self.head else [])
-        self.max_chunks = max(-(-k // k_chunk(k)) if k_chunk(k) else 1 for k in ks)
+        self.max_chunks = 2 if any(k_chunk(k) for k in ks) else 1
 
     @torch.no_grad()
     def forward(self, ids, row_start, row_len, qtype, markers, max_row_len: int,

@@ -9,12 +9,12 @@ for every configuration this module picks is not taken on trust: `tests/test_fas
 BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction (wgmma on Hopper).
 
 K chunks (`k_chunk`). A residual GEMM whose N is the hidden size has too few output tiles to keep the SMs busy at
-small M (1024 columns in tiles of 16-32: 32-64 programs on 132 SMs). Its K is therefore cut into fixed chunks,
-chosen from K alone: each chunk is its own MMA chain from zero, and the chunks' sums are added in chunk order in
-fp32, ((c0 + c1) + c2) ... At small M each chunk runs in its own program and writes its fp32 sum to a
-workspace, and the row kernel that next reads the residual stream (kernels/rows.py) adds them up and finishes
-the epilogue; at large M one program runs its chunks in turn and finishes itself. Both orders are the same
-additions of the same values, so both give the same bits, and which one runs (by M) changes nothing.
+small M (1024 columns in tiles of 16-32: 32-64 programs on 132 SMs). Its K is therefore cut into two fixed chunks,
+chosen from K alone: each chunk is its own MMA chain from zero, and the two sums are added in fp32, c0 + c1. At
+small M each chunk runs in its own program and writes its sum to a workspace, and the row kernel that next reads
+the residual stream (kernels/rows.py) adds them and finishes the epilogue; at large M one program runs both chains
+side by side in one loop and finishes itself. Both are the same additions of the same values, so both give the
+same bits, and which one runs (by M) changes nothing.
 
 Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
 - PLAIN: y = bf16(acc [+ bias]) [-> bf16(act(y))]; `bias_apart` rounds acc before adding the bias (torch's
@@ -135,22 +135,16 @@ if triton is not None:
         col_ok = cols < N_OUT
         row_ok = rm < M
         if CHUNK > 0:
-            # K in fixed chunks (module docstring): SPLIT runs chunk program_id(2) and leaves its sum in the
-            # workspace `out_ptr` [CHUNKS, M, N_OUT]; otherwise this program adds its chunks up in order.
+            # K in two fixed chunks (module docstring). SPLIT: this program runs chunk program_id(2) alone and
+            # leaves its sum in the workspace `out_ptr` [2, M, N_OUT]. Otherwise one loop runs both chains side by
+            # side (chunk 1's tail past K reads zeros, which add nothing) and adds them: c0 + c1.
             if SPLIT:
                 first = tl.program_id(2)
-                last = first + 1
-            else:
-                first = 0
-                last = CHUNKS
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for ck in range(first, last):
-                part = tl.zeros((BM, BN), dtype=tl.float32)
-                k_lo = ck * CHUNK
-                k_hi = tl.minimum(K, k_lo + CHUNK)
-                for k0 in range(k_lo, k_hi, BK):
-                    if TMA:     # chunk boundaries are whole BK tiles, so the copy engine reads no other chunk
-                        part = tl.dot(a_ptr.load([pid_m * BM, k0]), w_ptr.load([tl.min(cols, 0), k0]).T, part)
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                k_hi = tl.minimum(K, (first + 1) * CHUNK)
+                for k0 in range(first * CHUNK, k_hi, BK):
+                    if TMA:
+                        acc = tl.dot(a_ptr.load([pid_m * BM, k0]), w_ptr.load([tl.min(cols, 0), k0]).T, acc)
                     else:
                         kk = k0 + rk
                         k_ok = kk < k_hi
@@ -158,8 +152,28 @@ if triton is not None:
                                     other=0.0)
                         b = tl.load(w_ptr + cols[None, :] * swn + kk[:, None], mask=col_ok[None, :] & k_ok[:, None],
                                     other=0.0)
-                        part = tl.dot(a, b, part)
-                acc = tl.where(ck == first, part, acc + part)      # c0 itself, not 0 + c0: the sign of a zero
+                        acc = tl.dot(a, b, acc)
+            else:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+                for k0 in range(0, CHUNK, BK):
+                    if TMA:     # chunk edges are whole BK tiles; past K the copy engine fills zeros
+                        n0 = tl.min(cols, 0)
+                        acc = tl.dot(a_ptr.load([pid_m * BM, k0]), w_ptr.load([n0, k0]).T, acc)
+                        acc1 = tl.dot(a_ptr.load([pid_m * BM, CHUNK + k0]), w_ptr.load([n0, CHUNK + k0]).T, acc1)
+                    else:
+                        kk = k0 + rk
+                        a = tl.load(a_ptr + rm[:, None] * sam + kk[None, :], mask=row_ok[:, None], other=0.0)
+                        b = tl.load(w_ptr + cols[None, :] * swn + kk[:, None], mask=col_ok[None, :], other=0.0)
+                        acc = tl.dot(a, b, acc)
+                        k1 = CHUNK + kk
+                        k1_ok = k1 < K
+                        a1 = tl.load(a_ptr + rm[:, None] * sam + k1[None, :], mask=row_ok[:, None] & k1_ok[None, :],
+                                     other=0.0)
+                        b1 = tl.load(w_ptr + cols[None, :] * swn + k1[:, None], mask=col_ok[None, :] & k1_ok[:, None],
+                                     other=0.0)
+                        acc1 = tl.dot(a1, b1, acc1)
+                acc = acc + acc1
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if EPI >= 2:
@@ -250,7 +264,7 @@ def residual(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, parts: torch.Ten
     bits are the same either way (module docstring)."""
     m, k = a.shape
     c = k_chunk(k) if chunk is None else chunk
-    chunks = triton.cdiv(k, c) if c else 1
+    chunks = 2 if c else 1
     if split is None:
         t = tiles or pick_tiles(m, w.shape[0], k, Epi.RESIDUAL, sms(a.device))
         split = (parts is not None and chunks > 1 and m <= SPLIT_MAX_M
@@ -268,11 +282,13 @@ SPLIT_MAX_M = 2048        # beyond it the chunk sums' round trip through memory 
 
 
 def k_chunk(k: int) -> int:
-    """K per chunk of a residual GEMM (0: one chain over all of K). A function of K alone, never of M or of the
-    device, so every worker and every batch reduces the same chunks in the same order."""
+    """K of a residual GEMM's first chunk (0: one chain over all of K); the second chunk is the rest. A function of K
+    alone, never of M or of the device, so every worker and every batch reduces the same chunks in the same order.
+    Two chunks: enough programs at small M (1024 columns in tiles of 16, twice), and the unsplit kernel runs both
+    chains in one loop, so large M pays only a second accumulator."""
     if k < 1024:
         return 0
-    return 512 if k <= 1024 else 1024
+    return -(-k // 256) * 128          # half of K, rounded up to whole K tiles of 128
 
 
 def split_tiles(t: Tiles, m: int, n_out: int, chunks: int, sms: int) -> Tiles:
@@ -291,7 +307,8 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     if epi == Epi.RESIDUAL:
         assert out.dtype == torch.float32
     chunk = (k_chunk(k) if chunk is None else chunk) if epi == Epi.RESIDUAL else 0
-    chunks = triton.cdiv(k, chunk) if chunk else 1
+    chunks = 2 if chunk else 1
+    assert not chunk or chunk < k <= 2 * chunk, (chunk, k)
     split = split_stride is not None
     t = tiles or pick_tiles(m, n_out, k, epi, sms(a.device))
     half, partner, rope_heads = 1, 0, 0

@@ -43,12 +43,19 @@ for m in ("eager", "graph-fixed", "graph-cached"):
     print(m, "warmup", rts[m].warmup(), rts[m].forward_name, flush=True)
     torch.cuda.synchronize()
 for i, b in enumerate(batches):
-    try:
-        outs = {m: rts[m].run(b) for m in rts}
-    except Exception as e:
-        print("FAILED", type(e).__name__, e, flush=True)
-        diagnose(rts)
-        raise SystemExit(1) from None
+    outs = {}
+    for m in rts:
+        try:
+            outs[m] = rts[m].run(b)
+            if os.environ.get("DEBUG_SYNC") == "1":       # a device-wide sync after every run names the run
+                torch.cuda.synchronize()
+        except Exception as e:
+            import traceback
+            print(f"FAILED batch {i} ({b.rows} rows, longest {b.max_row_len}) in {m}: {type(e).__name__} {e}",
+                  flush=True)
+            traceback.print_exc()
+            diagnose(rts)
+            raise SystemExit(1) from None
     same = all(np.array_equal(o.logits, outs["eager"].logits) and np.array_equal(o.act, outs["eager"].act)
                for o in outs.values())
     print(i, "modes byte-identical", same, flush=True)

@@ -168,11 +168,10 @@ def test_capture_failure_falls_back_without_leaking(ckpt, tiny_ckpt):
 
 
 def test_staging_is_pinned_and_steady_state_allocates_nothing(ckpt, tiny_ckpt):
-    from cuda.bindings import driver
+    from cuda.bindings import runtime as cudart
     rt = runtime(ckpt, "graph-cached")
-    err, kind = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                             rt.workspace.host_address)
-    assert err == driver.CUresult.CUDA_SUCCESS and kind == driver.CUmemorytype.CU_MEMORYTYPE_HOST, (err, kind)
+    err, attrs = cudart.cudaPointerGetAttributes(rt.workspace.host_address)
+    assert err == cudart.cudaError_t.cudaSuccess and attrs.type == cudart.cudaMemoryType.cudaMemoryTypeHost
     batches = frozen_batches(tiny_ckpt)
     for b in batches:
         rt.run(b)

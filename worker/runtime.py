@@ -114,8 +114,7 @@ class Runtime:
         self.upload = None
         if self.is_cuda:
             from .upload import UploadGroup
-            self.device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            self.upload = UploadGroup(self.workspace, self.stream.cuda_stream, self.device_index)
+            self.upload = UploadGroup(self.workspace, self.stream.cuda_stream)
         self.cache = GraphCache(cfg.cache_policy, self._capture, self._release)
         # The default fixed graph holds the "16 questions at full length" class of request.
         self.fixed_shape = cfg.fixed_shape or Shape(min(16, cap.max_rows), arch.max_len, min(32, cap.row_markers))
@@ -317,10 +316,9 @@ class Runtime:
                 logits, act = self._forward(shape, taps)
             logits, act = logits.contiguous(), act.contiguous()
             ws = self.workspace
-            i = self.device_index
-            memcpy_async(ws.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle, i)
-            memcpy_async(ws.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle, i)
-            stream_synchronize(handle, i)
+            memcpy_async(ws.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
+            memcpy_async(ws.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
+            stream_synchronize(handle)
         return logits, act
 
     def stats(self) -> dict[str, Any]:

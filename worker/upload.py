@@ -21,8 +21,8 @@ class UploadError(RuntimeError):
 
 
 class UploadGroup:
-    def __init__(self, workspace: Workspace, stream: int, device: int = 0):
-        self.ws, self.stream, self.device = workspace, stream, device
+    def __init__(self, workspace: Workspace, stream: int):
+        self.ws, self.stream = workspace, stream
         # Test hook: given the index of the copy about to be submitted, return True to aim it at an
         # invalid device pointer. The failure then comes from CUDA itself, on the real path.
         self.fault: Callable[[int], bool] | None = None
@@ -40,11 +40,11 @@ class UploadGroup:
                 dst = dev + 4 * offset
                 if self.fault is not None and self.fault(done):
                     dst = _INVALID_DEVICE_POINTER
-                memcpy_async(dst, host + 4 * offset, 4 * count, True, self.stream, self.device)
+                memcpy_async(dst, host + 4 * offset, 4 * count, True, self.stream)
                 done += 1
         except CudaError as e:
             if done:
-                stream_synchronize(self.stream, self.device)
+                stream_synchronize(self.stream)
                 self.drains += 1
             self.last_drained_after = done
             raise UploadError(f"upload failed after {done} of {len(spans)} copies were submitted "

@@ -53,8 +53,7 @@ class Workspace:
         self.pinned = None
         if device.type == "cuda":
             from .cudart import PinnedBuffer
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self.pinned = PinnedBuffer(4 * (self.in_elems + self.out_elems), index)
+            self.pinned = PinnedBuffer(4 * (self.in_elems + self.out_elems))
             host_in = self.pinned.view(np.int32, 0, self.in_elems)
             host_out = self.pinned.view(np.float32, 4 * self.in_elems, self.out_elems)
             self.dev_in = torch.zeros(self.in_elems, dtype=torch.int32, device=device)
