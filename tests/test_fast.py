@@ -2,7 +2,7 @@
 
 The interpreter runs the real kernels (their indexing, masks, fused epilogues, the attention band) with
 numpy arithmetic; it cannot run bf16 dots, so these tests run the fast path in fp16 against the reference
-forward. Speed, bf16 numbers and bit-level batch invariance are the GPU tests' job (tests/test_fast_gpu.py).
+forward. Speed, bf16 numbers and bit-level batch invariance are the device probe's job (scripts/probe_fast.py).
 """
 from __future__ import annotations
 
