@@ -1,11 +1,12 @@
 """The fast path's GEMM: batch-invariant, M-adaptive, with the work between GEMMs fused into its epilogue.
 
 Batch invariance. Every output element is accumulated over K in one order: k-steps of 16 in ascending k,
-each a tensor-core MMA into one fp32 accumulator that starts at zero. Tile shapes in M and N, the K tile
-(how many 16-steps one loop iteration issues), warps and pipeline stages change with M, because none of
-them changes that chain; the K split never changes with M (it is fixed by K alone: `k_chunk` below). Whether the hardware keeps its promise
-for every configuration this module picks is not taken on trust: the device probe (`scripts/probe_fast.py`, gemm
-step) runs each (N, K) of a checkpoint at every configuration and compares rows bit for bit. All configurations keep
+each a tensor-core MMA into one fp32 accumulator that starts at zero (per K chunk, see below). Tile shapes in
+M and N, the K tile (how many 16-steps one loop iteration issues), warps and pipeline stages change with M,
+because none of them changes that chain; the K split never changes with M (it is fixed by K alone: `k_chunk`).
+Whether the hardware keeps its promise for every configuration this module picks is not taken on trust: the
+device probe (`scripts/probe_fast.py`, gemm step) runs each (N, K) of a checkpoint at every configuration and
+compares rows bit for bit. All configurations keep
 BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction (wgmma on Hopper).
 
 K chunks (`k_chunk`). A residual GEMM whose N is the hidden size has too few output tiles to keep the SMs busy at
