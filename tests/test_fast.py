@@ -55,6 +55,23 @@ def test_small_m_gets_enough_programs_to_stream_weights():
     assert 1024 // t.bn >= 32, t
 
 
+@pytest.mark.parametrize("preset", sorted(PRESET_SHAPES))
+def test_k_chunks_are_whole_tiles_and_a_function_of_k_alone(preset):
+    """What the split residual GEMM's invariance rests on: two chunks whose edge is a whole K tile at every tiling the
+    GEMM may pick, the same for every M (k_chunk takes no M), and split tiles that only narrow N."""
+    from kernels.gemm import k_chunk, split_tiles
+    d, ff = PRESET_SHAPES[preset]
+    for k in (d, ff, 4 * d):
+        c = k_chunk(k)
+        if c:
+            assert c % 128 == 0 and c < k <= 2 * c, (k, c)
+        for m in (1, 48, 64, 65, 512, 2048, 8192):
+            t = pick_tiles(m, d, k, Epi.RESIDUAL)
+            assert not c or c % t.bk == 0, (k, c, m, t)
+            s = split_tiles(t, m, d, 2, 132)
+            assert (s.bm, s.bk, s.warps) == (t.bm, t.bk, t.warps) and 16 <= s.bn <= t.bn, (t, s)
+
+
 @pytest.fixture(scope="module")
 def models(tiny_ckpt):
     from kernels.fast import FastModel
