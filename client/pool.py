@@ -78,10 +78,11 @@ class ForwardResult:
         return iter((self.logits, self.act))
 
 
-def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike) -> None:
-    """Make `sock` a CURVE client with the key directory `laya-pool keys --out DIR` wrote."""
+def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str = "client") -> None:
+    """Make `sock` a CURVE client with the key directory `laya-pool keys --out DIR` wrote (`role` "operator":
+    the operator key pair, which may drain and restart workers)."""
     try:
-        wire.configure_curve_client(sock, keys)
+        wire.configure_curve_client(sock, keys, role)
     except FileNotFoundError as e:
         raise PoolError(str(e)) from e
 
@@ -144,6 +145,8 @@ class _Base:
         self._rids = itertools.count(1)
         self._card_dict: dict[str, Any] | None = None
         self._card: Any = None
+        self.operator: str | None = None     # the pool's operator secret, sent with drain (broker.operator)
+        self.key_role = "client"             # "operator": connect with the operator CURVE key pair
 
     def _socket(self, ctx: zmq.Context) -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
@@ -152,7 +155,7 @@ class _Base:
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
         if self.keys:
-            configure_curve_client(s, self.keys)
+            configure_curve_client(s, self.keys, self.key_role)
         s.connect(self.endpoint)
         return s
 
@@ -200,7 +203,9 @@ class _Base:
 
     def _drain_plan(self, worker: str, restart: bool, timeout: float | None) -> Plan[dict[str, Any]]:
         # Not retried: a drain is an operator's one-off, and a repeated one would find the worker draining.
-        msg, _ = yield _Call(Cmd.DRAIN, _header_only(Cmd.DRAIN, worker=str(worker), restart=bool(restart)), timeout, 0)
+        op = {"op": self.operator} if self.operator else {}
+        msg, _ = yield _Call(Cmd.DRAIN, _header_only(Cmd.DRAIN, worker=str(worker), restart=bool(restart), **op),
+                             timeout, 0)
         return self._body(msg)
 
     def _ping_plan(self, timeout: float | None) -> Plan[float]:
@@ -279,8 +284,11 @@ class Client(_Base):
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client"):
+        """`operator`: the pool's operator secret (what `laya-pool drain` reads), needed only by `drain`;
+        `key_role="operator"` connects with the operator CURVE key pair in `keys` instead of the client's."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+        self.operator, self.key_role = operator, key_role
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock = self._socket(self._ctx)
@@ -402,8 +410,9 @@ class AsyncClient(_Base):
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
-                 context: Any = None):
+                 context: Any = None, operator: str | None = None, key_role: str = "client"):
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+        self.operator, self.key_role = operator, key_role
         import zmq.asyncio
 
         self._ctx = context or zmq.asyncio.Context.instance()
