@@ -593,7 +593,7 @@ def test_a_curve_pool_serves_key_holders_only(tmp_path, tiny_ckpt, runtime):
 def test_up_fails_fast_on_what_cannot_work(tmp_path, tiny_ckpt):
     port = _free_port()
     r = _cli("up", "--model", str(tiny_ckpt), "--frontend", f"tcp://127.0.0.1:{port}",
-             "--backend", f"tcp://127.0.0.1:{port}", timeout=120)          # the broker cannot bind
+             "--backend", f"tcp://127.0.0.1:{port}", "--insecure-backend", timeout=120)   # the broker cannot bind
     assert r.returncode == 1 and "cannot bind" in r.stderr
     r = _cli("up", "--model", str(tmp_path), "--frontend", f"ipc://{tmp_path}/fe", "--workers-per-device", "2",
              timeout=120)                                                   # no checkpoint there
