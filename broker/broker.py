@@ -156,7 +156,7 @@ class Broker:
         self.by_key: dict[tuple[str, Any], Job] = {}     # requests queued or running, by dedup key
         self.replies = ReplyCache(cfg.cache_size, cfg.cache_max_bytes, cfg.cache_ttl_s, cfg.cache_max_reply_bytes)
         self.queue_bytes = 0
-        self.cards: dict[str, bytes] = {}       # fingerprint -> the card body frame
+        self.cards: dict[str, zmq.Frame] = {}   # fingerprint -> the card body frame, one buffer shared by all sends
         self.pool_fp: str | None = cfg.fingerprint or None
         self.next_job = int.from_bytes(os.urandom(6), "little") << 8   # a restarted broker never reuses ids
         self.started = time.monotonic()
@@ -661,7 +661,7 @@ class Broker:
             body = wire.body_of(msg)       # raises before anything changes: the worker is then confused
             if not isinstance(body, dict) or body.get("fingerprint") != w.fingerprint:
                 raise wire.ProtocolError("body", "the card does not carry this worker's fingerprint")
-            self.cards[w.fingerprint] = bytes(msg.frames[0])
+            self.cards[w.fingerprint] = zmq.Frame(bytes(msg.frames[0]))
         job = self.inflight.get(rid) if rid is not None else None
         if job is None or job.kind != "describe" or job.worker != w.id:
             return
@@ -790,6 +790,7 @@ class Broker:
         return True
 
     def _finish(self, job: Job, frames: list[Any]) -> None:
+        frames = _shared(frames)
         if job.key is not None:
             self._forget(job)
             self.replies.put(job.key, frames, time.monotonic())
@@ -806,6 +807,15 @@ class Broker:
         """A request is no longer queued or running: its key and payload bytes are released."""
         if self.by_key.pop(job.key, None) is not None:
             self.queue_bytes -= job.nbytes
+
+
+SHARE_BYTES = 8 << 10
+
+
+def _shared(frames: list[Any]) -> list[Any]:
+    """Large frames as zmq.Frames: ZeroMQ then shares one buffer among every send of it (a cached reply sent
+    to each retry) instead of copying it per send, so a peer cannot multiply the broker's memory by asking."""
+    return [zmq.Frame(f) if isinstance(f, bytes) and len(f) >= SHARE_BYTES else f for f in frames]
 
 
 def _natural(s: str) -> tuple:
