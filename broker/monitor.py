@@ -40,7 +40,7 @@ class LogLimiter:
 
 # Handshake failures, by event: what it means for the operator.
 _HANDSHAKE = {
-    "HANDSHAKE_FAILED_NO_DETAIL": "the peer broke off the handshake",
+    "HANDSHAKE_FAILED_NO_DETAIL": "the peer broke off the handshake (a port probe, or not a ZeroMQ peer)",
     "HANDSHAKE_FAILED_PROTOCOL": "the peer speaks another security mechanism (a client or worker without "
                                  "CURVE keys, or with keys for another pool)",
     "HANDSHAKE_FAILED_AUTH": "its key is not authorized (not in the key directory's authorized folder)",
@@ -70,8 +70,8 @@ class SocketWatch:
         name = next((n for n in _HANDSHAKE if getattr(zmq, "EVENT_" + n, None) == event), None)
         if name is not None:
             self.counts["refused_handshakes"] = self.counts.get("refused_handshakes", 0) + 1
-            self.say(f"{self.role}-{name}", logging.WARNING, "%s socket: refused a connection: %s",
-                     self.role, _HANDSHAKE[name])
+            level = logging.INFO if name == "HANDSHAKE_FAILED_NO_DETAIL" else logging.WARNING
+            self.say(f"{self.role}-{name}", level, "%s socket: refused a connection: %s", self.role, _HANDSHAKE[name])
         elif event == zmq.EVENT_ACCEPT_FAILED:
             self.counts["accept_failed"] = self.counts.get("accept_failed", 0) + 1
             why = ("out of file descriptors: raise `ulimit -n` or find the process holding connections open"
