@@ -421,6 +421,15 @@ class Broker:
             return False
         return True
 
+    def _capacity(self) -> dict[str, Any]:
+        """`{"capacity": {...}}` for a describe reply: the largest request a ready worker takes (the worker
+        `_check_capacity` measures against), so a client refuses a larger one before sending it."""
+        ready = self._serving()
+        if not ready:
+            return {}
+        c = max(ready, key=lambda w: w.capacity.get("max_tokens", 0)).capacity
+        return {"capacity": {k: c[k] for k in ("max_tokens", "max_rows", "max_markers") if k in c}}
+
     def _check_capacity(self, req: wire.Request) -> None:
         """A request larger than every ready worker can hold is refused now (final), naming what is too large."""
         ready = self._serving()
@@ -437,7 +446,8 @@ class Broker:
         rid = wire.get(msg.header, "rid", (int, str), default=None)
         if self.pool_fp in self.cards:
             self._to_client(envelope, wire.encode(Cmd.DESCRIBE, {"rid": rid, "status": wire.STATUS_OK,
-                                                                 "fp": self.pool_fp}, self.cards[self.pool_fp]))
+                                                                 "fp": self.pool_fp, **self._capacity()},
+                                                  self.cards[self.pool_fp]))
             return
         if len(self.queue) >= self.cfg.queue_size:
             self._client_error(envelope, rid, wire.STATUS_RETRYABLE, "the pool is busy", cmd=Cmd.DESCRIBE,
@@ -669,7 +679,8 @@ class Broker:
         w.inflight.discard(job.id)
         if status == wire.STATUS_OK and w.fingerprint == self.pool_fp:
             self._to_client(job.envelope, wire.encode(Cmd.DESCRIBE, {"rid": job.client_rid, "status": wire.STATUS_OK,
-                                                                     "fp": w.fingerprint}, self.cards[w.fingerprint]))
+                                                                     "fp": w.fingerprint, **self._capacity()},
+                                                      self.cards[w.fingerprint]))
             return
         if not self._requeue(job, lost=False):
             self._fail(job, wire.STATUS_RETRYABLE, "no worker could describe the model")

@@ -146,6 +146,7 @@ class _Base:
         self._card_dict: dict[str, Any] | None = None
         self._card: Any = None
         self.operator: str | None = None     # the pool's operator secret, sent with drain (broker.operator)
+        self.capacity: dict[str, int] = {}   # the largest request the pool takes (with the model card)
         self.key_role = "client"             # "operator": connect with the operator CURVE key pair
 
     def _socket(self, ctx: zmq.Context) -> zmq.Socket:
@@ -168,6 +169,7 @@ class _Base:
     def _forward_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
                       worker: str | None, mode: str | None, taps: bool) -> Plan[ForwardResult]:
         arrays = self._pack(rows)
+        self._check_fits(len(arrays["lengths"]), len(arrays["ids"]), len(arrays["markers"]), "rows")
         msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries)
         reply = wire.parse_reply(msg)
         if reply.status == wire.STATUS_FINAL:
@@ -180,6 +182,7 @@ class _Base:
         card = yield _Card(timeout)
         for refreshed in (False, True):
             encoded = self._encode(card, state, questions, max_len, head_max_len)
+            self._check_fits(len(encoded.rows), encoded.n_tokens, encoded.n_markers, "questions")
             if not encoded.rows:
                 return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
             res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
@@ -195,6 +198,8 @@ class _Base:
             msg, _ = yield _Call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
                                  timeout)
             self._set_card(self._body(msg))
+            cap = msg.header.get("capacity")
+            self.capacity = {k: v for k, v in cap.items() if isinstance(v, int)} if isinstance(cap, dict) else {}
         return self._card_dict
 
     def _status_plan(self, timeout: float | None, retries: int | None) -> Plan[dict[str, Any]]:
@@ -214,6 +219,18 @@ class _Base:
         return time.perf_counter() - t
 
     # -- what the plans use -------------------------------------------------------------------------------
+    def _check_fits(self, rows: int, tokens: int, markers: int, field: str) -> None:
+        """Refuse, before sending, a request larger than the pool's capacity (known from the model card)."""
+        c = self.capacity
+        what = "questions (one row each)" if field == "questions" else "rows"
+        for have, key, unit in ((rows, "max_rows", what), (tokens, "max_tokens", "tokens"),
+                                (markers, "max_markers", "option markers")):
+            if key in c and have > c[key]:
+                hint = ("; the state is repeated in every question's row, so split the questions over several "
+                        "predict calls" if field == "questions" else "; split the rows over several calls")
+                raise RequestFailed(f"{field}: {have} {unit} exceed the pool's limit of {c[key]} per request "
+                                    f"({key}){hint}", field=field, reason=Reason.TOO_LARGE)
+
     @staticmethod
     def _pack(rows: Sequence[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
         try:
