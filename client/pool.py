@@ -41,10 +41,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from client.card import CardError
 from client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
 from client.retry import Action, Attempts, RetryPolicy, Step, reply_message
+from client.watch import EVENTS, ConnectionWatch
 from protocol import contract, wire
 from protocol.contract import Reason, WorkerState
 from protocol.wire import Cmd
@@ -76,6 +78,9 @@ class ForwardResult:
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.logits, self.act))
+
+
+_RECONNECTED = object()     # `Client._wait`: the connection came back; re-send now
 
 
 def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str = "client") -> None:
@@ -153,7 +158,7 @@ class _Base:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 500)      # a restarted broker is found within half a second
         s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
         if self.keys:
             configure_curve_client(s, self.keys, self.key_role)
@@ -310,6 +315,11 @@ class Client(_Base):
         self._lock = threading.Lock()
         self._sock = self._socket(self._ctx)
         self._pid = os.getpid()
+        self._watch = ConnectionWatch()
+        self._mon = self._sock.get_monitor_socket(EVENTS)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._mon, zmq.POLLIN)
 
     # -- the pool's API ----------------------------------------------------------------------------------
     def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -379,8 +389,11 @@ class Client(_Base):
                     step = self._send(frames, attempts)
                 elif step.action is Action.WAIT:
                     msg = self._wait(rid, time.monotonic() + step.seconds)
-                    step = attempts.timed_out() if msg is None else attempts.replied(
-                        msg.header.get("status"), reply_message(msg.header))
+                    if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
+                        step, msg = attempts.reconnected(), None
+                    else:
+                        step = attempts.timed_out(self._watch.trouble) if msg is None else attempts.replied(
+                            msg.header.get("status"), reply_message(msg.header))
                 elif step.action is Action.RETURN:
                     return msg, attempts.attempts
                 else:
@@ -390,14 +403,30 @@ class Client(_Base):
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return attempts.send_failed("the socket's send queue is full")
+            self._events()
+            return attempts.send_failed(self._watch.trouble or "the socket's send queue is full")
         return attempts.sent()
 
-    def _wait(self, rid: int, deadline: float) -> wire.Message | None:
+    def _events(self) -> bool:
+        """Read the monitor's events; True if the connection came back after a drop."""
+        back = False
+        while True:
+            try:
+                ev = recv_monitor_message(self._mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return back
+            back = self._watch.feed(int(ev["event"])) or back
+
+    def _wait(self, rid: int, deadline: float) -> Any:
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
-                return None
+            ready = dict(self._poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            if ready.get(self._mon) and self._events():
+                return _RECONNECTED
+            if not ready.get(self._sock):
+                if remaining <= 0 or not ready:
+                    return None
+                continue
             frames = self._sock.recv_multipart()
             msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
             if msg.header.get("rid") == rid:
@@ -407,6 +436,9 @@ class Client(_Base):
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._mon.close(0)
                 self._sock.close(0)
                 self._sock = None
 

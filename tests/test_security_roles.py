@@ -14,7 +14,7 @@ import zmq
 from conftest import SUBPROCESS_ENV, wait_until
 
 from broker.security import generate
-from client.pool import Client, RequestFailed
+from client.pool import Client, PoolUnavailable, RequestFailed
 from protocol import wire
 from protocol.contract import Reason
 
@@ -104,11 +104,28 @@ def test_without_the_worker_key_no_registration_or_takeover_and_only_the_operato
             assert e.value.reason == Reason.NOT_ALLOWED and "operator key" in str(e.value)
         with Client(fe, keys=str(keys), key_role="operator", timeout=2.0, retries=0) as op:
             assert op.drain("w")["state"] == "draining"
-        wait_until(lambda: "backend socket: refused a connection" in log.read_text(), 10,
-                   lambda: "a refused handshake must be logged:\n" + log.read_text())
+        # A client without keys is told what to fix, not "no reply" or "the send queue is full".
+        with Client(fe, timeout=1.0, retries=1) as plain, pytest.raises(PoolUnavailable) as e:
+            plain.status()
+        assert "expects CURVE keys" in str(e.value) and "keys=DIR" in str(e.value), str(e.value)
+        for side in ("backend", "frontend"):
+            wait_until(lambda side=side: f"{side} socket: refused a connection: the peer speaks another security" in
+                       log.read_text(), 10, lambda: "a refused handshake must be logged:\n" + log.read_text())
+        assert log.read_text().count("frontend socket: refused a connection: the peer speaks") == 1, "rate-limited"
     finally:
         for s in socks:
             s.close(0)
         ctx.term()
         broker.terminate()
         broker.wait(20)
+
+
+def test_connection_watch_rules():
+    from client.watch import ConnectionWatch
+    w = ConnectionWatch()
+    assert not w.feed(zmq.EVENT_HANDSHAKE_SUCCEEDED), "the first connection is not a reconnection"
+    assert not w.feed(zmq.EVENT_DISCONNECTED)
+    assert not w.feed(zmq.EVENT_DISCONNECTED), "retries while the broker is down"
+    assert w.feed(zmq.EVENT_HANDSHAKE_SUCCEEDED), "back after a drop: re-send"
+    assert not w.feed(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL) and "CURVE" in w.trouble
+    assert not w.feed(zmq.EVENT_HANDSHAKE_SUCCEEDED) and w.trouble is None
