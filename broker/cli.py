@@ -62,7 +62,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     from broker.broker import policy_argv
     broker_args = policy_argv(a) + (["--insecure-backend"] if a.insecure_backend else [])
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
-    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch"):
+    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch", "compute_timeout"):
         v = getattr(a, name)
         if v is not None:
             worker_args += [f"--{name.replace('_', '-')}", str(v)]
@@ -236,6 +236,9 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-rows", type=int, default=None)
     up.add_argument("--max-markers", type=int, default=None)
     up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    up.add_argument("--compute-timeout", type=float, default=None,
+                    help="seconds a worker's forward may take before its device counts as hung (default 5 on CUDA, "
+                         "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
     up.set_defaults(fn=cmd_up)
