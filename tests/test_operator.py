@@ -44,6 +44,9 @@ def test_only_the_operator_may_drain_or_restart_and_restarts_are_limited(tiny_ck
             assert len(plain.forward(rows).logits) == 2, "the pool keeps serving the refused client"
 
             with Client(pool.endpoint, timeout=10.0, operator=operator.read_secret(pool.endpoint)) as op:
+                with pytest.raises(RequestFailed) as e:
+                    op.drain("nope")
+                assert e.value.field == "worker", "the operator is told which field is wrong"
                 assert op.drain("0", restart=True)["state"] == "draining"
                 assert op.drain("0", restart=True)["restart"], "a repeat for a worker on its way back is free"
                 with pytest.raises(RequestFailed) as e:

@@ -253,8 +253,8 @@ MALFORMED = [
     ("counts that disagree", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "rows": 5})] + _GOOD[3:], "lengths"),
     ("unknown mode", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "mode": "warp"})] + _GOOD[3:], "mode"),
     ("a worker command from a client", [_GOOD[0], bytes([Cmd.READY]), msgpack.packb({"rid": 3})], "command"),
-    ("drain of an unknown worker", [_GOOD[0], bytes([Cmd.DRAIN]), msgpack.packb({"rid": 4, "worker": "nope"})],
-     "worker"),
+    ("drain without the operator credential", [_GOOD[0], bytes([Cmd.DRAIN]),
+                                               msgpack.packb({"rid": 4, "worker": "nope"})], "op"),
 ]
 
 
