@@ -31,7 +31,8 @@ from typing import Any
 
 import zmq
 
-from broker import security
+from broker import operator, security
+from broker.monitor import LogLimiter, SocketWatch
 from broker.replies import ReplyCache, frames_bytes
 from protocol import contract, wire
 from protocol.contract import Leave, Reason, WorkerState
@@ -62,6 +63,11 @@ class BrokerConfig:
     max_frontend_bytes: int = contract.MAX_FRONTEND_BYTES  # ZMQ_MAXMSGSIZE (per frame): a larger one drops the client
     max_backend_bytes: int = contract.MAX_BACKEND_BYTES
     keys: str | None = None             # CURVE key directory (laya-pool keys); needed for a non-loopback bind
+    insecure_backend: bool = False      # a tcp backend without keys (development only; logged)
+    operator_secret: bool = True        # publish the operator secret (broker.operator) once bound
+    max_restarts: int = 6               # restart-worker commands accepted per restart_window_s, pool-wide
+    restart_window_s: float = 60.0
+    client_hwm: int = 1000              # replies queued per client before more are dropped (it is not reading)
 
 
 @dataclass
@@ -127,15 +133,21 @@ class Job:
 class Broker:
     def __init__(self, cfg: BrokerConfig, ctx: zmq.Context | None = None):
         self.cfg = cfg
-        for ep in (cfg.frontend, cfg.backend):
-            if not wire.is_loopback(ep) and not cfg.keys:
-                raise security.SecurityError(
-                    f"refusing to bind {ep}: not a loopback address and no CURVE keys are configured "
-                    "(generate them with `laya-pool keys --out DIR` and pass --keys DIR)")
+        security.check_endpoints(cfg.frontend, cfg.backend, cfg.keys, cfg.insecure_backend)
         self.ctx = ctx or zmq.Context.instance()
         self.auth = None
-        self.frontend = self._router(cfg.frontend, cfg.max_frontend_bytes, handover=False, role="clients")
+        self.say = LogLimiter(log)
+        self.frontend = self._router(cfg.frontend, cfg.max_frontend_bytes, handover=False, role="clients",
+                                     hwm=cfg.client_hwm)
         self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=True, role="workers")
+        self.watches = [SocketWatch(self.frontend, "frontend", self.say),
+                        SocketWatch(self.backend, "backend", self.say)]
+        self.operator_keys = operator.operator_keys(cfg.keys)
+        self.peer_user: str | None = None       # the CURVE key of the frontend message being handled
+        self.restarts = operator.RestartLimit(cfg.max_restarts, cfg.restart_window_s)
+        self.op_token, self.op_path = None, None
+        if cfg.operator_secret:     # after binding: a broker that could not bind never replaces a pool's secret
+            self.op_token, self.op_path = operator.publish_secret(cfg.frontend)
         self.hb = cfg.heartbeat_ms / 1000.0
         self.workers: dict[str, WorkerInfo] = {}
         self.by_identity: dict[bytes, str] = {}
@@ -144,7 +156,7 @@ class Broker:
         self.by_key: dict[tuple[str, Any], Job] = {}     # requests queued or running, by dedup key
         self.replies = ReplyCache(cfg.cache_size, cfg.cache_max_bytes, cfg.cache_ttl_s, cfg.cache_max_reply_bytes)
         self.queue_bytes = 0
-        self.cards: dict[str, bytes] = {}       # fingerprint -> the card body frame
+        self.cards: dict[str, zmq.Frame] = {}   # fingerprint -> the card body frame, one buffer shared by all sends
         self.pool_fp: str | None = cfg.fingerprint or None
         self.next_job = int.from_bytes(os.urandom(6), "little") << 8   # a restarted broker never reuses ids
         self.started = time.monotonic()
@@ -154,14 +166,14 @@ class Broker:
 
     # -------------------------------------------------------------------------------------------- sockets
 
-    def _router(self, endpoint: str, max_bytes: int, handover: bool, role: str) -> zmq.Socket:
+    def _router(self, endpoint: str, max_bytes: int, handover: bool, role: str, hwm: int = 100_000) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if handover:
             s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.SNDHWM, hwm)     # per peer: a peer that never reads cannot grow the broker past it
         s.setsockopt(zmq.RCVHWM, 100_000)
         if self.cfg.keys:
             if self.auth is None:
@@ -171,17 +183,31 @@ class Broker:
             s.zap_domain = role.encode()
         if endpoint.startswith("ipc://"):
             os.makedirs(os.path.dirname(endpoint[len("ipc://"):]) or ".", exist_ok=True)
+            security.ipc_free(endpoint)     # ZeroMQ would unlink a live pool's socket and take its place
         s.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint[len("ipc://"):], 0o600)   # only this user's processes may connect
         return s
 
     def _receive_all(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None], limit: int = 1000) -> None:
         """Handle what `sock` holds, at most `limit` messages, so one side cannot starve the other."""
         for _ in range(limit):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._recv(sock)
             except zmq.Again:
                 return
             self._guarded(handler, frames)
+
+    def _recv(self, sock: zmq.Socket) -> list[bytes]:
+        if sock is not self.frontend or not self.operator_keys:
+            return sock.recv_multipart(zmq.NOBLOCK)
+        # Under CURVE, who sent it (the authenticated key) decides whether it may drain a worker.
+        first = sock.recv(zmq.NOBLOCK, copy=False)
+        try:
+            self.peer_user = first.get("User-Id")
+        except zmq.ZMQError:
+            self.peer_user = None
+        return [first.bytes, *sock.recv_multipart()] if first.more else [first.bytes]
 
     def _send(self, sock: zmq.Socket, frames: list[Any]) -> bool:
         try:
@@ -194,7 +220,10 @@ class Broker:
 
     def _to_client(self, envelope: list[bytes], frames: list[Any]) -> None:
         if not self._send(self.frontend, envelope + frames):
+            # Gone, or not reading: its queue (client_hwm replies) is full. Dropped, so memory stays bounded.
             self.counters["client_gone"] += 1
+            self.say("client-hwm", logging.WARNING, "dropped a reply: the client is gone or not reading its replies "
+                     "(%d queued at most per client; --client-hwm)", self.cfg.client_hwm)
 
     def _client_error(self, envelope: list[bytes], rid: Any, status: str, message: str, *, field: str | None = None,
                       row: int | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None) -> None:
@@ -214,6 +243,8 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        for watch in self.watches:
+            poller.register(watch.sock, zmq.POLLIN)
         log.info("broker %d: frontend %s, backend %s, heartbeat %d ms x %d", os.getpid(), self.cfg.frontend,
                  self.cfg.backend, self.cfg.heartbeat_ms, self.cfg.liveness)
         while not self.stopping:
@@ -224,6 +255,9 @@ class Broker:
                 self._receive_all(self.backend, self.on_backend)
             if events.get(self.frontend):
                 self._receive_all(self.frontend, self.on_frontend)
+            for watch in self.watches:
+                if events.get(watch.sock):
+                    watch.handle()
             self.tick()
         self.shutdown()
         return 0
@@ -248,6 +282,10 @@ class Broker:
         self.inflight.clear()
         if self.auth is not None:
             self.auth.stop()
+        if self.op_path is not None:
+            operator.remove_secret(self.op_path, self.op_token)
+        for watch in self.watches:
+            watch.close()
         self.frontend.close(0)
         self.backend.close(0)
 
@@ -383,6 +421,15 @@ class Broker:
             return False
         return True
 
+    def _capacity(self) -> dict[str, Any]:
+        """`{"capacity": {...}}` for a describe reply: the largest request a ready worker takes (the worker
+        `_check_capacity` measures against), so a client refuses a larger one before sending it."""
+        ready = self._serving()
+        if not ready:
+            return {}
+        c = max(ready, key=lambda w: w.capacity.get("max_tokens", 0)).capacity
+        return {"capacity": {k: c[k] for k in ("max_tokens", "max_rows", "max_markers") if k in c}}
+
     def _check_capacity(self, req: wire.Request) -> None:
         """A request larger than every ready worker can hold is refused now (final), naming what is too large."""
         ready = self._serving()
@@ -399,7 +446,8 @@ class Broker:
         rid = wire.get(msg.header, "rid", (int, str), default=None)
         if self.pool_fp in self.cards:
             self._to_client(envelope, wire.encode(Cmd.DESCRIBE, {"rid": rid, "status": wire.STATUS_OK,
-                                                                 "fp": self.pool_fp}, self.cards[self.pool_fp]))
+                                                                 "fp": self.pool_fp, **self._capacity()},
+                                                  self.cards[self.pool_fp]))
             return
         if len(self.queue) >= self.cfg.queue_size:
             self._client_error(envelope, rid, wire.STATUS_RETRYABLE, "the pool is busy", cmd=Cmd.DESCRIBE,
@@ -413,9 +461,13 @@ class Broker:
         rid = wire.get(msg.header, "rid", (int, str), default=None)
         wid = wire.get(msg.header, "worker", str)
         restart = wire.get(msg.header, "restart", bool, default=False)
+        if not self._operator_may(envelope, msg, rid):
+            return
         w = self.workers.get(wid)
         if w is None:
             raise wire.ProtocolError("worker", f"no worker {wid!r} in this pool")
+        if restart and not self._restart_allowed(envelope, rid, w):
+            return
         if not w.state.connected and restart:
             # It is down (drained, stopped, dead): the supervisor sees this flag in the status and starts it.
             w.restart_requested = True
@@ -434,6 +486,39 @@ class Broker:
             "worker": wid, "state": w.state, "restart": restart, "inflight": len(w.inflight),
             "registrations": w.registrations, "pid": w.pid}))
         self.dispatch()
+
+    def _operator_may(self, envelope: list[bytes], msg: wire.Message, rid: Any) -> bool:
+        """A command that changes the pool: only from a peer with the operator secret or the operator key."""
+        if operator.token_matches(msg.header.get("op"), self.op_token) or (
+                self.peer_user is not None and self.peer_user in self.operator_keys):
+            return True
+        self.counters["not_allowed"] += 1
+        self.say("not-allowed", logging.WARNING, "refused a drain/restart from a peer without the operator "
+                 "credential (a plain client): the pool keeps serving")
+        how = (f"run `laya-pool drain` / `restart-worker` as the user who started the pool (it reads the secret in "
+               f"{operator.runtime_dir()})")
+        if self.cfg.keys:
+            how += ", or connect with the operator key (keys=DIR with operator.key_secret)"
+        self._client_error(envelope, rid, wire.STATUS_FINAL, f"not allowed: drain and restart need the pool's "
+                           f"operator credential; {how}", field="op", cmd=Cmd.DRAIN, reason=Reason.NOT_ALLOWED)
+        return False
+
+    def _restart_allowed(self, envelope: list[bytes], rid: Any, w: WorkerInfo) -> bool:
+        """Restarts reload a model: at most `max_restarts` per `restart_window_s`, pool-wide. A repeat for a
+        worker already on its way back is not a new restart and costs nothing."""
+        if w.restart_requested or w.state is WorkerState.RESTARTING or (
+                w.state is WorkerState.DRAINING and w.drain_restart):
+            return True
+        wait = self.restarts.allow(time.monotonic())
+        if wait <= 0:
+            return True
+        self.counters["restarts_refused"] += 1
+        self.say("restart-limit", logging.WARNING, "refused a restart of worker %s: %d restarts in %g s already",
+                 w.id, self.cfg.max_restarts, self.cfg.restart_window_s)
+        self._client_error(envelope, rid, wire.STATUS_FINAL, f"restart refused: at most {self.cfg.max_restarts} "
+                           f"restarts per {self.cfg.restart_window_s:g} s (--max-restarts, --restart-window); "
+                           f"try again in {wait:.0f} s", field="restart", cmd=Cmd.DRAIN, reason=Reason.RATE_LIMITED)
+        return False
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -520,9 +605,10 @@ class Broker:
             wire.get(cap, k, int, what="capacity")
         fp = wire.get(h, "fingerprint", str)
         old = self.workers.get(wid)
-        registrations = 0
+        registrations, kept = 0, {}
         if old is not None:
             registrations = old.registrations
+            kept = {"completed": old.completed, "failed": old.failed, "lost": old.lost}   # a worker's history
             if old.state.live and old.inflight:
                 # The same id registered again: the old process (and its work) is gone.
                 self._requeue_from(old, "re-registered")
@@ -533,7 +619,7 @@ class Broker:
                        credit=max(1, wire.get(h, "credit", int, default=1)),
                        pid=wire.get(h, "pid", int, default=None), mode=wire.get(h, "mode", str, default=None),
                        generation=wire.get(h, "generation", int, default=0), expiry=now + self.hb * self.cfg.liveness,
-                       last_seen=now, since=now, registrations=registrations + 1)
+                       last_seen=now, since=now, registrations=registrations + 1, **kept)
         live_fps = {x.fingerprint for x in self.workers.values() if x.state.live and x.id != wid}
         # A pool started for one model (`--fingerprint`, which `laya-pool up` passes) never changes model;
         # a bare broker follows the workers it has.
@@ -585,7 +671,7 @@ class Broker:
             body = wire.body_of(msg)       # raises before anything changes: the worker is then confused
             if not isinstance(body, dict) or body.get("fingerprint") != w.fingerprint:
                 raise wire.ProtocolError("body", "the card does not carry this worker's fingerprint")
-            self.cards[w.fingerprint] = bytes(msg.frames[0])
+            self.cards[w.fingerprint] = zmq.Frame(bytes(msg.frames[0]))
         job = self.inflight.get(rid) if rid is not None else None
         if job is None or job.kind != "describe" or job.worker != w.id:
             return
@@ -593,7 +679,8 @@ class Broker:
         w.inflight.discard(job.id)
         if status == wire.STATUS_OK and w.fingerprint == self.pool_fp:
             self._to_client(job.envelope, wire.encode(Cmd.DESCRIBE, {"rid": job.client_rid, "status": wire.STATUS_OK,
-                                                                     "fp": w.fingerprint}, self.cards[w.fingerprint]))
+                                                                     "fp": w.fingerprint, **self._capacity()},
+                                                      self.cards[w.fingerprint]))
             return
         if not self._requeue(job, lost=False):
             self._fail(job, wire.STATUS_RETRYABLE, "no worker could describe the model")
@@ -714,6 +801,7 @@ class Broker:
         return True
 
     def _finish(self, job: Job, frames: list[Any]) -> None:
+        frames = _shared(frames)
         if job.key is not None:
             self._forget(job)
             self.replies.put(job.key, frames, time.monotonic())
@@ -730,6 +818,15 @@ class Broker:
         """A request is no longer queued or running: its key and payload bytes are released."""
         if self.by_key.pop(job.key, None) is not None:
             self.queue_bytes -= job.nbytes
+
+
+SHARE_BYTES = 8 << 10
+
+
+def _shared(frames: list[Any]) -> list[Any]:
+    """Large frames as zmq.Frames: ZeroMQ then shares one buffer among every send of it (a cached reply sent
+    to each retry) instead of copying it per send, so a peer cannot multiply the broker's memory by asking."""
+    return [zmq.Frame(f) if isinstance(f, bytes) and len(f) >= SHARE_BYTES else f for f in frames]
 
 
 def _natural(s: str) -> tuple:
@@ -750,6 +847,9 @@ POLICY_FLAGS = (
      "seconds a worker may hold one request before it is declared hung (counted from dispatch, so it includes "
      "the wait behind the worker's other requests: keep it well above credit x the slowest request)"),
     ("--max-message-bytes", "max_frontend_bytes", int, "largest frame a client may send"),
+    ("--max-restarts", "max_restarts", int, "restart-worker commands accepted per --restart-window"),
+    ("--restart-window", "restart_window_s", float, "seconds over which --max-restarts counts"),
+    ("--client-hwm", "client_hwm", int, "replies queued per client before more are dropped"),
 )
 
 
@@ -769,6 +869,9 @@ def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> No
     for flag, name, kind, text in POLICY_FLAGS:
         p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys --out DIR)")
+    p.add_argument("--insecure-backend", action="store_true",
+                   help="allow a tcp backend without keys (development only: any local process could register "
+                        "as a worker)")
 
 
 def policy_argv(a: argparse.Namespace) -> list[str]:
@@ -778,7 +881,7 @@ def policy_argv(a: argparse.Namespace) -> list[str]:
 
 def config_from_args(a: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
-                        keys=a.keys, fingerprint=a.fingerprint,
+                        keys=a.keys, fingerprint=a.fingerprint, insecure_backend=a.insecure_backend,
                         **{name: getattr(a, name) for _, name, _, _ in POLICY_FLAGS})
 
 
@@ -788,9 +891,16 @@ def serve(cfg: BrokerConfig) -> int:
     except security.SecurityError as e:
         log.error("%s", e)
         return contract.EXIT_USAGE
-    except zmq.ZMQError as e:
-        log.error("cannot bind %s / %s: %s", cfg.frontend, cfg.backend, e)
+    except security.EndpointInUse as e:
+        log.error("%s", e)
         return contract.EXIT_CONFIG
+    except zmq.ZMQError as e:
+        log.error("cannot bind %s / %s: %s%s", cfg.frontend, cfg.backend, e, " (another pool or program holds "
+                  "the port: `laya-pool status --frontend ...` shows whose)" if e.errno == zmq.EADDRINUSE else "")
+        return contract.EXIT_CONFIG
+    if cfg.insecure_backend and cfg.backend.startswith("tcp://") and not cfg.keys:
+        log.warning("--insecure-backend: %s takes workers without keys; any process that reaches it can register "
+                    "as a worker and answer clients. Development only.", cfg.backend)
 
     def stop(signum, _frame):
         broker.stopping = True

@@ -22,15 +22,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol import contract, wire
+from protocol import contract
 from protocol.contract import WorkerState
 
 DEFAULT_FRONTEND = contract.default_frontend()
 
 
 def _client(a: argparse.Namespace, **kw: Any):
+    """A client for an operator command: with the pool's operator secret when this user has it, and under
+    CURVE the operator key pair when the key directory holds one (broker.operator)."""
+    from broker.operator import read_secret
     from client.pool import Client
-    return Client(a.frontend, timeout=a.timeout, keys=a.keys, **kw)
+    role = "operator" if a.keys and (Path(a.keys) / "operator.key_secret").is_file() else "client"
+    return Client(a.frontend, timeout=a.timeout, keys=a.keys, operator=read_secret(a.frontend), key_role=role, **kw)
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -50,14 +54,15 @@ def cmd_up(a: argparse.Namespace) -> int:
     devices = ["cuda:0" if d == "cuda" else d for d in devices]
     if not Path(a.model).is_dir():
         return _fail(f"--model: {a.model} is not a directory", 2)
-    for ep in (a.frontend, a.backend or "ipc://"):
-        if not wire.is_loopback(ep) and not a.keys:
-            return _fail(f"refusing to bind {ep}: not a loopback address and no CURVE keys "
-                         "(generate them with `laya-pool keys --out DIR`, then pass --keys DIR)", 2)
+    from broker.security import SecurityError, check_endpoints
+    try:
+        check_endpoints(a.frontend, a.backend or "ipc://", a.keys, a.insecure_backend)
+    except SecurityError as e:
+        return _fail(str(e), 2)
     from broker.broker import policy_argv
-    broker_args = policy_argv(a)
+    broker_args = policy_argv(a) + (["--insecure-backend"] if a.insecure_backend else [])
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
-    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch"):
+    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch", "compute_timeout"):
         v = getattr(a, name)
         if v is not None:
             worker_args += [f"--{name.replace('_', '-')}", str(v)]
@@ -231,6 +236,9 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-rows", type=int, default=None)
     up.add_argument("--max-markers", type=int, default=None)
     up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    up.add_argument("--compute-timeout", type=float, default=None,
+                    help="seconds a worker's forward may take before its device counts as hung (default 5 on CUDA, "
+                         "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
     up.set_defaults(fn=cmd_up)

@@ -4,27 +4,68 @@
     server.key / server.key_secret   the broker's key pair (the public half is given to clients and workers)
     client.key / client.key_secret   the key pair clients use
     worker.key / worker.key_secret   the key pair workers use
-    authorized/client.key            the client public keys the frontend accepts (add files to admit more)
+    operator.key / operator.key_secret   the key pair operators use (drain, restart-worker)
+    authorized/client.key, operator.key  the public keys the frontend accepts (add files to admit more)
     authorized-workers/worker.key    the worker public keys the backend accepts
+    authorized-operators/operator.key    the keys whose holders may change the pool (drain, restart)
 
 A broker refuses to bind a non-loopback address without keys (see `Broker.__init__`). With keys both its
 sockets are CURVE servers, each checking its own directory (separate ZAP domains), so a client's key cannot
-register a worker and receive other clients' requests. Give client hosts server.key and the client pair only.
+register a worker and receive other clients' requests, nor drain one (broker.operator). Give client hosts
+server.key and the client pair only. A tcp backend needs keys even on loopback (`check_endpoints`): any local
+process could otherwise register as a worker and answer clients with made-up logits.
 Files use ZeroMQ's certificate format, so `zmq.auth.load_certificate` reads them.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.auth
 
+from protocol import wire
+
 
 class SecurityError(RuntimeError):
     """A configuration we refuse to run (an exposed endpoint without encryption and authentication)."""
+
+
+class EndpointInUse(RuntimeError):
+    """Another process already serves this endpoint: binding it would take over (ipc) or fail later (tcp)."""
+
+
+def check_endpoints(frontend: str, backend: str, keys: str | Path | None, insecure_backend: bool = False) -> None:
+    """Refuse what would expose the pool: a non-loopback endpoint without keys, or a tcp backend without keys
+    (loopback included) unless `insecure_backend` says a developer asked for it."""
+    for ep in (frontend, backend):
+        if not wire.is_loopback(ep) and not keys:
+            raise SecurityError(f"refusing to bind {ep}: not a loopback address and no CURVE keys are configured "
+                                "(generate them with `laya-pool keys --out DIR` and pass --keys DIR)")
+    if backend.startswith("tcp://") and not keys and not insecure_backend:
+        raise SecurityError(f"refusing to bind the worker endpoint {backend} without CURVE keys: any local process "
+                            "could register as a worker (or take over a worker id) and answer clients. Pass "
+                            "--keys DIR (`laya-pool keys --out DIR`), use an ipc:// backend, or, for development "
+                            "only, --insecure-backend")
+
+
+def ipc_free(endpoint: str) -> None:
+    """Raise EndpointInUse if a process is listening on the ipc socket (ZeroMQ's bind would unlink it and
+    silently take the endpoint from a running pool); a stale file left by a dead process is fine."""
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return          # nobody listening: a leftover of a killed process
+    raise EndpointInUse(f"{endpoint} is in use by another running process (another pool? "
+                        f"`laya-pool status --frontend {endpoint}` shows whose)")
 
 
 def _write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
@@ -48,12 +89,13 @@ def generate(out: str | Path, overwrite: bool = False) -> dict[str, str]:
     if not overwrite and any((out / f"{n}.key_secret").exists() for n in ("server", "client", "worker")):
         raise SecurityError(f"{out}: keys already exist (pass --force to replace them)")
     written = {}
-    for name in ("server", "client", "worker"):
+    for name in ("server", "client", "worker", "operator"):
         public, secret = zmq.curve_keypair()
         _write_cert(out / f"{name}.key", public, None)
         _write_cert(out / f"{name}.key_secret", public, secret)
         written[name] = public.decode("ascii")
-    for role, folder in (("client", "authorized"), ("worker", "authorized-workers")):
+    for role, folder in (("client", "authorized"), ("worker", "authorized-workers"), ("operator", "authorized"),
+                         ("operator", "authorized-operators")):
         (out / folder).mkdir(exist_ok=True)
         (out / folder / f"{role}.key").write_bytes((out / f"{role}.key").read_bytes())
     return written

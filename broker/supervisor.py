@@ -21,11 +21,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker import rundir
 from protocol import contract
 from protocol.contract import WorkerState
 
@@ -114,8 +114,7 @@ class Supervisor:
         self.cfg = cfg
         self.tmp: Path | None = None
         if cfg.backend is None:
-            self.tmp = Path(tempfile.mkdtemp(prefix="laya-pool-"))
-            os.chmod(self.tmp, 0o700)
+            self.tmp = rundir.make_private()
             cfg.backend = f"ipc://{self.tmp}/backend"
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -131,6 +130,7 @@ class Supervisor:
         self.status_client = None
         self.last_poll = 0.0
         self.announced = False
+        self.foreign_seen = False
 
     def _broker_child(self, common: list[str]) -> Child:
         cfg = self.cfg
@@ -226,6 +226,15 @@ class Supervisor:
                 self.status_client = Client(self.cfg.frontend, timeout=1.0, retries=0, keys=self.cfg.keys)
             st = self.status_client.status()
         except Exception:  # noqa: BLE001 - the broker may be starting or restarting
+            return
+        theirs = st.get("broker", {}).get("pid")
+        if theirs != self.broker.pid:
+            # Another pool's broker answers on our frontend (ours has not bound, or could not): its workers
+            # are not ours to announce or restart.
+            if not self.foreign_seen:
+                log.warning("the frontend %s is answered by another broker (pid %s), not this pool's (pid %s)",
+                            self.cfg.frontend, theirs, self.broker.pid)
+            self.foreign_seen = True
             return
         rows = {w.get("id"): w for w in st.get("workers", [])}
         for wid, child in self.workers.items():

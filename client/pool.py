@@ -41,10 +41,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from client.card import CardError
 from client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
 from client.retry import Action, Attempts, RetryPolicy, Step, reply_message
+from client.watch import EVENTS, ConnectionWatch
 from protocol import contract, wire
 from protocol.contract import Reason, WorkerState
 from protocol.wire import Cmd
@@ -78,10 +80,14 @@ class ForwardResult:
         return iter((self.logits, self.act))
 
 
-def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike) -> None:
-    """Make `sock` a CURVE client with the key directory `laya-pool keys --out DIR` wrote."""
+_RECONNECTED = object()     # `Client._wait`: the connection came back; re-send now
+
+
+def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str = "client") -> None:
+    """Make `sock` a CURVE client with the key directory `laya-pool keys --out DIR` wrote (`role` "operator":
+    the operator key pair, which may drain and restart workers)."""
     try:
-        wire.configure_curve_client(sock, keys)
+        wire.configure_curve_client(sock, keys, role)
     except FileNotFoundError as e:
         raise PoolError(str(e)) from e
 
@@ -144,15 +150,18 @@ class _Base:
         self._rids = itertools.count(1)
         self._card_dict: dict[str, Any] | None = None
         self._card: Any = None
+        self.operator: str | None = None     # the pool's operator secret, sent with drain (broker.operator)
+        self.capacity: dict[str, int] = {}   # the largest request the pool takes (with the model card)
+        self.key_role = "client"             # "operator": connect with the operator CURVE key pair
 
     def _socket(self, ctx: zmq.Context) -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 500)      # a restarted broker is found within half a second
         s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
         if self.keys:
-            configure_curve_client(s, self.keys)
+            configure_curve_client(s, self.keys, self.key_role)
         s.connect(self.endpoint)
         return s
 
@@ -165,6 +174,7 @@ class _Base:
     def _forward_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
                       worker: str | None, mode: str | None, taps: bool) -> Plan[ForwardResult]:
         arrays = self._pack(rows)
+        self._check_fits(len(arrays["lengths"]), len(arrays["ids"]), len(arrays["markers"]), "rows")
         msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries)
         reply = wire.parse_reply(msg)
         if reply.status == wire.STATUS_FINAL:
@@ -177,6 +187,7 @@ class _Base:
         card = yield _Card(timeout)
         for refreshed in (False, True):
             encoded = self._encode(card, state, questions, max_len, head_max_len)
+            self._check_fits(len(encoded.rows), encoded.n_tokens, encoded.n_markers, "questions")
             if not encoded.rows:
                 return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
             res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
@@ -192,6 +203,8 @@ class _Base:
             msg, _ = yield _Call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
                                  timeout)
             self._set_card(self._body(msg))
+            cap = msg.header.get("capacity")
+            self.capacity = {k: v for k, v in cap.items() if isinstance(v, int)} if isinstance(cap, dict) else {}
         return self._card_dict
 
     def _status_plan(self, timeout: float | None, retries: int | None) -> Plan[dict[str, Any]]:
@@ -200,7 +213,9 @@ class _Base:
 
     def _drain_plan(self, worker: str, restart: bool, timeout: float | None) -> Plan[dict[str, Any]]:
         # Not retried: a drain is an operator's one-off, and a repeated one would find the worker draining.
-        msg, _ = yield _Call(Cmd.DRAIN, _header_only(Cmd.DRAIN, worker=str(worker), restart=bool(restart)), timeout, 0)
+        op = {"op": self.operator} if self.operator else {}
+        msg, _ = yield _Call(Cmd.DRAIN, _header_only(Cmd.DRAIN, worker=str(worker), restart=bool(restart), **op),
+                             timeout, 0)
         return self._body(msg)
 
     def _ping_plan(self, timeout: float | None) -> Plan[float]:
@@ -209,6 +224,18 @@ class _Base:
         return time.perf_counter() - t
 
     # -- what the plans use -------------------------------------------------------------------------------
+    def _check_fits(self, rows: int, tokens: int, markers: int, field: str) -> None:
+        """Refuse, before sending, a request larger than the pool's capacity (known from the model card)."""
+        c = self.capacity
+        what = "questions (one row each)" if field == "questions" else "rows"
+        for have, key, unit in ((rows, "max_rows", what), (tokens, "max_tokens", "tokens"),
+                                (markers, "max_markers", "option markers")):
+            if key in c and have > c[key]:
+                hint = ("; the state is repeated in every question's row, so split the questions over several "
+                        "predict calls" if field == "questions" else "; split the rows over several calls")
+                raise RequestFailed(f"{field}: {have} {unit} exceed the pool's limit of {c[key]} per request "
+                                    f"({key}){hint}", field=field, reason=Reason.TOO_LARGE)
+
     @staticmethod
     def _pack(rows: Sequence[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
         try:
@@ -279,12 +306,20 @@ class Client(_Base):
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client"):
+        """`operator`: the pool's operator secret (what `laya-pool drain` reads), needed only by `drain`;
+        `key_role="operator"` connects with the operator CURVE key pair in `keys` instead of the client's."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+        self.operator, self.key_role = operator, key_role
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock = self._socket(self._ctx)
         self._pid = os.getpid()
+        self._watch = ConnectionWatch()
+        self._mon = self._sock.get_monitor_socket(EVENTS)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._mon, zmq.POLLIN)
 
     # -- the pool's API ----------------------------------------------------------------------------------
     def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -354,8 +389,11 @@ class Client(_Base):
                     step = self._send(frames, attempts)
                 elif step.action is Action.WAIT:
                     msg = self._wait(rid, time.monotonic() + step.seconds)
-                    step = attempts.timed_out() if msg is None else attempts.replied(
-                        msg.header.get("status"), reply_message(msg.header))
+                    if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
+                        step, msg = attempts.reconnected(), None
+                    else:
+                        step = attempts.timed_out(self._watch.trouble) if msg is None else attempts.replied(
+                            msg.header.get("status"), reply_message(msg.header))
                 elif step.action is Action.RETURN:
                     return msg, attempts.attempts
                 else:
@@ -365,14 +403,30 @@ class Client(_Base):
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return attempts.send_failed("the socket's send queue is full")
+            self._events()
+            return attempts.send_failed(self._watch.trouble or "the socket's send queue is full")
         return attempts.sent()
 
-    def _wait(self, rid: int, deadline: float) -> wire.Message | None:
+    def _events(self) -> bool:
+        """Read the monitor's events; True if the connection came back after a drop."""
+        back = False
+        while True:
+            try:
+                ev = recv_monitor_message(self._mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return back
+            back = self._watch.feed(int(ev["event"])) or back
+
+    def _wait(self, rid: int, deadline: float) -> Any:
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
-                return None
+            ready = dict(self._poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            if ready.get(self._mon) and self._events():
+                return _RECONNECTED
+            if not ready.get(self._sock):
+                if remaining <= 0 or not ready:
+                    return None
+                continue
             frames = self._sock.recv_multipart()
             msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
             if msg.header.get("rid") == rid:
@@ -382,6 +436,9 @@ class Client(_Base):
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._mon.close(0)
                 self._sock.close(0)
                 self._sock = None
 
@@ -402,8 +459,9 @@ class AsyncClient(_Base):
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
-                 context: Any = None):
+                 context: Any = None, operator: str | None = None, key_role: str = "client"):
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+        self.operator, self.key_role = operator, key_role
         import zmq.asyncio
 
         self._ctx = context or zmq.asyncio.Context.instance()

@@ -71,8 +71,15 @@ class Attempts:
         self.last = why
         return self._next_attempt(sleep=self.policy.pause(self.attempts, self.rand))
 
-    def timed_out(self) -> Step:
-        self.last = f"no reply within {self.policy.timeout:g} s"
+    def timed_out(self, trouble: str | None = None) -> Step:
+        """`trouble`: what the connection knows (the pool refuses our handshake), for the error message."""
+        self.last = f"no reply within {self.policy.timeout:g} s" + (f": {trouble}" if trouble else "")
+        return self._next_attempt()
+
+    def reconnected(self) -> Step:
+        """The connection dropped and came back (a new broker): the request died with the old one; send it
+        again now (same request id) instead of waiting out the timeout. Counts as an attempt."""
+        self.last = "the connection to the pool was lost"
         return self._next_attempt()
 
     def replied(self, status: object, message: str = "retryable") -> Step:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from client import text
 from client.card import ModelCard
 from protocol.contract import QTYPES
 
@@ -276,11 +277,17 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
     if not qids:
         return out   # the SDK answers an empty question set without tokenizing anything
 
-    state_ids = card.encode(serialize_state(state).replace(card.mask_token, " "))
+    try:
+        state_ids = card.encode(serialize_state(state).replace(card.mask_token, " "))
+    except (TypeError, ValueError) as e:      # bytes or lone surrogates: say where (client/text.py)
+        raise text.state_error(state, e) from e
     # A conversation is newest-last: cut it from the left so the latest turn survives.
     from_left = isinstance(state, list)
     for qid, q in zip(qids, internal):
-        head, markers, opt_stats = build_head(card, q, head_max_len)
+        try:
+            head, markers, opt_stats = build_head(card, q, head_max_len)
+        except (TypeError, ValueError) as e:
+            raise QuestionError(qid, text.problem(questions[qid], "definition") or str(e)) from e
         room = max(0, max_len - len(head) - 1)                # -1: the [SEP] closing the state
         kept = state_ids[max(0, len(state_ids) - room):] if from_left else state_ids[:room]
         ids = (head + kept + [card.sep_id])[:max_len]

@@ -50,6 +50,8 @@ class Reason(_Text):
     INTERNAL = "internal"                      # an internal error (retryable from the broker, final from a worker)
     WORKERS_LOST = "workers-lost"              # final: `max_attempts` workers were lost while holding it
     TOO_LARGE = "too-large"                    # final, raised by the client: a frame over the broker's limit
+    NOT_ALLOWED = "not-allowed"                # final: an operator command without the operator credential
+    RATE_LIMITED = "rate-limited"              # final: too many restarts in the window; the message says when
 
 
 class Leave(_Text):

@@ -509,14 +509,14 @@ def is_loopback(endpoint: str) -> bool:
 
 
 def load_curve_keys(keys: str | os.PathLike, role: str = "client") -> tuple[bytes, bytes, bytes]:
-    """(public, secret, server public) for `role` ("client" or "worker") from a `laya-pool keys` directory.
+    """(public, secret, server public) for `role` ("client", "worker", "operator") from a `laya-pool keys` directory.
 
     Raises FileNotFoundError for a missing file and ValueError for one that is not a key, so a process
     can check its keys before it does anything expensive (a worker does, before loading the model)."""
     import zmq.auth
 
-    if role not in ("client", "worker"):
-        raise ValueError(f"role must be 'client' or 'worker', got {role!r}")
+    if role not in ("client", "worker", "operator"):
+        raise ValueError(f"role must be 'client', 'worker' or 'operator', got {role!r}")
     keys = Path(keys)
     for name in (f"{role}.key_secret", "server.key"):
         if not (keys / name).is_file():

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -26,6 +27,8 @@ def _cuda() -> bool:
 if not _cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(ROOT))
+# Operator secrets (broker.operator) of the pools tests start go to a private directory, not the user's.
+os.environ.setdefault("LAYA_POOL_RUNTIME_DIR", tempfile.mkdtemp(prefix="laya-pool-test-run-"))
 # For the broker and worker processes tests start: this checkout first, then whatever PYTHONPATH held
 # (on the device, that is where pyzmq and laya are carried).
 SUBPROCESS_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))

@@ -52,7 +52,7 @@ def test_remote_style_workers_join_over_tcp_and_agree(tiny_ckpt):
     from client.pool import Client, PoolError
     fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
-                               "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)]
+                               "--heartbeat-ms", "300", "--insecure-backend"], env=ENV, cwd=ROOT)]
     try:
         for wid in ("hostA-0", "hostB-0"):
             procs.append(subprocess.Popen([sys.executable, "-m", "worker.server", "--model", str(tiny_ckpt),

@@ -253,8 +253,8 @@ MALFORMED = [
     ("counts that disagree", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "rows": 5})] + _GOOD[3:], "lengths"),
     ("unknown mode", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "mode": "warp"})] + _GOOD[3:], "mode"),
     ("a worker command from a client", [_GOOD[0], bytes([Cmd.READY]), msgpack.packb({"rid": 3})], "command"),
-    ("drain of an unknown worker", [_GOOD[0], bytes([Cmd.DRAIN]), msgpack.packb({"rid": 4, "worker": "nope"})],
-     "worker"),
+    ("drain without the operator credential", [_GOOD[0], bytes([Cmd.DRAIN]),
+                                               msgpack.packb({"rid": 4, "worker": "nope"})], "op"),
 ]
 
 
@@ -593,7 +593,7 @@ def test_a_curve_pool_serves_key_holders_only(tmp_path, tiny_ckpt, runtime):
 def test_up_fails_fast_on_what_cannot_work(tmp_path, tiny_ckpt):
     port = _free_port()
     r = _cli("up", "--model", str(tiny_ckpt), "--frontend", f"tcp://127.0.0.1:{port}",
-             "--backend", f"tcp://127.0.0.1:{port}", timeout=120)          # the broker cannot bind
+             "--backend", f"tcp://127.0.0.1:{port}", "--insecure-backend", timeout=120)   # the broker cannot bind
     assert r.returncode == 1 and "cannot bind" in r.stderr
     r = _cli("up", "--model", str(tmp_path), "--frontend", f"ipc://{tmp_path}/fe", "--workers-per-device", "2",
              timeout=120)                                                   # no checkpoint there

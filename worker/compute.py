@@ -68,6 +68,7 @@ class Compute:
         self.fatal: str | None = None     # set when the device may be broken; the I/O thread then leaves
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
+        self.busy_since: float | None = None   # when the group being run was taken (the I/O thread's watchdog)
 
     def loop(self) -> None:
         """The thread's body: until the stop sentinel, or until the worker is fatal."""
@@ -83,9 +84,11 @@ class Compute:
                     continue
             if first is None:
                 break
+            self.busy_since = time.monotonic()
             members, group, held, stop = self.take_group(first)
             if members:
                 self.run_group(members, group)
+            self.busy_since = None
             self._refresh_stats()
             if stop:
                 break

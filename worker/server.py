@@ -49,6 +49,7 @@ class WorkerConfig:
     heartbeat_ms: int = contract.HEARTBEAT_MS
     liveness: int = contract.LIVENESS
     credit: int | None = None               # default: twice max_batch, at least 2
+    compute_timeout: float | None = None    # default: 5 s on CUDA, 30 s on CPU (see `for_device`)
     max_batch: int | None = None            # default: 32 on CUDA (merging is byte-exact there), 1 on CPU
     cpus: str | None = None                 # default: the CPUs near the GPU
     threads: int | None = None              # default: one per pinned CPU
@@ -68,7 +69,10 @@ class WorkerConfig:
     def for_device(self, on_cuda: bool) -> WorkerConfig:
         """The device's defaults filled in."""
         max_batch = self.max_batch if self.max_batch is not None else (32 if on_cuda else 1)
-        return dataclasses.replace(self, max_batch=max_batch,
+        # A forward that has not finished in this long is a hung device: one group on an H200 takes
+        # milliseconds (a first graph capture well under a second); a CPU runs the large model far slower.
+        timeout = self.compute_timeout if self.compute_timeout is not None else (5.0 if on_cuda else 30.0)
+        return dataclasses.replace(self, max_batch=max_batch, compute_timeout=timeout,
                                    credit=self.credit if self.credit is not None else max(2, 2 * max_batch),
                                    mode=self.mode or ("graph-cached" if on_cuda else "eager"))
 
@@ -105,6 +109,7 @@ class Worker:
         self.compute_thread = threading.Thread(target=self._compute_main, args=(pair_compute,), name="compute",
                                                daemon=True)
         self.last_sent = self.last_ready = self.broker_expiry = 0.0
+        self.hung = False
         self.reconnect_wait = self.hb
 
     def _compute_main(self, pair: zmq.Socket) -> None:
@@ -209,6 +214,14 @@ class Worker:
             # Heartbeats come from this thread; without this check a dead compute thread would keep
             # the worker looking healthy with its requests never answered.
             self.compute.fatal = "the compute thread died"
+        busy = self.compute.busy_since
+        if self.compute.fatal is None and busy is not None and time.monotonic() - busy > self.cfg.compute_timeout:
+            # The watchdog: heartbeats come from this thread, so only this tells a hung device from a live one.
+            # Leaving (DISCONNECT "fatal") makes the broker re-send everything this worker held at once.
+            self.hung = True
+            self.compute.fatal = (f"the compute thread has been running one group for over "
+                                  f"{self.cfg.compute_timeout:g} s (--compute-timeout): the device is hung; "
+                                  "leaving for a fresh process")
         if self.compute.fatal is not None:
             log.error("worker %s: fatal: %s", self.id, self.compute.fatal)
             return self._leave(contract.EXIT_FATAL, Leave.FATAL)
@@ -241,11 +254,13 @@ class Worker:
         if tell is not None:
             self._send(wire.encode(Cmd.DISCONNECT, {"reason": tell}))
         self.compute.queue.put(None)
-        self.compute_thread.join(timeout=5)
+        self.compute_thread.join(timeout=0.2 if self.hung else 5)   # a hung thread never returns
         self.dealer.close(linger=2000)
         self.pair_io.close(0)
         if not self.compute_thread.is_alive():
             self.ctx.term()      # returns once the DEALER's queue is flushed (or its linger ran out)
+        else:
+            time.sleep(0.2)      # ctx.term would wait for the stuck thread's socket: give the DISCONNECT time to go
         return code
 
     # ------------------------------------------------------------------------------------------ messages
@@ -330,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", type=int, default=d.liveness)
     p.add_argument("--credit", type=int, default=None,
                    help="requests the broker may send before a reply (default: twice --max-batch, at least 2)")
+    p.add_argument("--compute-timeout", type=float, default=None,
+                   help="seconds one forward may take before the device is declared hung and the worker leaves "
+                        "(default 5 on CUDA, 30 on CPU)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="queued requests merged into one forward (default: 32 on CUDA, where merging is "
                         "byte-exact; 1 on CPU, where it moves answers in the 6th decimal)")

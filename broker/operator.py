@@ -1,0 +1,117 @@
+"""Who may change the pool: the operator credential and the restart rate limit.
+
+Operator commands (drain, restart-worker: anything that changes the pool) travel on the same frontend as
+clients' requests, so reaching the frontend must not be enough to run them. A DRAIN is accepted from a
+peer that presents one of:
+
+- on any endpoint, the pool's operator secret in the header (`op`): 32 random bytes the broker writes,
+  after it has bound its sockets, to a file only its user can read (`secret_path(frontend)`, mode 0600 in a
+  0700 directory). `laya-pool drain / restart-worker` read it; a plain `Client` does not have it.
+- under CURVE, the operator key (`operator.key_secret`; its public half in `authorized-operators/`): the
+  broker reads the authenticated key of the connection (ZeroMQ's `User-Id` metadata), so a client key,
+  which only reaches `authorized/`, cannot drain a worker even if it can read the wire.
+
+Restarts are rate-limited (`RestartLimit`) whoever asks: a flood of restart-worker commands cannot keep
+the pool's workers reloading their models.
+
+Imported by the broker and the CLI only (the client receives the secret as a string).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+import tempfile
+from pathlib import Path
+
+SECRET_ENV = "LAYA_POOL_RUNTIME_DIR"
+
+
+def runtime_dir() -> Path:
+    """Where operator secrets live: $LAYA_POOL_RUNTIME_DIR, else $XDG_RUNTIME_DIR/laya-pool, else
+    ~/.cache/laya-pool/run. Per user: another user cannot read (or plant) a secret there."""
+    if os.environ.get(SECRET_ENV):
+        return Path(os.environ[SECRET_ENV])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "laya-pool"
+    return Path.home() / ".cache" / "laya-pool" / "run"
+
+
+def secret_path(frontend: str) -> Path:
+    """The operator secret of the pool on `frontend` (one file per endpoint, so pools do not share one)."""
+    return runtime_dir() / f"operator-{hashlib.sha256(frontend.encode()).hexdigest()[:20]}"
+
+
+def _private_dir(d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = d.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{d}: owned by uid {st.st_uid}, not by this user; refusing to keep secrets there")
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+
+
+def publish_secret(frontend: str) -> tuple[str, Path]:
+    """A fresh secret, written atomically (0600) where `read_secret(frontend)` finds it: (secret, path)."""
+    path = secret_path(frontend)
+    _private_dir(path.parent)
+    token = secrets.token_hex(32)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".op-")      # mkstemp: 0600, never follows a link
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+    return token, path
+
+
+def read_secret(frontend: str) -> str | None:
+    """The operator secret for `frontend`, or None when this user has none (not the pool's operator)."""
+    try:
+        return secret_path(frontend).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def remove_secret(path: Path, token: str) -> None:
+    """Remove `path` if it still holds `token` (a newer broker on the same endpoint may have replaced it)."""
+    with contextlib.suppress(OSError):
+        if path.read_text().strip() == token:
+            path.unlink()
+
+
+def token_matches(given: object, token: str | None) -> bool:
+    return isinstance(given, str) and token is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def operator_keys(keys: str | os.PathLike | None) -> set[str]:
+    """The z85 public keys in `keys/authorized-operators/` (ZeroMQ's User-Id of a CURVE peer is its z85 key)."""
+    if not keys:
+        return set()
+    import zmq.auth
+
+    out = set()
+    folder = Path(keys) / "authorized-operators"
+    for f in sorted(folder.glob("*.key")) if folder.is_dir() else []:
+        with contextlib.suppress(Exception):
+            public, _ = zmq.auth.load_certificate(str(f))
+            out.add(public.decode("ascii"))
+    return out
+
+
+class RestartLimit:
+    """At most `limit` restarts per sliding `window_s` seconds, for the whole pool."""
+
+    def __init__(self, limit: int, window_s: float):
+        self.limit, self.window_s = limit, window_s
+        self.times: collections.deque[float] = collections.deque()
+
+    def allow(self, now: float) -> float:
+        """0.0 and the restart counted, or the seconds until the next one will be allowed."""
+        while self.times and now - self.times[0] >= self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return self.window_s - (now - self.times[0])
+        self.times.append(now)
+        return 0.0
