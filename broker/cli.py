@@ -237,7 +237,7 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-markers", type=int, default=None)
     up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     up.add_argument("--compute-timeout", type=float, default=None,
-                    help="seconds a worker's forward may take before its device counts as hung (default 5 on CUDA, "
+                    help="seconds a worker's forward may take before its device counts as hung (default 10 on CUDA, "
                          "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)

@@ -49,7 +49,7 @@ class WorkerConfig:
     heartbeat_ms: int = contract.HEARTBEAT_MS
     liveness: int = contract.LIVENESS
     credit: int | None = None               # default: twice max_batch, at least 2
-    compute_timeout: float | None = None    # default: 5 s on CUDA, 30 s on CPU (see `for_device`)
+    compute_timeout: float | None = None    # default: 10 s on CUDA, 30 s on CPU (see `for_device`)
     max_batch: int | None = None            # default: 32 on CUDA (merging is byte-exact there), 1 on CPU
     cpus: str | None = None                 # default: the CPUs near the GPU
     threads: int | None = None              # default: one per pinned CPU
@@ -71,7 +71,7 @@ class WorkerConfig:
         max_batch = self.max_batch if self.max_batch is not None else (32 if on_cuda else 1)
         # A forward that has not finished in this long is a hung device: one group on an H200 takes
         # milliseconds (a first graph capture well under a second); a CPU runs the large model far slower.
-        timeout = self.compute_timeout if self.compute_timeout is not None else (5.0 if on_cuda else 30.0)
+        timeout = self.compute_timeout if self.compute_timeout is not None else (10.0 if on_cuda else 30.0)
         return dataclasses.replace(self, max_batch=max_batch, compute_timeout=timeout,
                                    credit=self.credit if self.credit is not None else max(2, 2 * max_batch),
                                    mode=self.mode or ("graph-cached" if on_cuda else "eager"))
@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests the broker may send before a reply (default: twice --max-batch, at least 2)")
     p.add_argument("--compute-timeout", type=float, default=None,
                    help="seconds one forward may take before the device is declared hung and the worker leaves "
-                        "(default 5 on CUDA, 30 on CPU)")
+                        "(default 10 on CUDA, 30 on CPU)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="queued requests merged into one forward (default: 32 on CUDA, where merging is "
                         "byte-exact; 1 on CPU, where it moves answers in the 6th decimal)")
