@@ -54,6 +54,10 @@ def cmd_up(a: argparse.Namespace) -> int:
         if not wire.is_loopback(ep) and not a.keys:
             return _fail(f"refusing to bind {ep}: not a loopback address and no CURVE keys "
                          "(generate them with `laya-pool keys --out DIR`, then pass --keys DIR)", 2)
+    if a.http is not None:
+        from broker.ops_http import refusal
+        if (why := refusal(a.http, a.keys)) is not None:
+            return _fail(why, 2)
     from broker.broker import policy_argv
     broker_args = policy_argv(a)
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
@@ -65,6 +69,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                            frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                            mode=a.mode, credit=a.credit, keys=a.keys, broker_args=broker_args,
                            worker_args=worker_args, drain_timeout=a.drain_timeout)
+    cfg.http = a.http
     return Supervisor(cfg).run()
 
 
@@ -233,6 +238,8 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
+    up.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                    help="serve /metrics and /health/{live,ready} here (a bare port: 127.0.0.1; default: off)")
     up.set_defaults(fn=cmd_up)
 
 
