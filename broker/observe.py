@@ -56,16 +56,16 @@ def _num(x: Any, default: float = 0.0) -> float:
 def readiness(status: dict[str, Any] | None, age_s: float, stale_after_s: float, stopping: bool) -> tuple[bool, dict]:
     """(ready, body): ready when the latest status is fresh and at least one worker is ready."""
     if stopping:
-        return False, {"ready": False, "reason": "the pool is stopping"}
+        return False, {"ready": False, "why": "the pool is stopping"}
     if status is None:
-        return False, {"ready": False, "reason": "no status from the broker yet"}
+        return False, {"ready": False, "why": "no status from the broker yet"}
     if age_s > stale_after_s:
-        return False, {"ready": False, "reason": f"no status from the broker for {age_s:.1f} s"}
+        return False, {"ready": False, "why": f"no status from the broker for {age_s:.1f} s"}
     states = {str(w.get("id")): str(w.get("state")) for w in status.get("workers", [])}
     n = sum(1 for s in states.values() if s == READY)
     body = {"ready": n > 0, "ready_workers": n, "workers": states}
     if n == 0:
-        body["reason"] = "no worker is ready" if states else "no worker has registered"
+        body["why"] = "no worker is ready" if states else "no worker has registered"
     return n > 0, body
 
 

@@ -90,11 +90,11 @@ def test_readiness_says_why():
     assert readiness(ok, 1.0, 5.0, False) == (True, {"ready": True, "ready_workers": 1,
                                                       "workers": {"0": "ready", "1": "draining"}})
     none_ready = {"workers": [{"id": "0", "state": "drained"}]}
-    assert readiness(none_ready, 1.0, 5.0, False)[1]["reason"] == "no worker is ready"
-    assert readiness({"workers": []}, 1.0, 5.0, False)[1]["reason"] == "no worker has registered"
-    assert "for 9.0 s" in readiness(ok, 9.0, 5.0, False)[1]["reason"]
+    assert readiness(none_ready, 1.0, 5.0, False)[1]["why"] == "no worker is ready"
+    assert readiness({"workers": []}, 1.0, 5.0, False)[1]["why"] == "no worker has registered"
+    assert "for 9.0 s" in readiness(ok, 9.0, 5.0, False)[1]["why"]
     assert readiness(None, 0.0, 5.0, False)[0] is False
-    assert readiness(ok, 1.0, 5.0, True) == (False, {"ready": False, "reason": "the pool is stopping"})
+    assert readiness(ok, 1.0, 5.0, True) == (False, {"ready": False, "why": "the pool is stopping"})
 
 
 def test_a_stale_status_is_not_ready_and_broker_down():

@@ -134,7 +134,7 @@ def test_ready_is_503_while_the_only_worker_is_drained(pool):
     with pool.client(timeout=10) as c:
         c.drain("0")
         body = _ready(pool, want=503)
-        assert body["ready"] is False and body["reason"] == "no worker is ready"
+        assert body["ready"] is False and body["why"] == "no worker is ready"
         assert body["workers"]["0"] in ("draining", "drained")
         assert _get(pool.port, "/health/live")[0] == 200
         c.drain("0", restart=True)          # restart-worker on a drained worker: the supervisor brings it back
