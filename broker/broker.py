@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from broker import operator, security
+from broker.metering import Meter
 from broker.monitor import LogLimiter, SocketWatch
 from broker.replies import ReplyCache, frames_bytes
 from protocol import contract, wire
@@ -128,6 +129,7 @@ class Job:
     enqueued: float = 0.0
     dispatched: float = 0.0
     nbytes: int = 0                 # payload bytes, held until the job is finished
+    arrived: float = 0.0            # first arrival at this broker: end-to-end time for the metrics
 
 
 class Broker:
@@ -163,6 +165,7 @@ class Broker:
         self.stopping = False
         self.last_housekeeping = 0.0
         self.counters = collections.Counter()
+        self.meter = Meter()                    # outcomes, per-worker work and timings (broker/metering.py)
 
     # -------------------------------------------------------------------------------------------- sockets
 
@@ -228,6 +231,8 @@ class Broker:
     def _client_error(self, envelope: list[bytes], rid: Any, status: str, message: str, *, field: str | None = None,
                       row: int | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None) -> None:
         self.counters["errors_" + status] += 1
+        if cmd == Cmd.REPLY:
+            self.meter.refused(status, reason)
         self._to_client(envelope, wire.encode_error(rid, status, message, field=field, row=row, cmd=cmd,
                                                     reason=reason))
 
@@ -390,6 +395,7 @@ class Broker:
             return
         job = Job(self._job_id(), "request", key, envelope, req.rid, req=req, payload=list(msg.frames),
                   target=req.worker, enqueued=time.monotonic(), nbytes=size)
+        job.arrived = job.enqueued
         self.by_key[key] = job
         self.queue_bytes += size
         self.queue.append(job)
@@ -529,7 +535,8 @@ class Broker:
                            "queue": len(self.queue), "queue_size": self.cfg.queue_size,
                            "queue_bytes": self.queue_bytes, "cached_reply_bytes": self.replies.bytes,
                            "inflight": len(self.inflight), "cached_replies": len(self.replies),
-                           "counters": dict(self.counters)}}
+                           "counters": dict(self.counters)},
+                "meter": self.meter.snapshot()}
 
     # -------------------------------------------------------------------------------------------- workers
 
@@ -659,6 +666,9 @@ class Broker:
             w.completed += 1
         else:
             w.failed += 1
+        now = time.monotonic()
+        self.meter.answered(w.id, rep.status, (rep.error or {}).get("reason"), job.req.rows, job.req.tokens,
+                            now - job.arrived, now - job.dispatched, rep.metrics)
         header = dict(msg.header)
         header["rid"] = job.client_rid
         header["worker"] = w.id
@@ -713,7 +723,7 @@ class Broker:
     def _requeue(self, job: Job, *, lost: bool) -> bool:
         """Back to the front of the queue, counting a lost attempt (`lost`) or a hand-back; False, and the
         job left for the caller to fail, once it has used up `max_attempts` / `max_bounces`."""
-        job.worker = None
+        worker, job.worker = job.worker, None
         if lost:
             job.attempts += 1
             spent = job.attempts >= self.cfg.max_attempts
@@ -723,6 +733,8 @@ class Broker:
         if not spent:
             job.enqueued = time.monotonic()
             self.queue.appendleft(job)
+            if job.kind == "request":
+                self.meter.requeued(worker, lost)
         return not spent
 
     # -------------------------------------------------------------------------------------------- dispatch
@@ -796,6 +808,8 @@ class Broker:
             return False
         job.worker, job.dispatched = w.id, time.monotonic()
         w.last_dispatch = job.dispatched
+        if job.kind == "request":
+            self.meter.dispatched(job.dispatched - job.enqueued)
         w.inflight.add(job.id)
         self.inflight[job.id] = job
         return True

@@ -59,6 +59,10 @@ def cmd_up(a: argparse.Namespace) -> int:
         check_endpoints(a.frontend, a.backend or "ipc://", a.keys, a.insecure_backend)
     except SecurityError as e:
         return _fail(str(e), 2)
+    if a.http is not None:
+        from broker.ops_http import refusal
+        if (why := refusal(a.http, a.keys)) is not None:
+            return _fail(why, 2)
     from broker.broker import policy_argv
     broker_args = policy_argv(a) + (["--insecure-backend"] if a.insecure_backend else [])
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
@@ -70,6 +74,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                            frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                            mode=a.mode, credit=a.credit, keys=a.keys, broker_args=broker_args,
                            worker_args=worker_args, drain_timeout=a.drain_timeout)
+    cfg.http = a.http
     return Supervisor(cfg).run()
 
 
@@ -241,6 +246,8 @@ def _add_up(up: argparse.ArgumentParser) -> None:
                          "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
     up.add_argument("--drain-timeout", type=float, default=60.0)
+    up.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                    help="serve /metrics and /health/{live,ready} here (a bare port: 127.0.0.1; default: off)")
     up.set_defaults(fn=cmd_up)
 
 

@@ -51,6 +51,7 @@ class SupervisorConfig:
     broker_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     drain_timeout: float = 60.0
+    http: str | None = None             # [HOST:]PORT for /metrics and /health (broker/ops_http.py); None: off
 
 
 @dataclass
@@ -131,6 +132,8 @@ class Supervisor:
         self.last_poll = 0.0
         self.announced = False
         self.foreign_seen = False
+        self.observer = None                # broker.observe.PoolObserver, with --http
+        self.http = None                    # broker.ops_http.MetricsServer, with --http
 
     def _broker_child(self, common: list[str]) -> Child:
         cfg = self.cfg
@@ -236,6 +239,8 @@ class Supervisor:
                             self.cfg.frontend, theirs, self.broker.pid)
             self.foreign_seen = True
             return
+        if self.observer is not None:
+            self.observer.update(st, now)
         rows = {w.get("id"): w for w in st.get("workers", [])}
         for wid, child in self.workers.items():
             # The broker's flag stays up until the worker registers; a worker that dies before that
@@ -262,6 +267,10 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        if self.cfg.http and not self._serve_http():
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            return contract.EXIT_CONFIG
         self._start(self.broker)
         for wid in self.workers:
             self._start_worker(wid)
@@ -285,8 +294,27 @@ class Supervisor:
         finally:
             if self.status_client is not None:
                 self.status_client.close()
+            if self.http is not None:
+                self.http.close()
             if self.tmp is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _serve_http(self) -> bool:
+        """Bind --http before any child starts: a taken port fails `up` at once instead of a pool without metrics."""
+        from broker.observe import PoolObserver
+        from broker.ops_http import MetricsServer
+        self.observer = PoolObserver(self._observed)
+        try:
+            self.http = MetricsServer(self.cfg.http, self.observer)
+        except (OSError, ValueError) as e:
+            log.error("cannot serve --http %s: %s", self.cfg.http, e)
+            return False
+        return True
+
+    def _observed(self) -> dict:
+        """What only the supervisor knows, read by the HTTP thread at scrape time (ints and a bool: no lock)."""
+        return {"stopping": self.stopping, "broker_restarts": self.broker.restarts,
+                "worker_restarts": {wid: c.restarts for wid, c in self.workers.items()}}
 
     def _shutdown(self) -> None:
         """Workers first (each finishes what it holds and leaves), then the broker."""
