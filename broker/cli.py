@@ -245,7 +245,10 @@ def _add_up(up: argparse.ArgumentParser) -> None:
                     help="seconds a worker's forward may take before its device counts as hung (default 10 on CUDA, "
                          "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
     up.add_argument("--warmup-shapes", default=None, help="graph-cached buckets captured before a worker is ready")
-    up.add_argument("--drain-timeout", type=float, default=60.0)
+    up.add_argument("--drain-timeout", type=float, default=5.0,
+                    help="seconds a stopping worker may take to finish its in-flight work before it is killed "
+                         "(default 5, so that a stop takes at most 10 s even with a hung device; a longer one lets "
+                         "slow requests finish)")
     up.add_argument("--http", default=None, metavar="[HOST:]PORT",
                     help="serve /metrics and /health/{live,ready} here (a bare port: 127.0.0.1; default: off)")
     up.set_defaults(fn=cmd_up)

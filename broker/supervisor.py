@@ -7,7 +7,9 @@
   (exit 78: the checkpoint is unusable) or a clean drain (exit 0: the operator took it out);
 - restarts the broker if it dies (workers re-register with the new one by themselves);
 - brings back a drained worker when `laya-pool restart-worker ID` asks for it (seen in the broker's status);
-- on SIGINT/SIGTERM: every worker finishes its in-flight work and leaves, then the broker; exit 0.
+- on SIGINT/SIGTERM: every worker finishes its in-flight work and leaves, then the broker; exit 0. A worker
+  still there `drain_timeout` (5 s) after it was told is SIGKILLed (a hung device never finishes), and the
+  broker fails what it held as retryable when it stops: `up` exits within 10 s whatever the workers do.
 
 The supervisor imports neither torch nor the worker package: workers are subprocesses started by module name.
 """
@@ -34,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BACKOFF_START = 0.5
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0     # a worker up this long has its backoff reset
+DRAIN_TIMEOUT = 5.0     # a stopping worker's grace before SIGKILL: with the broker's below, a stop takes <= 10 s
+BROKER_STOP_S = 2.0     # the broker's grace (it fails what is queued and in flight, then closes: milliseconds)
+KILLED_WAIT_S = 1.0     # for the kernel to reap a SIGKILLed child; longer means it is stuck in the kernel (D state)
 
 
 @dataclass
@@ -50,7 +55,7 @@ class SupervisorConfig:
     keys: str | None = None
     broker_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
-    drain_timeout: float = 60.0
+    drain_timeout: float = DRAIN_TIMEOUT
     http: str | None = None             # [HOST:]PORT for /metrics and /health (broker/ops_http.py); None: off
 
 
@@ -328,17 +333,27 @@ class Supervisor:
             try:
                 c.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", c.name, self.cfg.drain_timeout)
-                c.proc.kill()
-                c.proc.wait(10)
+                # Its compute is hung (the watchdog may be 30 s away) or it is stuck elsewhere: a stop must not
+                # wait on it. The broker, stopped next, fails what this worker held as retryable.
+                log.warning("%s (pid %d) did not leave within %g s of being told to stop; killing it (SIGKILL)",
+                            c.name, c.proc.pid, self.cfg.drain_timeout)
+                self._kill(c.proc, c.name)
             if c.proc.returncode not in (0, None):
                 log.warning("%s exited with code %s while stopping", c.name, c.proc.returncode)
         b = self.broker.proc
         if b is not None and b.poll() is None:
             b.send_signal(signal.SIGTERM)
             try:
-                b.wait(10)
+                b.wait(BROKER_STOP_S)
             except subprocess.TimeoutExpired:
-                b.kill()
-                b.wait(10)
+                log.warning("the broker (pid %d) did not stop within %g s; killing it (SIGKILL)", b.pid, BROKER_STOP_S)
+                self._kill(b, "the broker")
         log.info("pool stopped")
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen, name: str) -> None:
+        proc.kill()
+        try:
+            proc.wait(KILLED_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.error("%s (pid %d) survives SIGKILL (stuck in the kernel, a driver call?); leaving it", name, proc.pid)

@@ -80,7 +80,7 @@ class ForwardResult:
         return iter((self.logits, self.act))
 
 
-_RECONNECTED = object()     # `Client._wait`: the connection came back; re-send now
+_RECONNECTED = object()     # `Client._wait`, `AsyncClient`'s waiters: the connection came back; re-send now
 
 
 def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str = "client") -> None:
@@ -90,6 +90,18 @@ def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str 
         wire.configure_curve_client(sock, keys, role)
     except FileNotFoundError as e:
         raise PoolError(str(e)) from e
+
+
+def _feed_events(watch: ConnectionWatch, mon: zmq.Socket) -> bool:
+    """Feed `watch` the monitor events waiting on `mon` (never blocks); True if the connection came back
+    after a drop. Both clients read their monitor through this, so they judge a connection alike."""
+    back = False
+    while True:
+        try:
+            ev = recv_monitor_message(mon, zmq.NOBLOCK)
+        except zmq.Again:
+            return back
+        back = watch.feed(int(ev["event"])) or back
 
 
 def _split_rows(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
@@ -154,7 +166,8 @@ class _Base:
         self.capacity: dict[str, int] = {}   # the largest request the pool takes (with the model card)
         self.key_role = "client"             # "operator": connect with the operator CURVE key pair
 
-    def _socket(self, ctx: zmq.Context) -> zmq.Socket:
+    def _socket(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """The DEALER, connected, and its monitor (ConnectionWatch's events)."""
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -162,8 +175,11 @@ class _Base:
         s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
         if self.keys:
             configure_curve_client(s, self.keys, self.key_role)
+        # The monitor before the connect: a refused handshake happens within milliseconds and is not retried,
+        # so a monitor attached after it would never tell the call why it gets no answer.
+        mon = s.get_monitor_socket(EVENTS)
         s.connect(self.endpoint)
-        return s
+        return s, mon
 
     def _attempts(self, timeout: float | None, retries: int | None) -> Attempts:
         return Attempts(RetryPolicy(timeout=self.timeout if timeout is None else timeout,
@@ -313,10 +329,9 @@ class Client(_Base):
         self.operator, self.key_role = operator, key_role
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
-        self._sock = self._socket(self._ctx)
+        self._sock, self._mon = self._socket(self._ctx)
         self._pid = os.getpid()
         self._watch = ConnectionWatch()
-        self._mon = self._sock.get_monitor_socket(EVENTS)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._mon, zmq.POLLIN)
@@ -409,13 +424,7 @@ class Client(_Base):
 
     def _events(self) -> bool:
         """Read the monitor's events; True if the connection came back after a drop."""
-        back = False
-        while True:
-            try:
-                ev = recv_monitor_message(self._mon, zmq.NOBLOCK)
-            except zmq.Again:
-                return back
-            back = self._watch.feed(int(ev["event"])) or back
+        return _feed_events(self._watch, self._mon)
 
     def _wait(self, rid: int, deadline: float) -> Any:
         while True:
@@ -465,10 +474,16 @@ class AsyncClient(_Base):
         import zmq.asyncio
 
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = self._socket(self._ctx)
+        self._sock, self._mon = self._socket(self._ctx)
         self._waiters: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._card_lock: asyncio.Lock | None = None
+        # The same watch as Client's (client/watch.py), read by a task of its own instead of a poller.
+        self._watch = ConnectionWatch()
+        # A blocking view of the same monitor socket: a send refused at once (the pool refuses our handshake)
+        # must read the events now, for the error's text, not when the watcher task next runs.
+        self._mon_now = zmq.Socket.shadow(self._mon.underlying)
+        self._watcher: asyncio.Task | None = None
 
     # -- the pool's API (the same as Client's, awaited) ------------------------------------------------------
     async def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -530,6 +545,30 @@ class AsyncClient(_Base):
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
+    async def _watch_connection(self) -> None:
+        """Wait for monitor events (polled, never received here, so `_events` may read them at any time)."""
+        while True:
+            await self._mon.poll(flags=zmq.POLLIN)
+            self._events()
+
+    def _events(self) -> None:
+        """Read the monitor's events; when the connection came back after a drop (a new broker, which never
+        saw what we sent), wake every call waiting for a reply so that it re-sends now."""
+        if _feed_events(self._watch, self._mon_now):
+            for fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_result(_RECONNECTED)
+
+    async def _send(self, frames: list[Any], attempts: Attempts) -> Step:
+        # Never block on a full queue (no connection, or the pool refuses our handshake): back off and retry,
+        # and run out of attempts with the reason, as Client does.
+        try:
+            await self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._events()
+            return attempts.send_failed(self._watch.trouble or "the socket's send queue is full")
+        return attempts.sent()
+
     async def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
                    retries: int | None = None) -> tuple[wire.Message, int]:
         if self._sock is None:
@@ -537,6 +576,8 @@ class AsyncClient(_Base):
         attempts = self._attempts(timeout, retries)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch_connection())
         rid = next(self._rids)
         frames = build(rid, self.cid)
         loop = asyncio.get_running_loop()
@@ -547,13 +588,15 @@ class AsyncClient(_Base):
                     await asyncio.sleep(step.sleep)
                 if step.action is Action.SEND:
                     fut = self._waiters[rid] = loop.create_future()
-                    await self._sock.send_multipart(frames, copy=False)
-                    step = attempts.sent()
+                    step = await self._send(frames, attempts)
                 elif step.action is Action.WAIT:
                     try:
                         msg = await asyncio.wait_for(fut, step.seconds)
                     except asyncio.TimeoutError:
-                        step = attempts.timed_out()
+                        step = attempts.timed_out(self._watch.trouble)
+                        continue
+                    if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
+                        step, msg = attempts.reconnected(), None
                         continue
                     step = attempts.replied(msg.header.get("status"), reply_message(msg.header))
                 elif step.action is Action.RETURN:
@@ -564,10 +607,14 @@ class AsyncClient(_Base):
             self._waiters.pop(rid, None)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._reader = self._watcher = None
         if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._mon.close(0)
             self._sock.close(0)
             self._sock = None
 

@@ -2,6 +2,7 @@
 neither register nor take over a worker id; under CURVE only the operator key drains; refused handshakes log."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import subprocess
@@ -14,7 +15,7 @@ import zmq
 from conftest import SUBPROCESS_ENV, wait_until
 
 from broker.security import generate
-from client.pool import Client, PoolUnavailable, RequestFailed
+from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed
 from protocol import wire
 from protocol.contract import Reason
 
@@ -108,10 +109,25 @@ def test_without_the_worker_key_no_registration_or_takeover_and_only_the_operato
         with Client(fe, timeout=1.0, retries=1) as plain, pytest.raises(PoolUnavailable) as e:
             plain.status()
         assert "expects CURVE keys" in str(e.value) and "keys=DIR" in str(e.value), str(e.value)
+        def knock_and_look(side: str) -> bool:
+            # Which end of a refused handshake notices the mismatch first is a race (the broker may see only the
+            # client breaking off, and a refused client does not reconnect): keyless peers keep knocking, as the
+            # intruders do on the backend.
+            socks.append(ctx.socket(zmq.DEALER))
+            socks[-1].setsockopt(zmq.LINGER, 0)
+            socks[-1].connect(fe)
+            return f"{side} socket: refused a connection: the peer speaks another security" in log.read_text()
         for side in ("backend", "frontend"):
-            wait_until(lambda side=side: f"{side} socket: refused a connection: the peer speaks another security" in
-                       log.read_text(), 10, lambda: "a refused handshake must be logged:\n" + log.read_text())
+            wait_until(lambda side=side: knock_and_look(side), 10,
+                       lambda: "a refused handshake must be logged:\n" + log.read_text(), interval=0.2)
         assert log.read_text().count("frontend socket: refused a connection: the peer speaks") == 1, "rate-limited"
+
+        async def plain_async() -> None:
+            async with AsyncClient(fe, timeout=1.0, retries=1) as a:
+                await a.status()
+        with pytest.raises(PoolUnavailable) as e:        # the asyncio client says the same
+            asyncio.run(plain_async())
+        assert "expects CURVE keys" in str(e.value) and "keys=DIR" in str(e.value), str(e.value)
     finally:
         for s in socks:
             s.close(0)
