@@ -180,6 +180,12 @@ class _Base:
             if not encoded.rows:
                 return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
             res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
+            if not encoded.state.window_agrees():
+                # The state window (client/state.py) disagrees with the whole state's tokens, which its
+                # argument says cannot happen: answer from rows built from the whole state, and say so.
+                log.warning("state window disagreed with the whole state's tokens; re-sent with the whole state")
+                encoded = self._encode(card, state, questions, max_len, head_max_len, window=False)
+                res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
             if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
                 return self._decode(card, encoded, res.flat, res.act)
             if refreshed:
@@ -263,9 +269,10 @@ class _Base:
         return self._card
 
     @staticmethod
-    def _encode(card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None) -> Any:
+    def _encode(card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None,
+                window: bool = True) -> Any:
         from client.semantics import encode_request
-        return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len)
+        return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len, window=window)
 
     @staticmethod
     def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray) -> dict[str, Any]:
