@@ -100,6 +100,7 @@ class _Call:
     build: Callable[[int, str], list[Any]]     # (request id, client id) -> frames
     timeout: float | None = None
     retries: int | None = None
+    on_sent: Callable[[], None] | None = None  # work that overlaps the wait (after the first send)
 
 
 @dataclass(frozen=True)
@@ -163,9 +164,11 @@ class _Base:
 
     # -- plans: each API call written once; the drivers run them -------------------------------------------
     def _forward_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
-                      worker: str | None, mode: str | None, taps: bool) -> Plan[ForwardResult]:
+                      worker: str | None, mode: str | None, taps: bool,
+                      on_sent: Callable[[], None] | None = None) -> Plan[ForwardResult]:
         arrays = self._pack(rows)
-        msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries)
+        msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries,
+                                    on_sent)
         reply = wire.parse_reply(msg)
         if reply.status == wire.STATUS_FINAL:
             self._raise_final(reply)
@@ -179,7 +182,9 @@ class _Base:
             encoded = self._encode(card, state, questions, max_len, head_max_len)
             if not encoded.rows:
                 return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
-            res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
+            # The whole state's count (usage) is tokenized while the pool computes.
+            res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False,
+                                                encoded.state.start)
             if not encoded.state.window_agrees():
                 # The state window (client/state.py) disagrees with the whole state's tokens, which its
                 # argument says cannot happen: answer from rows built from the whole state, and say so.
@@ -338,13 +343,14 @@ class Client(_Base):
                     if isinstance(step, _Card):
                         step = plan.send(self.card(timeout=step.timeout, refresh=step.refresh))
                     else:
-                        step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries))
+                        step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent))
             except StopIteration as done:
                 return done.value
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
-             retries: int | None = None) -> tuple[wire.Message, int]:
-        """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts."""
+             retries: int | None = None, on_sent: Callable[[], None] | None = None) -> tuple[wire.Message, int]:
+        """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts.
+        `on_sent` runs once, after the first send."""
         attempts = self._attempts(timeout, retries)
         rid = next(self._rids)
         frames = build(rid, self.cid)
@@ -359,6 +365,9 @@ class Client(_Base):
                     time.sleep(step.sleep)
                 if step.action is Action.SEND:
                     step = self._send(frames, attempts)
+                    if on_sent is not None:
+                        on_sent()
+                        on_sent = None
                 elif step.action is Action.WAIT:
                     msg = self._wait(rid, time.monotonic() + step.seconds)
                     step = attempts.timed_out() if msg is None else attempts.replied(
@@ -461,7 +470,8 @@ class AsyncClient(_Base):
                     if isinstance(step, _Card):
                         step = plan.send(await self.card(timeout=step.timeout, refresh=step.refresh))
                     else:
-                        step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries))
+                        step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
+                                                         step.on_sent))
             except StopIteration as done:
                 return done.value
 
@@ -480,7 +490,7 @@ class AsyncClient(_Base):
                 fut.set_result(msg)
 
     async def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
-                   retries: int | None = None) -> tuple[wire.Message, int]:
+                   retries: int | None = None, on_sent: Callable[[], None] | None = None) -> tuple[wire.Message, int]:
         if self._sock is None:
             raise PoolError("the client is closed")
         attempts = self._attempts(timeout, retries)
@@ -498,6 +508,9 @@ class AsyncClient(_Base):
                     fut = self._waiters[rid] = loop.create_future()
                     await self._sock.send_multipart(frames, copy=False)
                     step = attempts.sent()
+                    if on_sent is not None:
+                        on_sent()
+                        on_sent = None
                 elif step.action is Action.WAIT:
                     try:
                         msg = await asyncio.wait_for(fut, step.seconds)

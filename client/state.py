@@ -41,7 +41,7 @@ from typing import Any
 _CUT_CHARS = (" ", "\n")
 _MIN_WINDOW_CHARS = 2048        # shorter states are tokenized whole: the window would not save anything
 _MAX_PROBES = 256               # candidate cuts looked at before giving up (a text of spaced-out emoji)
-_GROW = 1.15                    # a window sized for 15% more tokens than asked: one pass nearly always
+_GROW = 1.05                    # a window sized for 5% more tokens than asked: one pass nearly always
 
 
 def _solid(c: str) -> bool:
@@ -55,7 +55,9 @@ class WindowPolicy:
     safe: bool
     added: tuple[str, ...] = ()
     margin: int = 0
-    chars_per_token: float = 4.0    # learnt from each window (a guess only costs speed, never exactness)
+    # Learnt from each window; a guess only costs speed, never exactness. Low at first: a window too small
+    # grows by one more piece, one too large tokenizes what nobody keeps.
+    chars_per_token: float = 2.5
     min_chars: int = _MIN_WINDOW_CHARS
 
     @classmethod
@@ -123,18 +125,34 @@ def _background() -> ThreadPoolExecutor:
 @dataclass
 class StateTokens:
     """The state's ids as far as rows need them: `ids` is the whole state, its first tokens (`from_left`
-    False) or its last (`from_left` True); `count()` is the whole state's token count."""
+    False) or its last (`from_left` True); `count()` is the whole state's token count.
+
+    For a window, the whole state is tokenized by `start()` in a background thread (the client calls it
+    once the request is sent, so it does not compete with encoding and sending) or, if nobody started it,
+    by the first `count()` / `full_ids()` / `window_agrees()`."""
     ids: list[int]
     from_left: bool
     complete: bool
+    _text: str = field(default="", repr=False)
+    _encode: Callable[[str], list[int]] | None = field(default=None, repr=False)
     _full: Future | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        if not self.complete and self._full is None:
+            self._full = _background().submit(self._encode, self._text)
 
     def count(self) -> int:
         return len(self.ids) if self.complete else len(self.full_ids())
 
     def full_ids(self) -> list[int]:
         """The whole state's ids (waits for the background tokenization; re-raises what it raised)."""
-        return self.ids if self.complete else self._full.result()
+        if self.complete:
+            return self.ids
+        if self._full is None:
+            done: Future = Future()
+            done.set_result(self._encode(self._text))
+            self._full = done
+        return self._full.result()
 
     def window_agrees(self) -> bool:
         """Whether the window is exactly the whole state's first (or last) tokens."""
@@ -176,7 +194,7 @@ def tokenize_state(encode: Callable[[str], list[int]], policy: WindowPolicy, tex
             return StateTokens(_join(parts, from_left), from_left, True)
         edge = p
     window = _join(parts, from_left)
-    return StateTokens(window, from_left, False, _background().submit(encode, text))
+    return StateTokens(window, from_left, False, text, encode)
 
 
 def _join(parts: list[list[int]], from_left: bool) -> list[int]:

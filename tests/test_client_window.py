@@ -73,6 +73,31 @@ def test_every_safe_cut_splits_the_tokens_exactly(card, seed, n):
             assert card.encode(text[:p]) + card.encode(text[p:]) == whole, (text, p)
 
 
+def test_added_tokens_that_strip_spaces_keep_cuts_away(card):
+    # ModernBERT-style added tokens absorb the spaces beside them: a cut right after one would hand its
+    # space to the other side. The policy keeps a margin around every added token's text.
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(card.tokenizer.to_str())
+    tok.add_tokens([AddedToken("<tag>", lstrip=True, rstrip=True)])
+    policy = WindowPolicy.for_tokenizer(tok)
+    assert policy.safe and "<tag>" in policy.added
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    text = "refund <tag> ticket"
+    naive = text.index(">") + 1                       # a cut the margin forbids, and rightly
+    assert encode(text[:naive]) + encode(text[naive:]) != encode(text)
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(["<tag>", " <tag> ", " ", "  ", "\n", "ticket", "it's", "🙂", "x"])
+                       for _ in range(rng.randint(1, 30)))
+        for p in range(len(text) + 1):
+            if policy.is_cut(text, p):
+                assert encode(text[:p]) + encode(text[p:]) == encode(text), (text, p)
+
+
 def test_safe_cuts_exist_and_refuse_the_wrong_places(card):
     policy = card.window
     text = "alpha beta  gamma\n[SEP] delta\u00a0epsilon 🙂 zeta"
