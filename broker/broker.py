@@ -140,6 +140,9 @@ class Broker:
         self.workers: dict[str, WorkerInfo] = {}
         self.by_identity: dict[bytes, str] = {}
         self.queue: collections.deque[Job] = collections.deque()
+        # Describe jobs in the queue, counted: dispatch asks "any describe waiting?" on every event, and a
+        # scan of a deep queue there cost more than the rest of the loop under load (scripts/broker_rate.py).
+        self.describes_queued = 0
         self.inflight: dict[int, Job] = {}
         self.by_key: dict[tuple[str, Any], Job] = {}     # requests queued or running, by dedup key
         self.replies = ReplyCache(cfg.cache_size, cfg.cache_max_bytes, cfg.cache_ttl_s, cfg.cache_max_reply_bytes)
@@ -245,6 +248,7 @@ class Broker:
         for job in list(self.queue) + list(self.inflight.values()):
             self._fail(job, wire.STATUS_RETRYABLE, "the broker is shutting down", reason=Reason.SHUTDOWN)
         self.queue.clear()
+        self.describes_queued = 0
         self.inflight.clear()
         if self.auth is not None:
             self.auth.stop()
@@ -294,6 +298,7 @@ class Broker:
         kept: collections.deque[Job] = collections.deque()
         for job in self.queue:
             if now - job.enqueued > self.cfg.queue_timeout_s:
+                self.describes_queued -= job.kind == "describe"
                 self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within "
                            f"{self.cfg.queue_timeout_s:g} s", reason=Reason.QUEUE_TIMEOUT)
             else:
@@ -407,6 +412,7 @@ class Broker:
             return
         job = Job(self._job_id(), "describe", None, envelope, rid, enqueued=time.monotonic())
         self.queue.append(job)
+        self.describes_queued += 1
         self.dispatch()
 
     def on_drain(self, envelope: list[bytes], msg: wire.Message) -> None:
@@ -636,6 +642,7 @@ class Broker:
         if not spent:
             job.enqueued = time.monotonic()
             self.queue.appendleft(job)
+            self.describes_queued += job.kind == "describe"
         return not spent
 
     # -------------------------------------------------------------------------------------------- dispatch
@@ -658,7 +665,7 @@ class Broker:
         if not self.queue:
             return
         free = self._candidates()
-        if not free and not any(j.kind == "describe" for j in self.queue):
+        if not free and not self.describes_queued:
             return
         kept: collections.deque[Job] = collections.deque()
         while self.queue:
@@ -668,6 +675,7 @@ class Broker:
                 kept.append(job)
                 continue
             if self._send_job(w, job):
+                self.describes_queued -= job.kind == "describe"
                 if len(w.inflight) >= w.credit and w in free:
                     free.remove(w)
             else:
@@ -675,7 +683,7 @@ class Broker:
                 if w in free:
                     free.remove(w)
                 kept.append(job)
-            if not free and not any(j.kind == "describe" for j in self.queue):
+            if not free and not self.describes_queued:
                 break
         kept.extend(self.queue)
         self.queue = kept
