@@ -23,6 +23,7 @@ files. This module imports neither torch nor anything from the worker or broker 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -110,7 +111,14 @@ class _Card:
     refresh: bool = False
 
 
-Plan = Generator["_Call | _Card", Any, T]
+@dataclass(frozen=True)
+class _Await:
+    """A plan's step: wait for work running in a thread (the whole state's tokens); its answer is its result.
+    The asyncio driver awaits it, so the event loop never blocks on it."""
+    future: concurrent.futures.Future
+
+
+Plan = Generator["_Call | _Card | _Await", Any, T]
 
 
 def _header_only(cmd: Cmd, **fields: Any) -> Callable[[int, str], list[Any]]:
@@ -185,6 +193,9 @@ class _Base:
             # The whole state's count (usage) is tokenized while the pool computes.
             res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False,
                                                 encoded.state.start)
+            pending = encoded.state.pending()
+            if pending is not None:
+                yield _Await(pending)
             if not encoded.state.window_agrees():
                 # The state window (client/state.py) disagrees with the whole state's tokens, which its
                 # argument says cannot happen: answer from rows built from the whole state, and say so.
@@ -342,6 +353,8 @@ class Client(_Base):
                 while True:
                     if isinstance(step, _Card):
                         step = plan.send(self.card(timeout=step.timeout, refresh=step.refresh))
+                    elif isinstance(step, _Await):
+                        step = plan.send(step.future.result())
                     else:
                         step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent))
             except StopIteration as done:
@@ -469,6 +482,8 @@ class AsyncClient(_Base):
                 while True:
                     if isinstance(step, _Card):
                         step = plan.send(await self.card(timeout=step.timeout, refresh=step.refresh))
+                    elif isinstance(step, _Await):
+                        step = plan.send(await asyncio.wrap_future(step.future))
                     else:
                         step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
                                                          step.on_sent))

@@ -141,6 +141,10 @@ class StateTokens:
         if not self.complete and self._full is None:
             self._full = _background().submit(self._encode, self._text)
 
+    def pending(self) -> Future | None:
+        """The background tokenization, while one runs (None once there is nothing to wait for)."""
+        return None if self.complete or self._full is None or self._full.done() else self._full
+
     def count(self) -> int:
         return len(self.ids) if self.complete else len(self.full_ids())
 
