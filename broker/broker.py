@@ -154,6 +154,9 @@ class Broker:
         self.workers: dict[str, WorkerInfo] = {}
         self.by_identity: dict[bytes, str] = {}
         self.queue: collections.deque[Job] = collections.deque()
+        # Describe jobs in the queue, counted: dispatch asks "any describe waiting?" on every event, and a
+        # scan of a deep queue there cost more than the rest of the loop under load (scripts/broker_rate.py).
+        self.describes_queued = 0
         self.inflight: dict[int, Job] = {}
         self.by_key: dict[tuple[str, Any], Job] = {}     # requests queued or running, by dedup key
         self.replies = ReplyCache(cfg.cache_size, cfg.cache_max_bytes, cfg.cache_ttl_s, cfg.cache_max_reply_bytes)
@@ -214,7 +217,12 @@ class Broker:
 
     def _send(self, sock: zmq.Socket, frames: list[Any]) -> bool:
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+            # Frame by frame, as send_multipart does, less its per-message checks (a few microseconds of every
+            # message, scripts/overhead.py). Only the first frame can fail (unroutable, or the peer's queue is
+            # full): once it is taken, ZeroMQ takes the rest of the message.
+            last = len(frames) - 1
+            for i, f in enumerate(frames):
+                sock.send(f, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0))
             return True
         except zmq.ZMQError as e:
             if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -284,6 +292,7 @@ class Broker:
         for job in list(self.queue) + list(self.inflight.values()):
             self._fail(job, wire.STATUS_RETRYABLE, "the broker is shutting down", reason=Reason.SHUTDOWN)
         self.queue.clear()
+        self.describes_queued = 0
         self.inflight.clear()
         if self.auth is not None:
             self.auth.stop()
@@ -337,6 +346,7 @@ class Broker:
         kept: collections.deque[Job] = collections.deque()
         for job in self.queue:
             if now - job.enqueued > self.cfg.queue_timeout_s:
+                self.describes_queued -= job.kind == "describe"
                 self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within "
                            f"{self.cfg.queue_timeout_s:g} s", reason=Reason.QUEUE_TIMEOUT)
             else:
@@ -461,6 +471,7 @@ class Broker:
             return
         job = Job(self._job_id(), "describe", None, envelope, rid, enqueued=time.monotonic())
         self.queue.append(job)
+        self.describes_queued += 1
         self.dispatch()
 
     def on_drain(self, envelope: list[bytes], msg: wire.Message) -> None:
@@ -735,6 +746,7 @@ class Broker:
             self.queue.appendleft(job)
             if job.kind == "request":
                 self.meter.requeued(worker, lost)
+            self.describes_queued += job.kind == "describe"
         return not spent
 
     # -------------------------------------------------------------------------------------------- dispatch
@@ -757,7 +769,7 @@ class Broker:
         if not self.queue:
             return
         free = self._candidates()
-        if not free and not any(j.kind == "describe" for j in self.queue):
+        if not free and not self.describes_queued:
             return
         kept: collections.deque[Job] = collections.deque()
         while self.queue:
@@ -767,6 +779,7 @@ class Broker:
                 kept.append(job)
                 continue
             if self._send_job(w, job):
+                self.describes_queued -= job.kind == "describe"
                 if len(w.inflight) >= w.credit and w in free:
                     free.remove(w)
             else:
@@ -774,7 +787,7 @@ class Broker:
                 if w in free:
                     free.remove(w)
                 kept.append(job)
-            if not free and not any(j.kind == "describe" for j in self.queue):
+            if not free and not self.describes_queued:
                 break
         kept.extend(self.queue)
         self.queue = kept

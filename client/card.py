@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from client.state import WindowPolicy
 from protocol.contract import fingerprint
 
 # The SDK refuses to apply a temperature outside this range (laya.common.TEMP_MIN / TEMP_MAX).
@@ -160,9 +161,16 @@ class ModelCard:
         # Question texts repeat across the calls of a decision loop; states rarely do. Cache the
         # former per card (tokenizers.Tokenizer.encode is thread-safe once truncation is fixed).
         object.__setattr__(self, "_question_ids", functools.lru_cache(_QUESTION_CACHE_SIZE)(self._encode_tuple))
+        object.__setattr__(self, "window", WindowPolicy.for_tokenizer(self.tokenizer))
+        # The batch entry point skips the offsets nobody here reads (~30% of the time) and releases the GIL,
+        # so the background count of a long state runs beside the caller; older `tokenizers` lack it.
+        fast = getattr(self.tokenizer, "encode_batch_fast", None)
+        object.__setattr__(self, "_fast", fast)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens: the SDK's `tok(text, add_special_tokens=False)`."""
+        if self._fast is not None:  # type: ignore[attr-defined]
+            return self._fast([text], add_special_tokens=False)[0].ids  # type: ignore[attr-defined]
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_question_text(self, text: str) -> tuple[int, ...]:
@@ -170,7 +178,7 @@ class ModelCard:
         return self._question_ids(text)  # type: ignore[attr-defined]
 
     def _encode_tuple(self, text: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return tuple(self.encode(text))
 
     @property
     def option_layout(self) -> str:

@@ -23,6 +23,7 @@ files. This module imports neither torch nor anything from the worker or broker 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -118,6 +119,7 @@ class _Call:
     build: Callable[[int, str], list[Any]]     # (request id, client id) -> frames
     timeout: float | None = None
     retries: int | None = None
+    on_sent: Callable[[], None] | None = None  # work that overlaps the wait (after the first send)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,14 @@ class _Card:
     refresh: bool = False
 
 
-Plan = Generator["_Call | _Card", Any, T]
+@dataclass(frozen=True)
+class _Await:
+    """A plan's step: wait for work running in a thread (the whole state's tokens); its answer is its result.
+    The asyncio driver awaits it, so the event loop never blocks on it."""
+    future: concurrent.futures.Future
+
+
+Plan = Generator["_Call | _Card | _Await", Any, T]
 
 
 def _header_only(cmd: Cmd, **fields: Any) -> Callable[[int, str], list[Any]]:
@@ -188,10 +197,12 @@ class _Base:
 
     # -- plans: each API call written once; the drivers run them -------------------------------------------
     def _forward_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
-                      worker: str | None, mode: str | None, taps: bool) -> Plan[ForwardResult]:
+                      worker: str | None, mode: str | None, taps: bool,
+                      on_sent: Callable[[], None] | None = None) -> Plan[ForwardResult]:
         arrays = self._pack(rows)
         self._check_fits(len(arrays["lengths"]), len(arrays["ids"]), len(arrays["markers"]), "rows")
-        msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries)
+        msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries,
+                                    on_sent)
         reply = wire.parse_reply(msg)
         if reply.status == wire.STATUS_FINAL:
             self._raise_final(reply)
@@ -206,7 +217,18 @@ class _Base:
             self._check_fits(len(encoded.rows), encoded.n_tokens, encoded.n_markers, "questions")
             if not encoded.rows:
                 return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
-            res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
+            # The whole state's count (usage) is tokenized while the pool computes.
+            res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False,
+                                                encoded.state.start)
+            pending = encoded.state.pending()
+            if pending is not None:
+                yield _Await(pending)
+            if not encoded.state.window_agrees():
+                # The state window (client/state.py) disagrees with the whole state's tokens, which its
+                # argument says cannot happen: answer from rows built from the whole state, and say so.
+                log.warning("state window disagreed with the whole state's tokens; re-sent with the whole state")
+                encoded = self._encode(card, state, questions, max_len, head_max_len, window=False)
+                res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
             if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
                 return self._decode(card, encoded, res.flat, res.act)
             if refreshed:
@@ -306,9 +328,10 @@ class _Base:
         return self._card
 
     @staticmethod
-    def _encode(card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None) -> Any:
+    def _encode(card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None,
+                window: bool = True) -> Any:
         from client.semantics import encode_request
-        return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len)
+        return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len, window=window)
 
     @staticmethod
     def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray) -> dict[str, Any]:
@@ -380,14 +403,17 @@ class Client(_Base):
                 while True:
                     if isinstance(step, _Card):
                         step = plan.send(self.card(timeout=step.timeout, refresh=step.refresh))
+                    elif isinstance(step, _Await):
+                        step = plan.send(step.future.result())
                     else:
-                        step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries))
+                        step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent))
             except StopIteration as done:
                 return done.value
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
-             retries: int | None = None) -> tuple[wire.Message, int]:
-        """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts."""
+             retries: int | None = None, on_sent: Callable[[], None] | None = None) -> tuple[wire.Message, int]:
+        """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts.
+        `on_sent` runs once, after the first send."""
         attempts = self._attempts(timeout, retries)
         rid = next(self._rids)
         frames = build(rid, self.cid)
@@ -402,6 +428,9 @@ class Client(_Base):
                     time.sleep(step.sleep)
                 if step.action is Action.SEND:
                     step = self._send(frames, attempts)
+                    if on_sent is not None:
+                        on_sent()
+                        on_sent = None
                 elif step.action is Action.WAIT:
                     msg = self._wait(rid, time.monotonic() + step.seconds)
                     if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
@@ -526,8 +555,11 @@ class AsyncClient(_Base):
                 while True:
                     if isinstance(step, _Card):
                         step = plan.send(await self.card(timeout=step.timeout, refresh=step.refresh))
+                    elif isinstance(step, _Await):
+                        step = plan.send(await asyncio.wrap_future(step.future))
                     else:
-                        step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries))
+                        step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
+                                                         step.on_sent))
             except StopIteration as done:
                 return done.value
 
@@ -570,7 +602,7 @@ class AsyncClient(_Base):
         return attempts.sent()
 
     async def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
-                   retries: int | None = None) -> tuple[wire.Message, int]:
+                   retries: int | None = None, on_sent: Callable[[], None] | None = None) -> tuple[wire.Message, int]:
         if self._sock is None:
             raise PoolError("the client is closed")
         attempts = self._attempts(timeout, retries)
@@ -589,6 +621,9 @@ class AsyncClient(_Base):
                 if step.action is Action.SEND:
                     fut = self._waiters[rid] = loop.create_future()
                     step = await self._send(frames, attempts)
+                    if on_sent is not None:
+                        on_sent()
+                        on_sent = None
                 elif step.action is Action.WAIT:
                     try:
                         msg = await asyncio.wait_for(fut, step.seconds)

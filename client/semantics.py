@@ -19,6 +19,7 @@ import numpy as np
 
 from client import text
 from client.card import ModelCard
+from client.state import StateTokens, WindowPolicy, tokenize_state
 from protocol.contract import QTYPES
 
 OPTION_TOKEN_CAP = 48          # tokens of one option's text (after its [MASK])
@@ -27,6 +28,7 @@ _MIN_OPTION_TOKENS = 4
 _MIN_INSTRUCTION_TOKENS = 8
 _NOUL_FALSE_TEXT = "no, the statement does not hold"
 _NOUL_TRUE_TEXT = "yes, the statement holds"
+_WHOLE = WindowPolicy(False)     # tokenizes every state whole
 _NOUL_LABELS_RULE = "noul labels must map exactly 'false' and 'true' to distinct non-empty strings"
 
 
@@ -45,9 +47,20 @@ class EncodedRequest:
     questions: list[dict[str, Any]]                  # normalised definitions (`to_internal`), same order
     rows: list[tuple[np.ndarray, np.ndarray, int]]   # (ids int32[n], markers int32[k], qtype)
     option_stats: list[dict[str, Any]]               # options, options_distinct, tokens_per_option
-    state_stats: list[dict[str, Any]]                # state_tokens, state_tokens_used, _dropped, truncated
+    kept: list[int]                                  # state tokens each row keeps
     max_len: int
     head_max_len: int
+    state: StateTokens | None = None                 # None when there are no questions
+
+    @property
+    def state_stats(self) -> list[dict[str, Any]]:
+        """Per row: state_tokens, state_tokens_used, _dropped, truncated (the SDK's truncation stats).
+
+        `state_tokens` counts the whole state, which for a long state is still being tokenized in the
+        background while the request runs: reading this waits for it."""
+        total = self.state.count() if self.state is not None else 0
+        return [{"state_tokens": total, "state_tokens_used": k, "state_tokens_dropped": total - k,
+                 "truncated": k < total} for k in self.kept]
 
     @property
     def n_tokens(self) -> int:
@@ -256,12 +269,15 @@ def build_head(card: ModelCard, q: dict[str, Any], head_max_len: int) -> tuple[l
 
 
 def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
-                   max_len: int | None = None, head_max_len: int | None = None) -> EncodedRequest:
+                   max_len: int | None = None, head_max_len: int | None = None,
+                   window: bool = True) -> EncodedRequest:
     """Token rows for `predict(state, questions)`, one per question in the caller's order.
 
     Raises `TypeError` for a state of None or questions that are not a dict, `QuestionError` for a
     question the SDK refuses (all are checked before the state is tokenized) or whose options do not
     fit in `max_len`. `max_len` / `head_max_len` override the card's, as the SDK's per-call overrides do.
+    A long state is tokenized only as far as the rows keep it (`client.state`; `window=False` tokenizes
+    it whole), and its whole count finishes in the background (`EncodedRequest.state_stats` waits).
     """
     if not isinstance(questions, dict):
         raise TypeError(f"questions must be a dict of question id -> definition, got {type(questions).__name__}")
@@ -277,31 +293,34 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
     if not qids:
         return out   # the SDK answers an empty question set without tokenizing anything
 
-    try:
-        state_ids = card.encode(serialize_state(state).replace(card.mask_token, " "))
-    except (TypeError, ValueError) as e:      # bytes or lone surrogates: say where (client/text.py)
-        raise text.state_error(state, e) from e
-    # A conversation is newest-last: cut it from the left so the latest turn survives.
-    from_left = isinstance(state, list)
+    heads = []
     for qid, q in zip(qids, internal):
         try:
-            head, markers, opt_stats = build_head(card, q, head_max_len)
-        except (TypeError, ValueError) as e:
+            heads.append(build_head(card, q, head_max_len))
+        except (TypeError, ValueError) as e:     # bytes or lone surrogates: say where (client/text.py)
             raise QuestionError(qid, text.problem(questions[qid], "definition") or str(e)) from e
-        room = max(0, max_len - len(head) - 1)                # -1: the [SEP] closing the state
-        kept = state_ids[max(0, len(state_ids) - room):] if from_left else state_ids[:room]
-        ids = (head + kept + [card.sep_id])[:max_len]
+    rooms = [max(0, max_len - len(head) - 1) for head, _, _ in heads]    # -1: the [SEP] closing the state
+    # A conversation is newest-last: cut it from the left so the latest turn survives.
+    from_left = isinstance(state, list)
+    policy = card.window if window else _WHOLE
+    try:
+        serialized = serialize_state(state).replace(card.mask_token, " ")
+        out.state = tokens = tokenize_state(card.encode, policy, serialized, max(rooms), from_left)
+    except (TypeError, ValueError) as e:
+        raise text.state_error(state, e) from e
+    n = len(tokens.ids)
+    state_ids = np.asarray(tokens.ids, dtype=np.int32)
+    sep = np.asarray([card.sep_id], dtype=np.int32)
+    for qid, q, (head, markers, opt_stats), room in zip(qids, internal, heads, rooms):
+        keep = min(room, n)    # the window holds at least max(rooms) tokens, or the whole state
+        kept = state_ids[n - keep:] if from_left else state_ids[:keep]
+        ids = np.concatenate((np.asarray(head, dtype=np.int32), kept, sep))[:max_len]
         markers = [m for m in markers if m < max_len]
         if len(markers) != opt_stats["options"]:
             raise QuestionError(qid, f"only {len(markers)} of its {opt_stats['options']} option markers fit in "
                                      f"max_len={max_len} with head_max_len={head_max_len} spent on the question; "
                                      "lower head_max_len, raise max_len, or use fewer options")
-        out.rows.append((np.asarray(ids, dtype=np.int32), np.asarray(markers, dtype=np.int32), QTYPES[q["t"]]))
+        out.rows.append((ids, np.asarray(markers, dtype=np.int32), QTYPES[q["t"]]))
         out.option_stats.append(opt_stats)
-        out.state_stats.append({
-            "state_tokens": len(state_ids),
-            "state_tokens_used": len(kept),
-            "state_tokens_dropped": len(state_ids) - len(kept),
-            "truncated": len(kept) < len(state_ids),
-        })
+        out.kept.append(keep)
     return out

@@ -132,3 +132,41 @@ def test_a_lost_job_fails_as_workers_lost_after_max_attempts(broker, tmp_path):
     finally:
         client.close(0)
         ctx.term()
+
+
+def test_queued_describes_are_counted_through_dispatch_loss_and_expiry(broker, tmp_path):
+    # dispatch asks "is a describe waiting?" from a counter, not a scan of the queue: the counter must
+    # follow the queue through every way a describe job enters and leaves it.
+    import zmq
+
+    def counted() -> None:
+        assert broker.describes_queued == sum(j.kind == "describe" for j in broker.queue)
+
+    ctx = zmq.Context()
+    w = ctx.socket(zmq.DEALER)
+    w.setsockopt(zmq.IDENTITY, b"w0")
+    w.setsockopt(zmq.LINGER, 0)
+    w.connect(f"ipc://{tmp_path}/be")
+    try:
+        for rid in (1, 2):
+            broker.on_describe([b"client"], wire.decode(wire.encode(wire.Cmd.DESCRIBE, {"rid": rid})))
+        broker.queue.append(Job(9, "request", ("c", 9), [b"client"], 9))
+        counted()
+        assert broker.describes_queued == 2
+        w.send_multipart(wire.encode(wire.Cmd.READY, {
+            "id": "w0", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
+            "capacity": {"max_tokens": 100, "max_rows": 4, "max_markers": 8}}))
+        assert broker.backend.poll(5000)
+        broker._receive_all(broker.backend, broker.on_backend)   # registers: the describes (not bound by
+        counted()                                                  # its credit of 1) go, the request waits
+        assert broker.describes_queued == 0 and len(broker.inflight) == 2 and len(broker.queue) == 1
+        broker._worker_lost(broker.workers["w0"], WorkerState.DEAD, "test")   # the describes come back
+        counted()
+        assert broker.describes_queued == 2 and len(broker.queue) == 3
+        broker.cfg.queue_timeout_s = 0.0
+        broker._expire_queue(float("inf"))
+        counted()
+        assert broker.describes_queued == 0 and not broker.queue
+    finally:
+        w.close(0)
+        ctx.term()

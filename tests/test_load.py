@@ -33,3 +33,33 @@ def test_lost_requests_fail_the_run(tiny_ckpt, tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert rep["pool"]["answered"] == 0 and rep["pool"]["lost"] > 0
     assert "max_len" in rep["pool"]["errors"][0] or "length" in rep["pool"]["errors"][0]
+
+
+def test_sweep_of_a_mixed_load_writes_json_and_curve(tiny_ckpt, tmp_path):
+    png = tmp_path / "sweep.png"
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, "scripts/load.py", "--model", str(tiny_ckpt), "--concurrency", "1,3",
+                           "--mix", "1x48:3,2x64:1", "--procs", "2", "--seconds", "1.5", "--baseline-args",
+                           "--max-batch 1", "--pool-args", "--max-batch 4", "--out", str(out), "--png", str(png)],
+                          cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    for name in ("baseline", "pool"):
+        sweep = rep[name]["sweep"]
+        assert [r["concurrency"] for r in sweep] == [1, 3]
+        assert rep[name]["concurrency"] == 3 and rep[name]["answered"] == sweep[-1]["answered"]
+        for r in sweep:
+            assert r["lost"] == 0 and r["answered"] > 5
+            assert set(r["per_shape"]) == {"1x48", "2x64"}
+            assert sum(s["answered"] for s in r["per_shape"].values()) == r["answered"]
+            assert r["per_shape"]["1x48"]["answered"] > r["per_shape"]["2x64"]["answered"]   # weights 3:1
+    assert rep["pool"]["pool_args"] == "--max-batch 4" and rep["baseline"]["pool_args"] == "--max-batch 1"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sum(" in flight " in line for line in proc.stdout.splitlines()) == 4   # one line per run
+
+
+def test_bad_sweep_arguments_are_refused(tiny_ckpt, tmp_path):
+    for bad in (["--concurrency", "0,4"], ["--mix", "1x48:0"], ["--mix", "48"]):
+        proc = subprocess.run([sys.executable, "scripts/load.py", "--model", str(tiny_ckpt), *bad],
+                              cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "error" in proc.stderr, (bad, proc.stderr)

@@ -48,6 +48,10 @@ CASES = [
     ("word " * 700,
      {"long": {"type": "noul", "instructions": "Is the text repetitive?", "labels": {"false": "no", "true": "yes"}},
       "pick": {"type": "choice", "instructions": "pick one", "criteria": ["a", "b"]}}),
+    # long enough that the client tokenizes only a window of it (client/state.py), cut from the left
+    ([{"role": "user", "content": "please refund my order 99, it came broken " * 150},
+      {"role": "agent", "content": "which order do you mean? " * 200}],
+     {"refund": {"type": "noul", "instructions": "Does the customer ask for money back?"}}),
 ]
 
 
@@ -204,6 +208,27 @@ def test_async_client(ipc_pool, expected):
     got = asyncio.run(go())
     for want, have in zip(expected * 2, got):
         _close(want, have)
+
+
+def test_a_state_window_that_disagrees_is_sent_again_whole(ipc_pool, expected, monkeypatch, caplog):
+    import client.semantics
+
+    state, qs = CASES[-1]
+    with ipc_pool.client(timeout=30) as c:
+        _close(expected[-1], c.predict(state, qs))
+        # Injected fault: a window whose tokens are not the state's (reversed). The client must notice when
+        # the whole state's tokens arrive and answer from those.
+        tokenize_state = client.semantics.tokenize_state
+
+        def wrong_window(*args):
+            tokens = tokenize_state(*args)
+            if not tokens.complete:
+                tokens.ids = tokens.ids[::-1]
+            return tokens
+        monkeypatch.setattr(client.semantics, "tokenize_state", wrong_window)
+        with caplog.at_level("WARNING", logger="laya-pool.client"):
+            _close(expected[-1], c.predict(state, qs))
+    assert "state window disagreed" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------ dedup

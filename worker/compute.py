@@ -195,8 +195,10 @@ class Compute:
         done = time.monotonic()
         replies = []
         for q, (logits, act) in zip(members, group.split(res.logits, res.act)):
+            # received_at / done_at: this host's monotonic clock, so a client on the same host can place the
+            # worker's part of a round trip (scripts/overhead.py); meaningless across hosts.
             metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - q.received) * 1e3,
-                           worker_ms=(done - q.received) * 1e3)
+                           worker_ms=(done - q.received) * 1e3, received_at=q.received, done_at=done)
             replies.append(wire.encode_reply(q.req.rid, logits, act, worker=self.id, fingerprint=self.fingerprint,
                                              metrics=metrics, taps=res.taps))
         return replies

@@ -1,0 +1,208 @@
+"""The state's token ids, tokenizing only the part of a long state that any row can keep.
+
+The SDK tokenizes the whole state and every row keeps at most `room` tokens of it: the first `room`
+(a text or JSON state) or the last `room` (a conversation list). A 2,048-token state costs ~2 ms of
+tokenizing for ~480 tokens any row keeps. `tokenize_state` tokenizes a window of the text that is
+just large enough, cut at a *safe cut*, and counts the whole state (the `usage` the SDK reports) in a
+background thread while the request is in flight.
+
+Why a safe cut gives exactly the SDK's tokens (the tokenizer's stages, in order):
+
+- added tokens ("[CLS]", ...) are matched first and split the text into segments; a cut with no
+  added-token text within `margin` characters of it cannot change which are matched, nor what their
+  lstrip / rstrip / single_word rules absorb (whitespace they absorb lies wholly on one side);
+- no normalizer (required below), so nothing rewrites text across the cut;
+- the ByteLevel pre-tokenizer splits each segment with the GPT-2 pattern
+  `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`. No alternative
+  matches a non-space character followed by a space character (spaces only lead a match or fill it),
+  so a position `p` with `text[p-1]` non-space and `text[p]` space is a piece boundary however the scan
+  started, the pieces after `p` depend only on `text[p:]` (no look-behind), and the pieces before `p`
+  are found identically in `text[:p]` (the only look-ahead, `(?!\\S)`, ends a run of spaces, and none
+  ends at `p`);
+- BPE merges within a piece, never across pieces.
+
+So `tokens(text) == tokens(text[:p]) + tokens(text[p:])` at every safe cut: both windows are exact.
+The cut characters are kept to ones every definition of space agrees on (" " and "\\n" after a letter,
+digit or printable ASCII), and the whole argument is only used for tokenizers whose configuration it
+covers (`window_safe`); any other tokenizer tokenizes the whole state. The background tokenization of
+the whole state also re-checks the window against it (`StateTokens.window_agrees`), so a violated
+assumption is caught rather than answered (the client then re-sends rows built from the whole state).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+_CUT_CHARS = (" ", "\n")
+_MIN_WINDOW_CHARS = 2048        # shorter states are tokenized whole: the window would not save anything
+_MAX_PROBES = 256               # candidate cuts looked at before giving up (a text of spaced-out emoji)
+_GROW = 1.05                    # a window sized for 5% more tokens than asked: one pass nearly always
+
+
+def _solid(c: str) -> bool:
+    # A character no definition of whitespace (Python's, Unicode White_Space, Oniguruma's \s) calls space.
+    return c.isalnum() or "!" <= c <= "~"
+
+
+@dataclass
+class WindowPolicy:
+    """What one tokenizer allows: whether windows are exact for it, and the added-token texts to stay clear of."""
+    safe: bool
+    added: tuple[str, ...] = ()
+    margin: int = 0
+    # Learnt from each window; a guess only costs speed, never exactness. Low at first: a window too small
+    # grows by one more piece, one too large tokenizes what nobody keeps.
+    chars_per_token: float = 2.5
+    min_chars: int = _MIN_WINDOW_CHARS
+
+    @classmethod
+    def for_tokenizer(cls, tok: Any) -> WindowPolicy:
+        try:
+            doc = json.loads(tok.to_str())
+        except Exception:
+            return cls(False)
+        pre, model = doc.get("pre_tokenizer") or {}, doc.get("model") or {}
+        safe = (doc.get("normalizer") is None
+                and pre.get("type") == "ByteLevel" and pre.get("add_prefix_space") is False
+                and pre.get("use_regex", True) is True
+                and model.get("type") == "BPE" and not model.get("dropout"))
+        added = tuple(t["content"] for t in doc.get("added_tokens", []) if t.get("content"))
+        if any(not t for t in added):
+            safe = False
+        return cls(safe, added, max((len(t) for t in added), default=0) + 1)
+
+    def is_cut(self, text: str, p: int) -> bool:
+        """Whether `p` is a safe cut of `text` (see the module docstring)."""
+        if not (0 < p < len(text)) or text[p] not in _CUT_CHARS or not _solid(text[p - 1]):
+            return False
+        near = text[max(0, p - self.margin):p + self.margin]
+        return not any(t in near for t in self.added)
+
+    def cut_before(self, text: str, limit: int, floor: int) -> int | None:
+        """The last safe cut in (floor, limit], or None (also after `_MAX_PROBES` rejected candidates)."""
+        hi = limit + 1
+        for _ in range(_MAX_PROBES):
+            p = max(text.rfind(c, floor + 1, hi) for c in _CUT_CHARS)
+            if p <= floor:
+                return None
+            if self.is_cut(text, p):
+                return p
+            hi = p
+        return None
+
+    def cut_after(self, text: str, limit: int, ceil: int) -> int | None:
+        """The first safe cut in [limit, ceil), or None (also after `_MAX_PROBES` rejected candidates)."""
+        lo = limit
+        for _ in range(_MAX_PROBES):
+            found = [q for q in (text.find(c, lo, ceil) for c in _CUT_CHARS) if q >= 0]
+            if not found:
+                return None
+            p = min(found)
+            if self.is_cut(text, p):
+                return p
+            lo = p + 1
+        return None
+
+
+_executor: tuple[int, ThreadPoolExecutor] | None = None
+_executor_lock = threading.Lock()
+
+
+def _background() -> ThreadPoolExecutor:
+    # One per process: an executor inherited through fork() has no thread and would never run anything.
+    global _executor
+    with _executor_lock:
+        if _executor is None or _executor[0] != os.getpid():
+            _executor = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="laya-state-tokens"))
+        return _executor[1]
+
+
+@dataclass
+class StateTokens:
+    """The state's ids as far as rows need them: `ids` is the whole state, its first tokens (`from_left`
+    False) or its last (`from_left` True); `count()` is the whole state's token count.
+
+    For a window, the whole state is tokenized by `start()` in a background thread (the client calls it
+    once the request is sent, so it does not compete with encoding and sending) or, if nobody started it,
+    by the first `count()` / `full_ids()` / `window_agrees()`."""
+    ids: list[int]
+    from_left: bool
+    complete: bool
+    _text: str = field(default="", repr=False)
+    _encode: Callable[[str], list[int]] | None = field(default=None, repr=False)
+    _full: Future | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        if not self.complete and self._full is None:
+            self._full = _background().submit(self._encode, self._text)
+
+    def pending(self) -> Future | None:
+        """The background tokenization, while one runs (None once there is nothing to wait for)."""
+        return None if self.complete or self._full is None or self._full.done() else self._full
+
+    def count(self) -> int:
+        return len(self.ids) if self.complete else len(self.full_ids())
+
+    def full_ids(self) -> list[int]:
+        """The whole state's ids (waits for the background tokenization; re-raises what it raised)."""
+        if self.complete:
+            return self.ids
+        if self._full is None:
+            done: Future = Future()
+            done.set_result(self._encode(self._text))
+            self._full = done
+        return self._full.result()
+
+    def window_agrees(self) -> bool:
+        """Whether the window is exactly the whole state's first (or last) tokens."""
+        if self.complete:
+            return True
+        full, n = self.full_ids(), len(self.ids)
+        return (full[len(full) - n:] if self.from_left else full[:n]) == self.ids
+
+
+def tokenize_state(encode: Callable[[str], list[int]], policy: WindowPolicy, text: str, need: int,
+                   from_left: bool) -> StateTokens:
+    """Tokens of `text`: at least its first (`from_left`: last) `need` tokens, or all of them."""
+    if not policy.safe or len(text) < max(policy.min_chars, 2 * need * policy.chars_per_token):
+        return StateTokens(encode(text), from_left, True)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:          # the tokenizer refuses it: let it say so, as it does for the SDK
+        return StateTokens(encode(text), from_left, True)
+    parts: list[list[int]] = []
+    got, edge = 0, (0 if not from_left else len(text))      # the window is text[:edge] or text[edge:]
+    while got < need:
+        reach = int((need - got) * policy.chars_per_token * _GROW) + 16
+        # The safe cut nearest the size asked for: inside it, or past it when a long word fills it.
+        if not from_left:
+            at = edge + reach
+            p = None if at >= len(text) else (policy.cut_before(text, at, edge)
+                                              or policy.cut_after(text, at, len(text)))
+            piece = text[edge:] if p is None else text[edge:p]
+        else:
+            at = edge - reach
+            p = None if at <= 0 else policy.cut_after(text, at, edge) or policy.cut_before(text, at, 0)
+            piece = text[:edge] if p is None else text[p:edge]
+        ids = encode(piece)
+        if ids:
+            policy.chars_per_token = 0.5 * policy.chars_per_token + 0.5 * len(piece) / len(ids)
+        parts.append(ids)
+        got += len(ids)
+        if p is None:                   # no safe cut left before the end: the window is the whole state
+            return StateTokens(_join(parts, from_left), from_left, True)
+        edge = p
+    window = _join(parts, from_left)
+    return StateTokens(window, from_left, False, text, encode)
+
+
+def _join(parts: list[list[int]], from_left: bool) -> list[int]:
+    out: list[int] = []
+    for ids in (reversed(parts) if from_left else parts):
+        out.extend(ids)
+    return out
