@@ -1,4 +1,5 @@
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,21 @@ def stop_all(procs: list) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now and not handed out before in this process (the OS may give
+    the same free port to two calls in a row, and a test binding both then fails)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
+
+
+_GIVEN_PORTS: set[int] = set()
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, message: str | Callable[[], str],

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, SUBPROCESS_ENV, wait_until
+from conftest import ROOT, SUBPROCESS_ENV, free_port, wait_until
 
 from client.pool import Client
 
@@ -21,14 +21,9 @@ FD_LIMIT = 64          # enough for the broker's own sockets and pipes, not for 
 LINE = "could not accept a connection (out of file descriptors"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_fd_exhaustion_logs_one_clear_line_and_the_broker_recovers(tmp_path):
-    fe, be = f"tcp://127.0.0.1:{_free_port()}", f"ipc://{tmp_path}/be"
+    fe, be = f"tcp://127.0.0.1:{free_port()}", f"ipc://{tmp_path}/be"
     log = tmp_path / "broker.log"
     with open(log, "w") as out:
         broker = subprocess.Popen(

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
+from conftest import SUBPROCESS_ENV, free_port, make_rows, stop_all, wait_until
 
 from broker.supervisor import Supervisor, SupervisorConfig
 from worker.placement import cuda_local_device as _cuda_local_device
@@ -41,16 +41,10 @@ def test_worker_maps_its_one_visible_gpu(monkeypatch):
     assert _cuda_local_device("cuda:1") == ("cuda:1", "cuda:1")
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_remote_style_workers_join_over_tcp_and_agree(tiny_ckpt):
     from client.pool import Client, PoolError
-    fe, be = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    fe, be = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300", "--insecure-backend"], env=ENV, cwd=ROOT)]
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -16,7 +15,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import ROOT, SUBPROCESS_ENV, make_rows, wait_until
+from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker import operator
@@ -25,11 +24,6 @@ from client.pool import Client, PoolUnavailable, RequestFailed, local_pool
 pytestmark = pytest.mark.timeout(180)
 OK = ("laya_pool_requests_total", (("outcome", "ok"), ("reason", "")))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -49,7 +43,7 @@ def _metrics(port: int) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture(scope="module")
 def pool(tiny_ckpt, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("ops") / "pool.log"
     # A bare port: the supervisor listens on 127.0.0.1 (the URL above would not answer otherwise).
     with local_pool(tiny_ckpt, "cpu", heartbeat_ms=250, liveness=4, log=log, startup_timeout=120,
@@ -146,7 +140,7 @@ def test_ready_is_503_while_the_only_worker_is_drained(pool):
 
 def test_http_beyond_loopback_needs_keys(tiny_ckpt):
     out = subprocess.run([sys.executable, "-m", "broker.cli", "up", "--model", str(tiny_ckpt), "--http",
-                          f"0.0.0.0:{_free_port()}"], cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True,
+                          f"0.0.0.0:{free_port()}"], cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

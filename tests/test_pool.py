@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import SUBPROCESS_ENV, make_rows, wait_until
+from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
 
 from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
 from protocol import contract, wire
@@ -54,11 +53,6 @@ CASES = [
      {"refund": {"type": "noul", "instructions": "Does the customer ask for money back?"}}),
 ]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _close(a, b, path="") -> None:
@@ -94,7 +88,7 @@ def _module_pool(tiny_ckpt, tmp_path_factory, frontend):
 
 @pytest.fixture(scope="module")
 def tcp_pool(tiny_ckpt, tmp_path_factory):
-    yield from _module_pool(tiny_ckpt, tmp_path_factory, f"tcp://127.0.0.1:{_free_port()}")
+    yield from _module_pool(tiny_ckpt, tmp_path_factory, f"tcp://127.0.0.1:{free_port()}")
 
 
 @pytest.fixture(scope="module")
@@ -586,7 +580,7 @@ def test_security_refusal_and_curve(tmp_path):
                                                  "client.key_secret", "authorized"}
     assert (keys / "server.key_secret").stat().st_mode & 0o077 == 0
     assert _cli("keys", "--out", str(keys)).returncode == 1      # never overwrites secrets silently
-    port = _free_port()
+    port = free_port()
     fe = f"tcp://127.0.0.1:{port}"
     p = _broker("--frontend", fe, "--backend", f"ipc://{tmp_path}/be2", "--keys", str(keys))
     try:
@@ -603,7 +597,7 @@ def test_security_refusal_and_curve(tmp_path):
 def test_a_curve_pool_serves_key_holders_only(tmp_path, tiny_ckpt, runtime):
     keys = tmp_path / "keys"
     assert _cli("keys", "--out", str(keys)).returncode == 0
-    fe = f"tcp://127.0.0.1:{_free_port()}"
+    fe = f"tcp://127.0.0.1:{free_port()}"
     with local_pool(tiny_ckpt, "cpu", frontend=fe, heartbeat_ms=HB_MS, liveness=LIVENESS, keys=str(keys)) as pool:
         rows = make_rows(13)
         want, _ = _reference(runtime, rows)
@@ -616,7 +610,7 @@ def test_a_curve_pool_serves_key_holders_only(tmp_path, tiny_ckpt, runtime):
 
 
 def test_up_fails_fast_on_what_cannot_work(tmp_path, tiny_ckpt):
-    port = _free_port()
+    port = free_port()
     r = _cli("up", "--model", str(tiny_ckpt), "--frontend", f"tcp://127.0.0.1:{port}",
              "--backend", f"tcp://127.0.0.1:{port}", "--insecure-backend", timeout=120)   # the broker cannot bind
     assert r.returncode == 1 and "cannot bind" in r.stderr

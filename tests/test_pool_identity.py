@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import SUBPROCESS_ENV, make_rows, wait_until
+from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
 
 from broker import operator
 from client.pool import Client, PoolUnavailable, local_pool
@@ -21,11 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _up(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "broker.cli", "up", *args], env=env or SUBPROCESS_ENV, cwd=ROOT,
@@ -33,7 +27,7 @@ def _up(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
 
 
 def test_a_second_up_on_a_used_frontend_fails_without_claiming_the_pool(tiny_ckpt, tmp_path):
-    fe = f"tcp://127.0.0.1:{_port()}"
+    fe = f"tcp://127.0.0.1:{free_port()}"
     with local_pool(tiny_ckpt, "cpu", frontend=fe, heartbeat_ms=250, extra_args=["--threads", "1"]) as pool:
         before, secret = pool.status()["broker"]["pid"], operator.read_secret(fe)
         second = _up("--model", str(tiny_ckpt), "--frontend", fe, "--threads", "1", "--heartbeat-ms", "250")

@@ -1,11 +1,10 @@
 """CURVE roles: a client's key reaches the frontend only; registering a worker needs the worker key."""
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import zmq
-from conftest import SUBPROCESS_ENV, wait_until
+from conftest import SUBPROCESS_ENV, free_port, wait_until
 
 from broker.security import generate
 from client.pool import Client
@@ -14,11 +13,6 @@ from protocol import wire
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready_frames(wid: str) -> list:
@@ -31,7 +25,7 @@ def test_client_key_cannot_register_a_worker(tmp_path):
     keys = tmp_path / "keys"
     generate(keys)
     assert (keys / "authorized-workers" / "worker.key").is_file() and (keys / "worker.key_secret").is_file()
-    fe, be = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    fe, be = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     broker = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
                                "--keys", str(keys), "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)
     ctx = zmq.Context()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import SUBPROCESS_ENV, wait_until
+from conftest import SUBPROCESS_ENV, free_port, wait_until
 
 from broker.security import generate
 from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed
@@ -22,11 +21,6 @@ from protocol.contract import Reason
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(wid: str, pid: int) -> list:
@@ -41,7 +35,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_a_tcp_worker_endpoint_needs_keys_even_on_loopback(tmp_path, tiny_ckpt):
-    be = f"tcp://127.0.0.1:{_port()}"
+    be = f"tcp://127.0.0.1:{free_port()}"
     r = _cli("broker", "--frontend", f"ipc://{tmp_path}/fe", "--backend", be)
     assert r.returncode == 2 and "without CURVE keys" in r.stderr and "--insecure-backend" in r.stderr, r.stderr
     r = _cli("up", "--model", str(tiny_ckpt), "--frontend", f"ipc://{tmp_path}/fe2", "--backend", be)
@@ -62,7 +56,7 @@ def test_a_tcp_worker_endpoint_needs_keys_even_on_loopback(tmp_path, tiny_ckpt):
 def test_without_the_worker_key_no_registration_or_takeover_and_only_the_operator_key_drains(tmp_path):
     keys = tmp_path / "keys"
     generate(keys)
-    fe, be = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    fe, be = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / "broker.log"
     with open(log, "w") as out:
         broker = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
