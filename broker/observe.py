@@ -237,17 +237,17 @@ def _fmt(bound: float) -> str:
     return repr(float(bound))
 
 
-def _gauge(name: str, text: str, samples: list[tuple[dict[str, str], float]]) -> GaugeMetricFamily:
+def _family(kind, name: str, text: str, samples: list[tuple[dict[str, str], float]]):
     names = sorted(samples[0][0]) if samples else []
-    fam = GaugeMetricFamily(PREFIX + name, text, labels=names)
+    fam = kind(PREFIX + name, text, labels=names)
     for labels, v in samples:
         fam.add_metric([labels[k] for k in names], v)
     return fam
+
+
+def _gauge(name: str, text: str, samples: list[tuple[dict[str, str], float]]) -> GaugeMetricFamily:
+    return _family(GaugeMetricFamily, name, text, samples)
 
 
 def _counter(name: str, text: str, samples: list[tuple[dict[str, str], float]]) -> CounterMetricFamily:
-    names = sorted(samples[0][0]) if samples else []
-    fam = CounterMetricFamily(PREFIX + name, text, labels=names)
-    for labels, v in samples:
-        fam.add_metric([labels[k] for k in names], v)
-    return fam
+    return _family(CounterMetricFamily, name, text, samples)
