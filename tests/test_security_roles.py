@@ -109,7 +109,7 @@ def test_without_the_worker_key_no_registration_or_takeover_and_only_the_operato
             # intruders do on the backend.
             socks.append(ctx.socket(zmq.DEALER))
             socks[-1].setsockopt(zmq.LINGER, 0)
-            socks[-1].connect(fe)
+            socks[-1].connect(be if side == "backend" else fe)    # knock on the side whose line is awaited
             return f"{side} socket: refused a connection: the peer speaks another security" in log.read_text()
         for side in ("backend", "frontend"):
             wait_until(lambda side=side: knock_and_look(side), 10,
