@@ -127,13 +127,16 @@ if triton is not None:
         rm = pid_m * BM + tl.arange(0, BM)
         rk = tl.arange(0, BK)
         if EPI == 3:
-            # Program pid_n covers BN columns of the first half of one head; its partner half is HALF on.
-            per_head = HALF // BN
-            head = pid_n // per_head
-            cols = head * (2 * HALF) + (pid_n % per_head) * BN + tl.arange(0, BN)
+            # Program pid_n covers BN of the heads' first-half columns, numbered head by head (BN may be part of
+            # one head's half or span several heads); each one's partner column is HALF on.
+            g = pid_n * BN + tl.arange(0, BN)
+            head = g // HALF
+            half_col = g % HALF
+            cols = head * (2 * HALF) + half_col
+            col_ok = cols < N_OUT
         else:
             cols = pid_n * BN + tl.arange(0, BN)
-        col_ok = cols < N_OUT
+            col_ok = cols < N_OUT
         row_ok = rm < M
         if CHUNK > 0:
             # K in two fixed chunks (module docstring). SPLIT: this program runs chunk program_id(2) alone and
@@ -218,16 +221,15 @@ if triton is not None:
         else:
             x1 = acc.to(CD).to(tl.float32)
             x2 = acc2.to(CD).to(tl.float32)
-            if head < ROPE_HEADS:
-                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
-                j = (pid_n % per_head) * BN + tl.arange(0, BN)
-                t = pos[:, None] * HALF + j[None, :]
-                c = tl.load(cos_ptr + t, mask=ok, other=0.0)
-                s = tl.load(sin_ptr + t, mask=ok, other=0.0)
-                y1 = x1 * c - x2 * s
-                y2 = x2 * c + x1 * s
-            else:
-                y1, y2 = x1, x2
+            # Query and key heads (the first ROPE_HEADS) rotate by the token's row-relative position; value heads
+            # pass through.
+            rot = ok & (head < ROPE_HEADS)[None, :]
+            pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
+            t = pos[:, None] * HALF + half_col[None, :]
+            c = tl.load(cos_ptr + t, mask=rot, other=1.0)
+            s = tl.load(sin_ptr + t, mask=rot, other=0.0)
+            y1 = tl.where(rot, x1 * c - x2 * s, x1)
+            y2 = tl.where(rot, x2 * c + x1 * s, x2)
             tl.store(out_ptrs, y1.to(out_ptr.dtype.element_ty), mask=ok)
             tl.store(out_ptrs + HALF, y2.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -320,11 +322,13 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     elif epi == Epi.ROPE:
         pos, cos, sin, d, rope_heads = rope
         half = d // 2
-        bn = min(t.bn, half)
-        t = Tiles(t.bm, bn, t.bk, t.warps, t.stages)
-        assert half % bn == 0 and n % d == 0
+        assert n % d == 0 and (half % t.bn == 0 or t.bn % half == 0), (d, t)
         partner = half
-        programs_n = (n // d) * (half // bn)
+        programs_n = triton.cdiv((n // d) * half, t.bn)
+        if t.bn > half:            # a tile spanning heads reads rows of W that are not one contiguous box: no TMA
+            if tma:
+                raise ValueError(f"a RoPE tile spanning heads ({t}) cannot use TMA")
+            tma = False
     else:
         if split and tiles is None:
             t = split_tiles(t, m, n_out, chunks, sms(a.device))

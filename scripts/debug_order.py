@@ -35,6 +35,39 @@ def diagnose(rts):
             print(m, "fresh pinned upload fails:", repr(e)[:200], flush=True)
 
 
+def watch_pos():
+    """DEBUG_POS=1: after every eager embed, check the positions it wrote (and what it read) on the host."""
+    import kernels.fast as fast
+    import kernels.rows as rows
+    real = rows.embed
+
+    def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id, eps):
+        real(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id, eps)
+        if torch.cuda.is_current_stream_capturing():
+            return
+        torch.cuda.synchronize()
+        p = pos.cpu()
+        if int(p.min()) < 0 or int(p.max()) >= 4096:
+            print("EMBED WROTE BAD POS", int(p.min()), int(p.max()), "T", pos.shape[0], "starts",
+                  row_start.cpu().tolist(), "lens", row_len.cpu().tolist(), flush=True)
+    fast.rk.embed = embed
+
+
+def narrow_rope():
+    """DEBUG_NARROW_ROPE=1: RoPE tiles never wider than half a head (the tiling before 2026-12-03's session 5)."""
+    import kernels.gemm as g
+    real = g.pick_tiles
+
+    def pick(m, n_out, k, epi, sms=132):
+        t = real(m, n_out, k, epi, sms)
+        return g.Tiles(t.bm, min(t.bn, 16), t.bk, t.warps, t.stages) if epi == g.Epi.ROPE else t
+    g.pick_tiles = pick
+
+
+if os.environ.get("DEBUG_POS") == "1":
+    watch_pos()
+if os.environ.get("DEBUG_NARROW_ROPE") == "1":
+    narrow_rope()
 ck = load_checkpoint(sys.argv[1])
 batches = frozen_batches(sys.argv[1])
 rts = {}
@@ -54,6 +87,8 @@ for i, b in enumerate(batches):
             print(f"FAILED batch {i} ({b.rows} rows, longest {b.max_row_len}) in {m}: {type(e).__name__} {e}",
                   flush=True)
             traceback.print_exc()
+            for name, r in rts.items():
+                print(name, "stats", r.stats(), flush=True)
             diagnose(rts)
             raise SystemExit(1) from None
     same = all(np.array_equal(o.logits, outs["eager"].logits) and np.array_equal(o.act, outs["eager"].act)

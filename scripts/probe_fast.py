@@ -152,6 +152,78 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
     return rec
 
 
+def _sweep_configs(m: int, epi: Epi, half: int) -> list[Tiles]:
+    """The tile configurations the sweep times at one M: around what pick_tiles picks."""
+    if m <= 64:
+        out = [Tiles(64, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)]
+    else:
+        bns = (32, 64, 128) if epi in (Epi.GEGLU, Epi.ROPE) else (64, 128, 256)
+        out = [Tiles(128, bn, 64, 8, st) for bn in bns for st in (2, 3, 4)] + [Tiles(64, bns[1], 64, 4, 4)]
+    if epi == Epi.ROPE:
+        out = [t for t in out if half % t.bn == 0 or t.bn % half == 0]
+    elif epi == Epi.GEGLU and m <= 64:
+        out = [t for t in out if t.bn <= 32]
+    return out
+
+
+def step_tiles(arch, report):
+    """Time the encoder GEMMs at a grid of tilings per M; check each tiling's bits against the picked tiling's."""
+    torch.manual_seed(0)
+    dev, D = "cuda", arch.head_dim
+    pos = torch.randint(0, arch.max_len, (8192,), device=dev, dtype=torch.int32)
+    cos = torch.rand(arch.max_len, D // 2, device=dev)
+    sin = torch.rand(arch.max_len, D // 2, device=dev)
+    print("\n== tiles: graph-timed us per GEMM at each tiling (bits vs the picked tiling)")
+    report["tiles"] = {}
+    for name, (n, k, epi, _) in list(gemm_cases(arch).items())[:4]:
+        rope = (pos, cos, sin, D, 2 * arch.heads) if epi == Epi.ROPE else None
+        report["tiles"].update(_tile_case(name, n, k, epi, rope))
+
+
+def _tile_case(name, n, k, epi, rope):
+    dev = "cuda"
+    a = torch.randn(8192, k, device=dev).bfloat16()
+    w = (torch.randn(n, k, device=dev) / k ** 0.5).bfloat16()
+    n_out = n // 2 if epi == Epi.GEGLU else n
+    h0 = torch.randn(8192, n_out, device=dev)
+    parts = torch.empty(2, 2048, n_out, device=dev)
+    ones = torch.ones(n_out, device=dev)
+
+    def call(m, t, o):
+        if epi == Epi.RESIDUAL:
+            return residual(a[:m], w, o, parts, tiles=t)
+        gemm(a[:m], w, o, epi=epi, rope=None if rope is None else (rope[0][:m],) + rope[1:], tiles=t)
+        return None
+
+    def result(m, t):
+        o = h0[:m].clone() if epi == Epi.RESIDUAL else torch.empty(m, n_out, device=dev, dtype=torch.bfloat16)
+        pend = call(m, t, o)
+        if pend is not None:           # finished as the next LayerNorm would, for the bits
+            rk.layer_norm(o, ones, None, torch.empty(m, n_out, device=dev, dtype=torch.bfloat16), 1e-5, pend)
+        return o
+
+    out = {}
+    for m in (48, 1536, 8192):
+        canon = result(m, None)
+        picked = pick_tiles(m, n_out, k, epi)
+        row = {}
+        for t in [None] + _sweep_configs(m, epi, rope[3] // 2 if rope else 0):
+            label = f"picked {picked}" if t is None else str(t)
+            try:
+                same = t is None or bool(torch.equal(result(m, t), canon))
+                o = h0[:m].clone() if epi == Epi.RESIDUAL else torch.empty(m, n_out, device=dev, dtype=torch.bfloat16)
+                p50, _ = graph_time(lambda m=m, t=t, o=o: call(m, t, o), samples=15)
+                row[label] = (round(p50 * 1e3, 2), same)
+            except Exception as e:         # a config the compiler refuses (shared memory): say so, go on
+                row[label] = repr(e)[:60]
+        ok = {kk: v for kk, v in row.items() if isinstance(v, tuple)}
+        best = sorted(ok.items(), key=lambda kv: kv[1][0])[:3]
+        differ = [kk for kk, v in ok.items() if not v[1]]
+        print(f"{name:12s} M={m:5d} picked {row.get(f'picked {picked}')} best {best} bits differ {differ}", flush=True)
+        out[f"{name} {m}"] = row
+    return out
+
+
 def _split_case(name, a, w, bias, apart, h0, canon):
     """K chunks in their own programs, finished by the next LayerNorm: the same bits as the in-program chunks
     (`canon`) at every M a worker splits, at every tiling; and the time of GEMM + LayerNorm split or not."""
@@ -323,7 +395,7 @@ def main() -> int:
     for step in args.steps.split(","):
         t = time.perf_counter()
         {"gemm": lambda: step_gemm(arch, report), "attention": lambda: step_attention(arch, report),
-         "model": lambda: step_model(args.model, report)}[step]()
+         "model": lambda: step_model(args.model, report), "tiles": lambda: step_tiles(arch, report)}[step]()
         print(f"[{step}: {time.perf_counter() - t:.1f} s]")
         json.dump(report, open(os.path.join(args.out, "probe_fast.json"), "w"), indent=1, default=str)
     return 0
