@@ -308,6 +308,9 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
         out.state = tokens = tokenize_state(card.encode, policy, serialized, max(rooms), from_left)
     except (TypeError, ValueError) as e:
         raise text.state_error(state, e) from e
+    # The whole state's count (usage) starts now, beside the caller: the tokenizer releases the GIL, so it runs
+    # while rows are built and sent, and while an in-process caller's forward runs (no wait at decode).
+    tokens.start()
     n = len(tokens.ids)
     state_ids = np.asarray(tokens.ids, dtype=np.int32)
     sep = np.asarray([card.sep_id], dtype=np.int32)

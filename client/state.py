@@ -127,9 +127,10 @@ class StateTokens:
     """The state's ids as far as rows need them: `ids` is the whole state, its first tokens (`from_left`
     False) or its last (`from_left` True); `count()` is the whole state's token count.
 
-    For a window, the whole state is tokenized by `start()` in a background thread (the client calls it
-    once the request is sent, so it does not compete with encoding and sending) or, if nobody started it,
-    by the first `count()` / `full_ids()` / `window_agrees()`."""
+    For a window, the whole state is tokenized by `start()` in a background thread (`encode_request` calls it
+    once the window is cut: the tokenizer releases the GIL, so the count runs beside the rows being built and sent
+    and beside an in-process caller's forward) or, if nobody started it, by the first `count()` / `full_ids()` /
+    `window_agrees()`."""
     ids: list[int]
     from_left: bool
     complete: bool
