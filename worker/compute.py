@@ -6,7 +6,11 @@ the runtime runs in one forward (`worker.batch.Batch`: one request's rows, or a 
 
 The thread owns the runtime. It takes requests from a queue the I/O thread fills, and hands every
 encoded reply back through `reply` (the I/O thread's inproc PAIR socket: ZeroMQ sockets are never
-shared between threads). Every request gets exactly one reply:
+shared between threads). It keeps up to `runtime.depth` groups launched (two on CUDA): while group N
+computes, it admits, merges and launches group N+1 (which queues behind N on the device), then waits
+for N and answers it, so the device never waits for the host's validation and packing. With nothing
+launched and nothing queued it lets the runtime capture a bucket a request missed (`idle_work`).
+Every request gets exactly one reply:
 
 - refused by validation (`RequestError`): "final", naming field and row; the worker keeps serving;
 - queued before the worker registered again: "retryable" (stale), its client retries through the new session;
@@ -21,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,11 @@ from worker.merge import Group
 
 log = logging.getLogger("laya-pool.worker")
 
+# While a group computes and no request waits, how often the thread asks the device whether it finished (it
+# cannot block on the queue and the device at once). Each ask is a lock wake-up and an event query (~10 us).
+POLL_S = 0.0001
+_DONE, _IDLE, _NOTHING = object(), object(), object()    # what `_next` returns besides a queued request
+
 
 @dataclass
 class Queued:
@@ -39,6 +49,15 @@ class Queued:
     session: int          # the registration it arrived under
     req: wire.Request
     received: float       # time.monotonic() when the I/O thread decoded it
+
+
+@dataclass
+class Flight:
+    """A launched group: its members, their rows in the same order, and the runtime's handle."""
+    members: list[Queued]
+    group: Group
+    job: Any              # runtime.Launched
+    started: float        # time.monotonic() just before the launch
 
 
 @dataclass(frozen=True)
@@ -68,30 +87,93 @@ class Compute:
         self.fatal: str | None = None     # set when the device may be broken; the I/O thread then leaves
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
-        self.busy_since: float | None = None   # when the group being run was taken (the I/O thread's watchdog)
+        self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
+        self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
+        self.poll_s = POLL_S
 
     def loop(self) -> None:
         """The thread's body: until the stop sentinel, or until the worker is fatal."""
         held: Queued | None = None        # taken from the queue, but could not join the last group
-        while self.fatal is None:
+        stop = False
+        while self.fatal is None and not stop:
+            if len(self.flights) >= self.rt.depth:
+                self._complete_oldest()
+                continue
             if held is not None:
                 first, held = held, None
             else:
-                try:
-                    first = self.queue.get(timeout=0.5)
-                except queue.Empty:
-                    self._refresh_stats(force=True)
+                first = self._next()
+                if first is _DONE:
+                    self._complete_oldest()
+                    continue
+                if first is _IDLE or first is _NOTHING:
+                    self._refresh_stats(force=first is _NOTHING)
                     continue
             if first is None:
                 break
-            self.busy_since = time.monotonic()
+            if self.busy_since is None:
+                self.busy_since = time.monotonic()
             members, group, held, stop = self.take_group(first)
             if members:
-                self.run_group(members, group)
-            self.busy_since = None
+                flight = self.start(members, group)
+                if flight is not None:
+                    self.flights.append(flight)
+            self._update_busy()
             self._refresh_stats()
-            if stop:
-                break
+        self._settle()
+
+    def _next(self) -> Queued | None | object:
+        """The next queued request (None: the stop sentinel), or _DONE when the oldest launched group finished
+        first, or _IDLE after an idle-time capture, or _NOTHING after half a second of nothing."""
+        if self.flights:
+            oldest = self.flights[0].job
+            while True:
+                try:
+                    return self.queue.get(timeout=self.poll_s)
+                except queue.Empty:
+                    pass
+                try:
+                    if oldest.done():
+                        return _DONE
+                except Exception:  # noqa: BLE001 - a device error: `finish` raises it again, in the guard
+                    return _DONE
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        if getattr(self.rt, "has_idle_work", False):
+            self._idle_work()
+            return _IDLE
+        try:
+            return self.queue.get(timeout=0.5)
+        except queue.Empty:
+            return _NOTHING
+
+    def _idle_work(self) -> None:
+        """A missed bucket's capture, while nothing waits (a request arriving now waits for it: tens of ms)."""
+        self.busy_since = time.monotonic()
+        try:
+            shape = self.rt.idle_work()
+            log.info("worker %s: captured bucket %s while idle", self.id, shape)
+        except Exception as e:  # noqa: BLE001 - a failed capture is handled in the cache; this is the device
+            log.exception("worker %s: idle-time capture failed", self.id)
+            if self.rt.is_cuda:
+                self.fatal = f"idle-time capture: {type(e).__name__}: {e}"
+        finally:
+            self.busy_since = None
+
+    def _update_busy(self) -> None:
+        self.busy_since = self.flights[0].started if self.flights else None
+
+    def _complete_oldest(self) -> None:
+        self.complete(self.flights.popleft())
+        self._update_busy()
+
+    def _settle(self) -> None:
+        """Leaving: answer every launched group (handed back when the worker is fatal)."""
+        while self.flights:
+            self.complete(self.flights.popleft())
+        self.busy_since = None
 
     def admit(self, q: Queued) -> Batch | None:
         """The request's rows if this worker can run them; otherwise answer it here and return None."""
@@ -149,15 +231,22 @@ class Compute:
         return members, group, None, False
 
     def run_group(self, members: list[Queued], group: Group) -> None:
-        """One forward for the whole group, one reply per member."""
+        """One forward for the whole group, one reply per member, answered before this returns."""
+        flight = self.start(members, group)
+        if flight is not None:
+            self.complete(flight)
+
+    def start(self, members: list[Queued], group: Group) -> Flight | None:
+        """Launch the group's forward; its replies come from `complete`. A launch that fails is answered here
+        (None)."""
         from worker.upload import UploadError  # imports the CUDA runtime bindings: not before main() has
 
         if self.fatal is not None:       # an earlier member broke the device: hand the rest to another worker
             for q in members:
                 self.reply(self._handed_back(q))
-            return
+            return None
         try:
-            replies = self._forward(members, group)
+            return self._launch(members, group)
         except UploadError as e:
             # The group drained before raising, so the staging is safe to reuse: keep serving, and let
             # the broker run these requests elsewhere.
@@ -166,15 +255,22 @@ class Compute:
             for q in members:
                 self.reply(self._error(q.req, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
                                        reason=Reason.UPLOAD_FAILED))
-            return
+            return None
         except Exception as e:  # noqa: BLE001 - every failure must be answered
-            if len(members) > 1:
-                # Each member passed alone, so run them alone: whatever failed finds its owner, and the
-                # others are answered here instead of each losing an attempt with the group.
-                for q, batch in zip(members, group.batches):
-                    self.run_group([q], Group([batch]))
-                return
-            self.fail(members[0], e)
+            self._recover(members, group, e)
+            return None
+
+    def complete(self, flight: Flight) -> None:
+        """Wait for a launched group and answer every member."""
+        members, group = flight.members, flight.group
+        if self.fatal is not None:       # the device may be broken or hung: do not wait on it
+            for q in members:
+                self.reply(self._handed_back(q))
+            return
+        try:
+            replies = self._answer(flight)
+        except Exception as e:  # noqa: BLE001 - every failure must be answered
+            self._recover(members, group, e)
             return
         if len(members) > 1:
             self.counts["merged_runs"] += 1
@@ -183,18 +279,33 @@ class Compute:
         for frames in replies:
             self.reply(frames)
 
-    def _forward(self, members: list[Queued], group: Group) -> list[list[Any]]:
-        """Run the group and build every member's reply (inside the caller's guard: a failure here is the run's)."""
-        t0 = time.monotonic()
+    def _recover(self, members: list[Queued], group: Group, e: Exception) -> None:
+        if len(members) > 1:
+            # Each member passed alone, so run them alone: whatever failed finds its owner, and the
+            # others are answered here instead of each losing an attempt with the group.
+            for q, batch in zip(members, group.batches):
+                self.run_group([q], Group([batch]))
+            return
+        self.fail(members[0], e)
+
+    def _launch(self, members: list[Queued], group: Group) -> Flight:
+        """Launch the group (inside the caller's guard: a failure here is the run's)."""
+        started = time.monotonic()
         first = members[0].req
         if self.faults.fault_rows and any(b.rows == self.faults.fault_rows for b in group.batches):
             raise RuntimeError(f"LAYA_WORKER_FAULT_ROWS: injected fault on a group with a {self.faults.fault_rows}"
                                "-row request")
         # Every member passed `check` in admit and the group fits the workspace: no second validation.
-        res = self.rt.run(group.merged(), mode=first.mode, taps=first.taps, checked=True)
+        job = self.rt.launch(group.merged(), mode=first.mode, taps=first.taps, checked=True)
+        return Flight(members, group, job, started)
+
+    def _answer(self, flight: Flight) -> list[list[Any]]:
+        """Wait for the group and build every member's reply (inside the caller's guard)."""
+        res = self.rt.finish(flight.job)
         done = time.monotonic()
+        members, t0 = flight.members, flight.started
         replies = []
-        for q, (logits, act) in zip(members, group.split(res.logits, res.act)):
+        for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
             # received_at / done_at: this host's monotonic clock, so a client on the same host can place the
             # worker's part of a round trip (scripts/overhead.py); meaningless across hosts.
             metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - q.received) * 1e3,
