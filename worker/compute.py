@@ -126,17 +126,7 @@ class Compute:
         """The next queued request (None: the stop sentinel), or _DONE when the oldest launched group finished
         first, or _IDLE after an idle-time capture, or _NOTHING after half a second of nothing."""
         if self.flights:
-            oldest = self.flights[0].job
-            while True:
-                try:
-                    return self.queue.get(timeout=self.poll_s)
-                except queue.Empty:
-                    pass
-                try:
-                    if oldest.done():
-                        return _DONE
-                except Exception:  # noqa: BLE001 - a device error: `finish` raises it again, in the guard
-                    return _DONE
+            return self._request_or_done()
         try:
             return self.queue.get_nowait()
         except queue.Empty:
@@ -148,6 +138,33 @@ class Compute:
             return self.queue.get(timeout=0.5)
         except queue.Empty:
             return _NOTHING
+
+    def _request_or_done(self) -> Queued | None | object:
+        """With a group launched: the next request to arrive, or _DONE once the oldest launched group finished."""
+        oldest = self.flights[0].job
+        while True:
+            try:
+                return self.queue.get(timeout=self.poll_s)
+            except queue.Empty:
+                pass
+            try:
+                if oldest.done():
+                    return _DONE
+            except Exception:  # noqa: BLE001 - a device error: `finish` raises it again, in the guard
+                return _DONE
+
+    def _more(self) -> Queued | None | object:
+        """The next request for the group being formed, or _DONE: launch it now.
+
+        With nothing launched, a group takes what is queued and goes (a lone request never waits). With a group
+        computing, the next one keeps taking requests as they arrive (each validated on arrival) until it is full
+        or the device is about to be idle: under load groups stay full, and the launch of a full group overlaps
+        the compute of the one before it."""
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        return self._request_or_done() if self.flights else _DONE
 
     def _idle_work(self) -> None:
         """A missed bucket's capture, while nothing waits (a request arriving now waits for it: tens of ms)."""
@@ -222,9 +239,8 @@ class Compute:
                     break
             if len(members) >= self.max_group:
                 break
-            try:
-                q = self.queue.get_nowait()
-            except queue.Empty:
+            q = self._more()
+            if q is _DONE:
                 break
             if q is None:
                 return members, group, None, True

@@ -137,7 +137,9 @@ class RuntimeConfig:
     warmup_merged: tuple[Shape, ...] = ()      # graph-cached: request classes whose merged groups' buckets too
     warmup_group: int = 1                      # ... merged up to this many requests (the worker's --max-batch)
     capture: str = "inline"                    # graph-cached miss: "inline" (the request waits) or "idle"
-    overlap: bool = True                       # CUDA: two staging slots, so group N+1 launches before N finishes
+    # Two staging slots, so group N+1 launches before N finishes. Default: on CUDA; not on the CPU, whose forward
+    # runs inside launch (nothing to overlap; tests turn it on there to drive the two-group loop).
+    overlap: bool | None = None
 
 
 class Runtime:
@@ -177,7 +179,8 @@ class Runtime:
             self.model = ReferenceModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
         self.forward_name = "fast" if self.why_reference is None else "reference"
         # Two slots let the host pack group N+1 while group N computes; the CPU computes inside launch: one.
-        self.workspace = Workspace(cap, arch.n_act, self.device, slots=2 if self.is_cuda and cfg.overlap else 1)
+        overlap = self.is_cuda if cfg.overlap is None else cfg.overlap
+        self.workspace = Workspace(cap, arch.n_act, self.device, slots=2 if overlap else 1)
         self.slots = SlotLedger(len(self.workspace.slots))
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.upload = None
@@ -228,8 +231,8 @@ class Runtime:
         return Shape(batch.rows, batch.max_row_len, batch.max_row_markers)
 
     # -- graphs ---------------------------------------------------------------------------------------
-    def _forward(self, shape: Shape, taps: dict | None = None):
-        return self.model.forward(*self.workspace.views(shape), shape.row_len, taps=taps)
+    def _forward(self, shape: Shape, taps: dict | None = None, slot: int = 0):
+        return self.model.forward(*self.workspace.views(shape, slot), shape.row_len, taps=taps)
 
     def _capture(self, shape: Shape) -> GraphEntry:
         s = self.stream
@@ -386,7 +389,7 @@ class Runtime:
             if self.is_cuda:
                 outputs = self._submit(spans, shape, entry, tap_dict, slot)
             else:
-                logits, act = outputs = self._forward(shape, tap_dict)
+                logits, act = outputs = self._forward(shape, tap_dict, slot)
                 out = self.workspace.slots[slot]
                 out.out_logits[: logits.numel()] = logits.reshape(-1).numpy()
                 out.out_act[: act.numel()] = act.reshape(-1).numpy()

@@ -62,8 +62,6 @@ class Workspace:
         self.in_elems = int(sum(sizes))
         self.out_elems = c.max_rows * c.row_markers + c.max_rows * n_act
         self.pinned = None
-        if device.type != "cuda":
-            slots = 1     # the CPU forward reads the one staging in place and finishes before the next pack
         per_slot = self.in_elems + self.out_elems
         if device.type == "cuda":
             from .cudart import PinnedBuffer
@@ -73,12 +71,16 @@ class Workspace:
                        for i in range(slots)]
             self.dev_in = torch.zeros(self.in_elems, dtype=torch.int32, device=device)
         else:
-            regions = [(np.zeros(self.in_elems, np.int32), np.zeros(self.out_elems, np.float32))]
-            self.dev_in = torch.from_numpy(regions[0][0])      # the CPU forward reads the staging directly
+            # The CPU forward reads each slot's staging in place (one slot unless a test asks for two).
+            regions = [(np.zeros(self.in_elems, np.int32), np.zeros(self.out_elems, np.float32))
+                       for _ in range(slots)]
+            self.dev_in = torch.from_numpy(regions[0][0])
         k = c.max_rows * c.row_markers
         self.slots = [Slot(host_in, {f: host_in[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS},
                            host_out[:k], host_out[k:]) for host_in, host_out in regions]
-        self.dev = {f: self.dev_in[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS}
+        mirrors = [self.dev_in] if device.type == "cuda" else [torch.from_numpy(r[0]) for r in regions]
+        self.dev_slots = [{f: m[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS} for m in mirrors]
+        self.dev = self.dev_slots[0]
         self._starts = np.zeros(c.max_rows + 1, np.int64)
 
     # Slot 0's host side under the names a one-slot workspace had (scripts and tests use them).
@@ -128,9 +130,10 @@ class Workspace:
                 (self.offsets["row_len"], rows), (self.offsets["qtype"], rows),
                 (self.offsets["markers"], rows * k)]
 
-    def views(self, shape: Shape) -> tuple[torch.Tensor, ...]:
-        """Device tensors the forward reads for `shape`: always the same addresses for the same shape."""
-        d, rows, k = self.dev, shape.rows, shape.row_markers
+    def views(self, shape: Shape, slot: int = 0) -> tuple[torch.Tensor, ...]:
+        """Device tensors the forward reads for `shape`: always the same addresses for the same shape (on CUDA
+        every slot uploads into the one mirror; on the CPU each slot is read in place)."""
+        d, rows, k = self.dev_slots[slot % len(self.dev_slots)], shape.rows, shape.row_markers
         return (d["ids"], d["row_start"][:rows], d["row_len"][:rows], d["qtype"][:rows],
                 d["markers"][: rows * k].view(rows, k))
 
