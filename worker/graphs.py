@@ -132,6 +132,11 @@ class GraphCache:
             return self.graphs[key]
         return None
 
+    def use(self, key: Hashable) -> GraphEntry:
+        """A held graph run for a bucket it holds (not counted as a hit: the caller counts it as covered)."""
+        self.ledger.touch(key)
+        return self.graphs[key]
+
     def defer(self, key: Hashable) -> bool:
         """Count a miss and queue `key` for `capture_pending`; False if it can never be cached."""
         self.counters.misses += 1

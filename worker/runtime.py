@@ -341,12 +341,16 @@ class Runtime:
         if entry is not None:
             return shape, entry, {"graph": "hit"}
         # A miss never waits for a capture: a captured bucket that holds it gives the same bits; else eager.
-        # Either way the bucket is captured once no request waits (`idle_work`).
-        cacheable = self.cache.defer(shape)
+        # The bucket is captured once no request waits (`idle_work`), unless its cover does the same work (the
+        # same rows x length, only more marker slots): then the cover is as good as its own graph.
         cover = smallest_cover(shape, self.cache.keys())
+        if cover is not None and cover.rows * cover.row_len == shape.rows * shape.row_len:
+            self.cache.counters.covered += 1
+            return cover, self.cache.use(cover), {"graph": "covered"}
+        cacheable = self.cache.defer(shape)
         if cover is not None:
             self.cache.counters.covered += 1
-            return cover, self.cache.get(cover), {"graph": "covered"}
+            return cover, self.cache.use(cover), {"graph": "covered"}
         self.cache.counters.fallbacks += 1
         return self.exact(batch), None, {"graph": "deferred" if cacheable else "fallback"}
 

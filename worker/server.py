@@ -82,6 +82,10 @@ class WorkerConfig:
     def usage_problem(self) -> str | None:
         if min(self.credit, self.max_batch, self.heartbeat_ms, self.liveness) < 1:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
+        if self.overlap not in ("on", "off") or self.capture_misses not in ("idle", "inline"):
+            # argparse does not check a default taken from the environment against the choices
+            return (f"--overlap must be on or off (got {self.overlap!r}) and --capture-misses idle or inline "
+                    f"(got {self.capture_misses!r}); check LAYA_OVERLAP / LAYA_CAPTURE_MISSES")
         return None
 
 
@@ -362,13 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
     p.add_argument("--warmup-shapes", default=None,
                    help="graph-cached: buckets captured before READY, ROWSxLENGTHxMARKERS,... (default: a common set)")
-    p.add_argument("--overlap", default=d.overlap, choices=("on", "off"),
+    # Defaults from the environment too, so a whole pool (`laya-pool up`) can be switched for an A/B measurement.
+    p.add_argument("--overlap", default=os.environ.get("LAYA_OVERLAP", d.overlap), choices=("on", "off"),
                    help="CUDA: pack and launch the next group while the current one computes (two staging slots); "
-                        "off: one group at a time (for measuring)")
-    p.add_argument("--capture-misses", default=d.capture_misses, choices=("idle", "inline"),
+                        "off: one group at a time (for measuring; env LAYA_OVERLAP)")
+    p.add_argument("--capture-misses", default=os.environ.get("LAYA_CAPTURE_MISSES", d.capture_misses),
+                   choices=("idle", "inline"),
                    help="graph-cached: a request whose bucket was not captured runs in a larger captured bucket "
                         "(same answers) or eager, and its bucket is captured when no request waits (idle); inline: "
-                        "the request waits for the capture")
+                        "the request waits for the capture (env LAYA_CAPTURE_MISSES)")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))
