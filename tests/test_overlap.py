@@ -7,6 +7,9 @@ launch). The device half (events, one device mirror, graphs) is tests/test_servi
 """
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from compute_driver import Driven, queued, rows
@@ -240,3 +243,43 @@ def test_a_failed_launch_with_a_group_in_flight_is_answered_alone(tiny_ckpt):
             assert got[i].status == "ok", got[i].message
             np.testing.assert_allclose(got[i].logits, want[i].logits, atol=1e-4)
     assert d.counts["internal_errors"] == 2 and rt.slots.in_flight == 0
+
+
+# -- the landing watch ---------------------------------------------------------------------------------------
+
+class _DeviceEvent:
+    """Stands in for a CUDA done event (no device here): `wait` blocks until the test lets the group land."""
+
+    def __init__(self, fail: bool = False):
+        self.go, self.fail = threading.Event(), fail
+
+    def wait(self) -> None:
+        assert self.go.wait(5), "never released"
+        if self.fail:
+            raise RuntimeError("device fault")
+
+
+def test_landing_watch_reports_in_launch_order_and_hands_errors_over():
+    import queue as stdqueue
+
+    from worker.landing import Landed, LandingWatch
+    posted: stdqueue.Queue = stdqueue.Queue()
+    watch = LandingWatch(posted.put)
+    jobs = [SimpleNamespace(event=_DeviceEvent(fail=i == 1), landed=None, error=None) for i in range(3)]
+    flights = [SimpleNamespace(job=j) for j in jobs]
+    for f in flights:
+        watch.watch(f)
+    assert posted.empty() and not any(j.landed.is_set() for j in jobs), "nothing lands before its event"
+    jobs[0].event.go.set()
+    first = posted.get(timeout=5)
+    assert isinstance(first, Landed) and first.flight is flights[0] and jobs[0].error is None
+    jobs[2].event.go.set()                     # lands on the device first, but is reported after the one before it
+    with pytest.raises(stdqueue.Empty):
+        posted.get(timeout=0.1)
+    jobs[1].event.go.set()
+    assert [posted.get(timeout=5).flight for _ in range(2)] == flights[1:]
+    assert isinstance(jobs[1].error, RuntimeError) and all(j.landed.is_set() for j in jobs)
+    cpu = SimpleNamespace(job=SimpleNamespace(event=None, landed=None, error=None))
+    watch.watch(cpu)                           # the CPU computed inside launch: reported at once
+    assert posted.get_nowait().flight is cpu
+    watch.close()

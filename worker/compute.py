@@ -33,13 +33,11 @@ from typing import Any
 from protocol import wire
 from protocol.contract import Reason
 from worker.batch import Batch, RequestError
+from worker.landing import Landed, LandingWatch
 from worker.merge import Group
 
 log = logging.getLogger("laya-pool.worker")
 
-# While a group computes and no request waits, how often the thread asks the device whether it finished (it
-# cannot block on the queue and the device at once). Each ask is a lock wake-up and an event query (~10 us).
-POLL_S = 0.0001
 _DONE, _IDLE, _NOTHING = object(), object(), object()    # what `_next` returns besides a queued request
 
 
@@ -82,14 +80,15 @@ class Compute:
         self.rt, self.id, self.fingerprint = runtime, worker_id, fingerprint
         self.max_group = max_group        # requests merged into one forward (--max-batch)
         self.reply, self.counts, self.faults = reply, counts, faults
-        self.queue: queue.Queue[Queued | None] = queue.Queue()   # None: stop once what is before it is done
+        # None: stop once what is before it is done; Landed: a launched group's answers are in (worker/landing.py)
+        self.queue: queue.Queue[Queued | Landed | None] = queue.Queue()
         self.session = 0                  # the I/O thread's registration; older requests are stale
         self.fatal: str | None = None     # set when the device may be broken; the I/O thread then leaves
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
         self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
         self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
-        self.poll_s = POLL_S
+        self.landing = LandingWatch(self.queue.put, name=f"landing-{worker_id}")
 
     def loop(self) -> None:
         """The thread's body: until the stop sentinel, or until the worker is fatal."""
@@ -118,40 +117,68 @@ class Compute:
                 flight = self.start(members, group)
                 if flight is not None:
                     self.flights.append(flight)
+                    if self.rt.depth > 1:
+                        self.landing.watch(flight)
             self._update_busy()
             self._refresh_stats()
         self._settle()
+        self.landing.close()
 
     def _next(self) -> Queued | None | object:
         """The next queued request (None: the stop sentinel), or _DONE when the oldest launched group finished
         first, or _IDLE after an idle-time capture, or _NOTHING after half a second of nothing."""
         if self.flights:
             return self._request_or_done()
-        try:
-            return self.queue.get_nowait()
-        except queue.Empty:
-            pass
+        item = self._get_nowait()
+        if item is not _NOTHING:
+            return item
         if getattr(self.rt, "has_idle_work", False):
             self._idle_work()
             return _IDLE
-        try:
-            return self.queue.get(timeout=0.5)
-        except queue.Empty:
-            return _NOTHING
+        return self._get(0.5)
 
-    def _request_or_done(self) -> Queued | None | object:
-        """With a group launched: the next request to arrive, or _DONE once the oldest launched group finished."""
-        oldest = self.flights[0].job
+    def _get(self, timeout: float) -> Queued | None | object:
+        """The next request (None: stop), _DONE when a launched group landed, or _NOTHING after `timeout` s."""
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.queue.get(timeout=self.poll_s)
+                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                pass
-            try:
-                if oldest.done():
+                return _NOTHING
+            done = self._landed(item)
+            if done is not None:
+                if done:
                     return _DONE
-            except Exception:  # noqa: BLE001 - a device error: `finish` raises it again, in the guard
+                continue            # a stale landing: that group was answered already
+            return item
+
+    def _get_nowait(self) -> Queued | None | object:
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return _NOTHING
+            done = self._landed(item)
+            if done is None:
+                return item
+            if done:
                 return _DONE
+
+    def _landed(self, item: Any) -> bool | None:
+        """None: not a landing; True: a launched group still waiting to be answered landed; False: a stale one."""
+        if not isinstance(item, Landed):
+            return None
+        return any(f is item.flight for f in self.flights)
+
+    def _request_or_done(self) -> Queued | None | object:
+        """With a group launched: the next request to arrive, or _DONE once the oldest launched group landed (groups
+        land in launch order). Sleeps on the queue: the landing watch wakes it (no polling)."""
+        while True:
+            item = self._get(0.5)
+            if item is not _NOTHING:
+                return item
+            if self.fatal is not None:
+                return None        # the I/O thread gave up on the device: stop, handing back what was launched
 
     def _more(self) -> Queued | None | object:
         """The next request for the group being formed, or _DONE: launch it now.
@@ -160,10 +187,9 @@ class Compute:
         computing, the next one keeps taking requests as they arrive (each validated on arrival) until it is full
         or the device is about to be idle: under load groups stay full, and the launch of a full group overlaps
         the compute of the one before it."""
-        try:
-            return self.queue.get_nowait()
-        except queue.Empty:
-            pass
+        item = self._get_nowait()
+        if item is not _NOTHING:
+            return item
         return self._request_or_done() if self.flights else _DONE
 
     def _idle_work(self) -> None:

@@ -119,9 +119,13 @@ class Launched:
     outputs: tuple                             # the forward's device outputs, alive until the readback is done
     taps: dict | None
     event: Any | None                          # the slot's done event (None on the CPU: done inside launch)
+    landed: Any = None                         # a threading.Event when a LandingWatch waits on `event` instead
+    error: BaseException | None = None         # what the watch's wait raised
 
     def done(self) -> bool:
         """True once the readback landed in the slot (never blocks)."""
+        if self.landed is not None:
+            return self.landed.is_set()
         return self.event is None or self.event.done()
 
 
@@ -243,7 +247,9 @@ class Runtime:
         graph = torch.cuda.CUDAGraph()
         failure = None
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=s):
+            # thread_local: the landing watch (worker/landing.py) may wait on an event of an earlier group from its
+            # own thread while this capture runs; in the default global mode that wait would break the capture.
+            with torch.cuda.graph(graph, pool=pool, stream=s, capture_error_mode="thread_local"):
                 outputs = self._forward(shape)
                 if self.capture_fault is not None:
                     self.capture_fault()
@@ -407,7 +413,11 @@ class Runtime:
     def finish(self, job: Launched) -> RunResult:
         """Wait for `job`'s readback, cut its answers out of the slot and free the slot (also when it fails)."""
         try:
-            if job.event is not None:
+            if job.landed is not None:
+                job.landed.wait()          # the landing watch owns the event until it sets this
+                if job.error is not None:
+                    raise job.error
+            elif job.event is not None:
                 job.event.wait()
             t4 = time.perf_counter()
             return self._answers(job, t4)
