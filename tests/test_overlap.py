@@ -270,6 +270,10 @@ def test_landing_watch_reports_in_launch_order_and_hands_errors_over():
     for f in flights:
         watch.watch(f)
     assert posted.empty() and not any(j.landed.is_set() for j in jobs), "nothing lands before its event"
+    quiet = threading.Thread(target=watch.quiesce)
+    quiet.start()
+    quiet.join(0.1)
+    assert quiet.is_alive(), "quiesce must wait while the watch waits on an event (a capture would break)"
     jobs[0].event.go.set()
     first = posted.get(timeout=5)
     assert isinstance(first, Landed) and first.flight is flights[0] and jobs[0].error is None
@@ -279,6 +283,8 @@ def test_landing_watch_reports_in_launch_order_and_hands_errors_over():
     jobs[1].event.go.set()
     assert [posted.get(timeout=5).flight for _ in range(2)] == flights[1:]
     assert isinstance(jobs[1].error, RuntimeError) and all(j.landed.is_set() for j in jobs)
+    quiet.join(5)
+    assert not quiet.is_alive() and watch.waiting == 0
     cpu = SimpleNamespace(job=SimpleNamespace(event=None, landed=None, error=None))
     watch.watch(cpu)                           # the CPU computed inside launch: reported at once
     assert posted.get_nowait().flight is cpu

@@ -89,6 +89,8 @@ class Compute:
         self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
         self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
         self.landing = LandingWatch(self.queue.put, name=f"landing-{worker_id}")
+        if hasattr(runtime, "before_capture"):
+            runtime.before_capture = self.landing.quiesce
 
     def loop(self) -> None:
         """The thread's body: until the stop sentinel, or until the worker is fatal."""

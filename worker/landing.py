@@ -10,8 +10,10 @@ request does.
 The watched group's event belongs to this thread from `watch` until `job.landed` is set: the compute thread waits
 on `landed` (never on the event) and only then frees the slot, so a slot's event is never recorded again while
 this thread may still wait on it. An error from the wait (a CUDA fault) is kept on the job and raised by
-`Runtime.finish` in the compute thread, inside its guard. Graph captures run in thread-local capture mode
-(runtime.py), so this thread's event waits are legal while the compute thread captures.
+`Runtime.finish` in the compute thread, inside its guard. A CUDA call from this thread while the compute thread
+captures a graph would break the capture, so the runtime calls `quiesce` before each capture (after synchronizing
+the device, so any wait in progress returns at once); nothing new is watched until the capture is over, because
+only the compute thread hands work here.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ class LandingWatch:
         self.post, self.name = post, name
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        self.waiting = 0                  # watched and not yet landed
+        self.cond = threading.Condition()
 
     def watch(self, flight: Any) -> None:
         """Report `flight` (its `job` a runtime.Launched) once it landed; launch order is landing order."""
@@ -45,7 +49,14 @@ class LandingWatch:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self.thread.start()
+        with self.cond:
+            self.waiting += 1
         self.jobs.put(flight)
+
+    def quiesce(self) -> None:
+        """Return once this thread waits on no event (everything watched has landed)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.waiting == 0)
 
     def _run(self) -> None:
         while True:
@@ -58,6 +69,9 @@ class LandingWatch:
             except Exception as e:  # noqa: BLE001 - handed to the compute thread, which answers for it
                 job.error = e
             finally:
+                with self.cond:
+                    self.waiting -= 1
+                    self.cond.notify_all()
                 job.landed.set()
                 self.post(Landed(flight))
 

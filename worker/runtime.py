@@ -204,6 +204,7 @@ class Runtime:
             # non-blocking, so make it wait once before it reads any of them.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.capture_fault = None          # test hook: called inside a capture, may break it
+        self.before_capture = None         # set by the compute thread: quiesce its landing watch
         self.served = 0
         self.first_call_ms: dict[str, float] = {}
 
@@ -243,13 +244,15 @@ class Runtime:
         with torch.cuda.stream(s):
             self._forward(shape)          # warm-up on the capture stream: lazy handles, workspaces
         torch.cuda.synchronize(self.device)
+        if self.before_capture is not None:
+            # Another thread's CUDA call during a (global-mode) capture breaks it: the landing watch must be done
+            # with its event waits (they return at once: the device is synchronized) before the capture begins.
+            self.before_capture()
         pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         failure = None
         try:
-            # thread_local: the landing watch (worker/landing.py) may wait on an event of an earlier group from its
-            # own thread while this capture runs; in the default global mode that wait would break the capture.
-            with torch.cuda.graph(graph, pool=pool, stream=s, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=s):
                 outputs = self._forward(shape)
                 if self.capture_fault is not None:
                     self.capture_fault()
