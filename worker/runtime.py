@@ -473,7 +473,9 @@ class Runtime:
             memcpy_async(out.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
             memcpy_async(out.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
             self.events[slot].record(handle)
-        return logits, act
+        # Eager outputs must live until the readback ran; a graph's outputs belong to its entry (holding them here
+        # would keep an evicted graph's pool segment reserved until this group is answered).
+        return (logits, act) if entry is None else ()
 
     def _abandon(self, slot: int) -> None:
         """Free the slot of a launch that raised. Copies already queued may still read it: drain them first."""
