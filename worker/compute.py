@@ -176,6 +176,11 @@ class Compute:
         """With a group launched: the next request to arrive, or _DONE once the oldest launched group landed (groups
         land in launch order). Sleeps on the queue: the landing watch wakes it (no polling)."""
         while True:
+            # A waiting request first: with the device idle, launching the next group before answering the landed
+            # one gets the device going sooner (the answers are in host memory; they wait a group's launch).
+            item = self._get_nowait()
+            if item is not _NOTHING:
+                return item
             if self.flights[0].job.done():
                 return _DONE       # its Landed was taken already (it ended the group being formed), or is on its way
             item = self._get(0.5)
