@@ -200,8 +200,8 @@ class Compute:
 
         With nothing launched, a group takes what is queued and goes (a lone request never waits). With a group
         computing, the next one keeps taking requests as they arrive (each validated on arrival) until it is full
-        or the device is about to be idle: under load groups stay full, and the launch of a full group overlaps
-        the compute of the one before it."""
+        or the launched group has landed: under load groups stay full, and the launch of a full group overlaps
+        the compute of the one before it; otherwise the group goes the moment the device has nothing queued."""
         item = self._get_nowait()
         if item is not _NOTHING:
             return item
