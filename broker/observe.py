@@ -24,7 +24,8 @@ READY = "ready"
 
 # Worker stats (from the worker process, in its heartbeats) exported as counters.
 WORKER_ERRORS = ("request_errors", "internal_errors", "upload_errors", "protocol_errors", "handed_back", "dropped")
-GRAPH_CACHE_EVENTS = ("hits", "misses", "captures", "evictions", "fallbacks", "oversized", "capture_failures")
+GRAPH_CACHE_EVENTS = ("hits", "misses", "captures", "evictions", "fallbacks", "oversized", "capture_failures",
+                      "request_path_captures", "covered", "deferred", "idle_captures")
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
 

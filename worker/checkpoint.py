@@ -6,6 +6,7 @@ exit message has nothing else to go on.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,5 +105,11 @@ def load_checkpoint(path: str | Path, with_tensors: bool = True) -> Checkpoint:
         arch = parse_arch(agent_cfg, enc_cfg)
     except ConfigError as e:
         raise CheckpointError(f"{path}/{e}") from e
-    tensors = _read_tensors(path / "model.safetensors", arch) if with_tensors else {}
-    return Checkpoint(path, agent_cfg, enc_cfg, arch, fingerprint(path), tensors)
+    if not with_tensors:
+        return Checkpoint(path, agent_cfg, enc_cfg, arch, fingerprint(path), {})
+    # The fingerprint hashes every byte of the weights (2 s for the large preset on one core) and hashlib drops
+    # the GIL while it does: hash in a thread while the tensors are read and checked, not after.
+    with ThreadPoolExecutor(1, thread_name_prefix="fingerprint") as pool:
+        fp = pool.submit(fingerprint, path)
+        tensors = _read_tensors(path / "model.safetensors", arch)
+        return Checkpoint(path, agent_cfg, enc_cfg, arch, fp.result(), tensors)

@@ -6,7 +6,11 @@ the runtime runs in one forward (`worker.batch.Batch`: one request's rows, or a 
 
 The thread owns the runtime. It takes requests from a queue the I/O thread fills, and hands every
 encoded reply back through `reply` (the I/O thread's inproc PAIR socket: ZeroMQ sockets are never
-shared between threads). Every request gets exactly one reply:
+shared between threads). It keeps up to `runtime.depth` groups launched (two on CUDA): while group N
+computes, it admits, merges and launches group N+1 (which queues behind N on the device), then waits
+for N and answers it, so the device never waits for the host's validation and packing. With nothing
+launched and nothing queued it lets the runtime capture a bucket a request missed (`idle_work`).
+Every request gets exactly one reply:
 
 - refused by validation (`RequestError`): "final", naming field and row; the worker keeps serving;
 - queued before the worker registered again: "retryable" (stale), its client retries through the new session;
@@ -21,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +33,15 @@ from typing import Any
 from protocol import wire
 from protocol.contract import Reason
 from worker.batch import Batch, RequestError
+from worker.landing import Landed, LandingWatch
 from worker.merge import Group
 
 log = logging.getLogger("laya-pool.worker")
+
+_DONE, _IDLE, _NOTHING = object(), object(), object()    # what `_next` returns besides a queued request
+# Nothing launched and nothing arriving for this long: idle enough to capture a missed bucket (a request that
+# arrives during the capture waits for it, tens of ms, once per bucket; a short gap in steady traffic does not count).
+IDLE_S = 0.005
 
 
 @dataclass
@@ -39,6 +50,15 @@ class Queued:
     session: int          # the registration it arrived under
     req: wire.Request
     received: float       # time.monotonic() when the I/O thread decoded it
+
+
+@dataclass
+class Flight:
+    """A launched group: its members, their rows in the same order, and the runtime's handle."""
+    members: list[Queued]
+    group: Group
+    job: Any              # runtime.Launched
+    started: float        # time.monotonic() just before the launch
 
 
 @dataclass(frozen=True)
@@ -63,35 +83,155 @@ class Compute:
         self.rt, self.id, self.fingerprint = runtime, worker_id, fingerprint
         self.max_group = max_group        # requests merged into one forward (--max-batch)
         self.reply, self.counts, self.faults = reply, counts, faults
-        self.queue: queue.Queue[Queued | None] = queue.Queue()   # None: stop once what is before it is done
+        # None: stop once what is before it is done; Landed: a launched group's answers are in (worker/landing.py)
+        self.queue: queue.Queue[Queued | Landed | None] = queue.Queue()
         self.session = 0                  # the I/O thread's registration; older requests are stale
         self.fatal: str | None = None     # set when the device may be broken; the I/O thread then leaves
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
-        self.busy_since: float | None = None   # when the group being run was taken (the I/O thread's watchdog)
+        self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
+        self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
+        self.landing = LandingWatch(self.queue.put, name=f"landing-{worker_id}")
+        if hasattr(runtime, "before_capture"):
+            runtime.before_capture = self.landing.quiesce
 
     def loop(self) -> None:
         """The thread's body: until the stop sentinel, or until the worker is fatal."""
         held: Queued | None = None        # taken from the queue, but could not join the last group
-        while self.fatal is None:
+        stop = False
+        while self.fatal is None and not stop:
+            if len(self.flights) >= self.rt.depth:
+                self._complete_oldest()
+                continue
             if held is not None:
                 first, held = held, None
             else:
-                try:
-                    first = self.queue.get(timeout=0.5)
-                except queue.Empty:
-                    self._refresh_stats(force=True)
+                first = self._next()
+                if first is _DONE:
+                    self._complete_oldest()
+                    continue
+                if first is _IDLE or first is _NOTHING:
+                    self._refresh_stats(force=first is _NOTHING)
                     continue
             if first is None:
                 break
-            self.busy_since = time.monotonic()
+            if self.busy_since is None:
+                self.busy_since = time.monotonic()
             members, group, held, stop = self.take_group(first)
             if members:
-                self.run_group(members, group)
-            self.busy_since = None
+                flight = self.start(members, group)
+                if flight is not None:
+                    self.flights.append(flight)
+                    if self.rt.depth > 1:
+                        self.landing.watch(flight)
+            self._update_busy()
             self._refresh_stats()
-            if stop:
-                break
+        self._settle()
+        self.landing.close()
+
+    def _next(self) -> Queued | None | object:
+        """The next queued request (None: the stop sentinel), or _DONE when the oldest launched group finished
+        first, or _IDLE after an idle-time capture, or _NOTHING after half a second of nothing."""
+        if self.flights:
+            return self._request_or_done()
+        item = self._get_nowait()
+        if item is not _NOTHING:
+            return item
+        if getattr(self.rt, "has_idle_work", False):
+            item = self._get(IDLE_S)
+            if item is not _NOTHING:
+                return item
+            self._idle_work()
+            return _IDLE
+        return self._get(0.5)
+
+    def _get(self, timeout: float) -> Queued | None | object:
+        """The next request (None: stop), _DONE when a launched group landed, or _NOTHING after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return _NOTHING
+            done = self._landed(item)
+            if done is not None:
+                if done:
+                    return _DONE
+                continue            # a stale landing: that group was answered already
+            return item
+
+    def _get_nowait(self) -> Queued | None | object:
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return _NOTHING
+            done = self._landed(item)
+            if done is None:
+                return item
+            if done:
+                return _DONE
+
+    def _landed(self, item: Any) -> bool | None:
+        """None: not a landing; True: a launched group still waiting to be answered landed; False: a stale one."""
+        if not isinstance(item, Landed):
+            return None
+        return any(f is item.flight for f in self.flights)
+
+    def _request_or_done(self) -> Queued | None | object:
+        """With a group launched: the next request to arrive, or _DONE once the oldest launched group landed (groups
+        land in launch order). Sleeps on the queue: the landing watch wakes it (no polling)."""
+        while True:
+            # A waiting request first: with the device idle, launching the next group before answering the landed
+            # one gets the device going sooner (the answers are in host memory; they wait a group's launch).
+            item = self._get_nowait()
+            if item is not _NOTHING:
+                return item
+            if self.flights[0].job.done():
+                return _DONE       # its Landed was taken already (it ended the group being formed), or is on its way
+            item = self._get(0.5)
+            if item is not _NOTHING:
+                return item
+            if self.fatal is not None:
+                return None        # the I/O thread gave up on the device: stop, handing back what was launched
+
+    def _more(self) -> Queued | None | object:
+        """The next request for the group being formed, or _DONE: launch it now.
+
+        With nothing launched, a group takes what is queued and goes (a lone request never waits). With a group
+        computing, the next one keeps taking requests as they arrive (each validated on arrival) until it is full
+        or the launched group has landed: under load groups stay full, and the launch of a full group overlaps
+        the compute of the one before it; otherwise the group goes the moment the device has nothing queued."""
+        item = self._get_nowait()
+        if item is not _NOTHING:
+            return item
+        return self._request_or_done() if self.flights else _DONE
+
+    def _idle_work(self) -> None:
+        """A missed bucket's capture, while nothing waits (a request arriving now waits for it: tens of ms)."""
+        self.busy_since = time.monotonic()
+        try:
+            shape = self.rt.idle_work()
+            log.info("worker %s: captured bucket %s while idle", self.id, shape)
+        except Exception as e:  # noqa: BLE001 - a failed capture is handled in the cache; this is the device
+            log.exception("worker %s: idle-time capture failed", self.id)
+            if self.rt.is_cuda:
+                self.fatal = f"idle-time capture: {type(e).__name__}: {e}"
+        finally:
+            self.busy_since = None
+
+    def _update_busy(self) -> None:
+        self.busy_since = self.flights[0].started if self.flights else None
+
+    def _complete_oldest(self) -> None:
+        self.complete(self.flights.popleft())
+        self._update_busy()
+
+    def _settle(self) -> None:
+        """Leaving: answer every launched group (handed back when the worker is fatal)."""
+        while self.flights:
+            self.complete(self.flights.popleft())
+        self.busy_since = None
 
     def admit(self, q: Queued) -> Batch | None:
         """The request's rows if this worker can run them; otherwise answer it here and return None."""
@@ -140,24 +280,30 @@ class Compute:
                     break
             if len(members) >= self.max_group:
                 break
-            try:
-                q = self.queue.get_nowait()
-            except queue.Empty:
+            q = self._more()
+            if q is _DONE:
                 break
             if q is None:
                 return members, group, None, True
         return members, group, None, False
 
     def run_group(self, members: list[Queued], group: Group) -> None:
-        """One forward for the whole group, one reply per member."""
+        """One forward for the whole group, one reply per member, answered before this returns."""
+        flight = self.start(members, group)
+        if flight is not None:
+            self.complete(flight)
+
+    def start(self, members: list[Queued], group: Group) -> Flight | None:
+        """Launch the group's forward; its replies come from `complete`. A launch that fails is answered here
+        (None)."""
         from worker.upload import UploadError  # imports the CUDA runtime bindings: not before main() has
 
         if self.fatal is not None:       # an earlier member broke the device: hand the rest to another worker
             for q in members:
                 self.reply(self._handed_back(q))
-            return
+            return None
         try:
-            replies = self._forward(members, group)
+            return self._launch(members, group)
         except UploadError as e:
             # The group drained before raising, so the staging is safe to reuse: keep serving, and let
             # the broker run these requests elsewhere.
@@ -166,15 +312,22 @@ class Compute:
             for q in members:
                 self.reply(self._error(q.req, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
                                        reason=Reason.UPLOAD_FAILED))
-            return
+            return None
         except Exception as e:  # noqa: BLE001 - every failure must be answered
-            if len(members) > 1:
-                # Each member passed alone, so run them alone: whatever failed finds its owner, and the
-                # others are answered here instead of each losing an attempt with the group.
-                for q, batch in zip(members, group.batches):
-                    self.run_group([q], Group([batch]))
-                return
-            self.fail(members[0], e)
+            self._recover(members, group, e)
+            return None
+
+    def complete(self, flight: Flight) -> None:
+        """Wait for a launched group and answer every member."""
+        members, group = flight.members, flight.group
+        if self.fatal is not None:       # the device may be broken or hung: do not wait on it
+            for q in members:
+                self.reply(self._handed_back(q))
+            return
+        try:
+            replies = self._answer(flight)
+        except Exception as e:  # noqa: BLE001 - every failure must be answered
+            self._recover(members, group, e)
             return
         if len(members) > 1:
             self.counts["merged_runs"] += 1
@@ -183,18 +336,33 @@ class Compute:
         for frames in replies:
             self.reply(frames)
 
-    def _forward(self, members: list[Queued], group: Group) -> list[list[Any]]:
-        """Run the group and build every member's reply (inside the caller's guard: a failure here is the run's)."""
-        t0 = time.monotonic()
+    def _recover(self, members: list[Queued], group: Group, e: Exception) -> None:
+        if len(members) > 1:
+            # Each member passed alone, so run them alone: whatever failed finds its owner, and the
+            # others are answered here instead of each losing an attempt with the group.
+            for q, batch in zip(members, group.batches):
+                self.run_group([q], Group([batch]))
+            return
+        self.fail(members[0], e)
+
+    def _launch(self, members: list[Queued], group: Group) -> Flight:
+        """Launch the group (inside the caller's guard: a failure here is the run's)."""
+        started = time.monotonic()
         first = members[0].req
         if self.faults.fault_rows and any(b.rows == self.faults.fault_rows for b in group.batches):
             raise RuntimeError(f"LAYA_WORKER_FAULT_ROWS: injected fault on a group with a {self.faults.fault_rows}"
                                "-row request")
         # Every member passed `check` in admit and the group fits the workspace: no second validation.
-        res = self.rt.run(group.merged(), mode=first.mode, taps=first.taps, checked=True)
+        job = self.rt.launch(group.merged(), mode=first.mode, taps=first.taps, checked=True)
+        return Flight(members, group, job, started)
+
+    def _answer(self, flight: Flight) -> list[list[Any]]:
+        """Wait for the group and build every member's reply (inside the caller's guard)."""
+        res = self.rt.finish(flight.job)
         done = time.monotonic()
+        members, t0 = flight.members, flight.started
         replies = []
-        for q, (logits, act) in zip(members, group.split(res.logits, res.act)):
+        for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
             # received_at / done_at: this host's monotonic clock, so a client on the same host can place the
             # worker's part of a round trip (scripts/overhead.py); meaningless across hosts.
             metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - q.received) * 1e3,

@@ -65,3 +65,31 @@ def memcpy_async(dst: int, src: int, nbytes: int, to_device: bool, stream: int) 
 
 def stream_synchronize(stream: int) -> None:
     check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(stream))
+
+
+class Event:
+    """A CUDA event without timing, recorded on a stream: `done()` asks without waiting, `wait()` blocks the
+    calling thread (cuda-python drops the GIL there, so the I/O thread keeps running)."""
+
+    def __init__(self):
+        self.handle = check("cudaEventCreateWithFlags",
+                            _rt.cudaEventCreateWithFlags(_rt.cudaEventDisableTiming))
+
+    def record(self, stream: int) -> None:
+        check("cudaEventRecord", _rt.cudaEventRecord(self.handle, stream))
+
+    def done(self) -> bool:
+        result = _rt.cudaEventQuery(self.handle)
+        err = result[0] if isinstance(result, tuple) else result
+        if err == _rt.cudaError_t.cudaErrorNotReady:
+            return False
+        check("cudaEventQuery", result)
+        return True
+
+    def wait(self) -> None:
+        check("cudaEventSynchronize", _rt.cudaEventSynchronize(self.handle))
+
+    def close(self) -> None:
+        if self.handle is not None:
+            check("cudaEventDestroy", _rt.cudaEventDestroy(self.handle))
+            self.handle = None

@@ -8,9 +8,9 @@ gives the segments back to the driver.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,30 @@ class CacheCounters:
     capture_failures: int = 0
     bytes_held: int = 0
     bytes_returned: int = 0     # measured on eviction
+    request_path_captures: int = 0   # captures a request waited for (capture="inline"); 0 in steady traffic
+    covered: int = 0            # misses served by a larger captured bucket (same bits: the forward is batch-invariant)
+    deferred: int = 0           # misses whose bucket was queued for an idle-time capture
+    idle_captures: int = 0      # captures done while no request was waiting
+
+
+class Bucket(Protocol):
+    rows: int
+    row_len: int
+    row_markers: int
+
+
+def holds(outer: Bucket, inner: Bucket) -> bool:
+    return outer.rows >= inner.rows and outer.row_len >= inner.row_len and outer.row_markers >= inner.row_markers
+
+
+def smallest_cover(shape: Bucket, held: Iterable[Bucket]) -> Bucket | None:
+    """The held bucket that holds `shape` at the least padded work (rows x row length, then markers), or None.
+
+    Running a request padded into a larger bucket gives the same bits as its own bucket (the forward is
+    batch- and padding-invariant: docs/PERF.md, "Why the linear layers are ours"), so a miss can be served
+    by a graph already captured instead of waiting for a capture or running eager."""
+    fits = [b for b in held if holds(b, shape)]
+    return min(fits, key=lambda b: (b.rows * b.row_len, b.rows, b.row_markers), default=None)
 
 
 class CacheLedger:
@@ -95,13 +119,49 @@ class GraphCache:
         self.graphs: dict[Hashable, GraphEntry] = {}
         self.uncacheable: set[Hashable] = set()   # oversized or failed: run eager, never re-capture
         self.last_error: str | None = None          # the last failed capture, for status and the log
+        self.pending: dict[Hashable, None] = {}     # missed buckets waiting for an idle-time capture, in order
 
     @property
     def policy(self) -> CachePolicy:
         return self.ledger.policy
 
+    def get(self, key: Hashable) -> GraphEntry | None:
+        """The graph held for `key` (counted as a hit), or None; never captures."""
+        if self.ledger.touch(key):
+            self.counters.hits += 1
+            return self.graphs[key]
+        return None
+
+    def use(self, key: Hashable) -> GraphEntry:
+        """A held graph run for a bucket it holds (not counted as a hit: the caller counts it as covered)."""
+        self.ledger.touch(key)
+        return self.graphs[key]
+
+    def defer(self, key: Hashable) -> bool:
+        """Count a miss and queue `key` for `capture_pending`; False if it can never be cached."""
+        self.counters.misses += 1
+        if self.policy.disabled or key in self.uncacheable:
+            return False
+        if key not in self.pending:
+            self.counters.deferred += 1
+            self.pending[key] = None
+        return True
+
+    def capture_pending(self) -> Hashable | None:
+        """Capture the oldest deferred bucket (the caller knows no request waits); the key, or None if none."""
+        while self.pending:
+            key = next(iter(self.pending))
+            del self.pending[key]
+            if key in self.graphs or key in self.uncacheable:
+                continue
+            if self.lookup(key, count=False) is not None:
+                self.counters.idle_captures += 1
+            return key
+        return None
+
     def lookup(self, key: Hashable, count: bool = True) -> GraphEntry | None:
-        """The graph for `key`, capturing it on a miss; None means: run this request eager."""
+        """The graph for `key`, capturing it on a miss; None means: run this request eager.
+        `count=False`: a warm-up or idle-time capture, not a request's."""
         c = self.counters
         if self.ledger.touch(key):
             if count:
@@ -113,6 +173,8 @@ class GraphCache:
             if count:
                 c.fallbacks += 1
             return None
+        if count:
+            c.request_path_captures += 1     # a request waits for this capture, captured or not
         try:
             entry = self._capture(key)
         except Exception as e:

@@ -1,9 +1,12 @@
-"""Runtime: one device's model, workspace, uploads and graph cache behind `run(batch)`.
+"""Runtime: one device's model, workspace, uploads and graph cache behind `launch(batch)` / `finish(job)`.
 
-Per request: validate the whole group on the host, pack it into the reusable staging, submit the copies
-as one UploadGroup on the worker's stream, run the forward (eager, the fixed graph or a cached graph),
-queue the readback, and synchronise once. A CPU runtime runs the same path eagerly, reading the staging
-in place.
+Per group: validate on the host, pack into a free staging slot, submit the copies as one UploadGroup on the
+worker's stream, queue the forward (eager, the fixed graph or a cached graph) and the readback into the slot,
+and record the slot's done event: that is `launch`, which returns without waiting. `finish` waits for the
+event and cuts the answers out of the slot. With two slots (CUDA, `overlap=True`) the compute thread launches
+group N+1 before it finishes group N, so the device never waits for the host's validation and packing
+(docs/architecture.md, "Overlap"). `run` is both in a row. A CPU runtime runs the same path eagerly inside
+`launch`, reading the staging in place, with one slot.
 """
 from __future__ import annotations
 
@@ -21,13 +24,19 @@ from protocol.contract import MODES
 
 from .batch import Batch, Limits, RequestError, validate
 from .checkpoint import Checkpoint
-from .graphs import CachePolicy, GraphCache, GraphEntry
+from .graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
+from .slots import SlotLedger, SlotState
 from .workspace import Capacity, Shape, Workspace
 
 ROW_LEN_STEP = 64
 # Buckets a graph-cached worker captures before it reports ready: the request classes a decision loop
 # sends most (one to sixteen questions, short to full-length states), so steady traffic sees no capture.
 DEFAULT_WARMUP = "1x64x2,1x64x4,1x128x4,2x128x4,4x256x4,4x256x8,8x256x8,16x512x8,16x512x16"
+# Request classes whose merged groups the default warm-up also captures (ROWSxTOKENSxMARKERS of one request, as
+# it arrives): one question over a short or a medium state (bench.py's and load.py's 1x48 and 1x128 both carry a
+# four-option question). A worker merging up to --max-batch of them runs buckets of 1, 2, 4, ... rows.
+DEFAULT_MERGED = "1x48x4,1x128x4"
+CAPTURE_MODES = ("idle", "inline")    # a missed bucket: captured when no request waits, or by the request
 
 
 def parse_shapes(text: str) -> tuple[Shape, ...]:
@@ -57,12 +66,67 @@ def _pow2(n: int, low: int) -> int:
     return max(low, 1 << max(0, n - 1).bit_length())
 
 
+def bucket_of(rows: int, row_len: int, row_markers: int, cap: Capacity, max_len: int) -> Shape:
+    """The graph bucket of a batch: rows and markers per row to a power of two, the row length to a multiple of 64."""
+    return Shape(min(_pow2(rows, 1), cap.max_rows), min(-(-row_len // ROW_LEN_STEP) * ROW_LEN_STEP, max_len),
+                 min(_pow2(row_markers, 2), cap.row_markers))
+
+
+def merged_buckets(classes: tuple[Shape, ...], max_group: int, cap: Capacity, max_len: int) -> list[Shape]:
+    """The buckets groups of 1..`max_group` requests of each class produce, as worker.merge admits them.
+
+    A class is one request's exact shape (rows, tokens per row, markers per row). A group of n such requests
+    has n x rows rows of the same length and markers; it stops growing where Group.admits would refuse it."""
+    out: set[Shape] = set()
+    for c in classes:
+        if c.row_len > max_len or c.row_markers > cap.row_markers:
+            continue
+        for n in range(1, max_group + 1):
+            rows = n * c.rows
+            if rows > cap.max_rows or rows * c.row_len > cap.max_tokens or rows * c.row_markers > cap.max_markers:
+                break
+            out.add(bucket_of(rows, c.row_len, c.row_markers, cap, max_len))
+    return sorted(out)
+
+
+def warmup_plan(shapes: tuple[Shape, ...], classes: tuple[Shape, ...], max_group: int, cap: Capacity,
+                max_len: int) -> list[Shape]:
+    """Every bucket to capture before READY, largest first: the named shapes and the merged classes' buckets,
+    each within the capacity and the model's row length."""
+    named = [sh for sh in shapes if sh.rows <= cap.max_rows and sh.row_len <= max_len
+             and sh.row_markers <= cap.row_markers]
+    return sorted(set(named) | set(merged_buckets(classes, max_group, cap, max_len)), reverse=True)
+
+
 @dataclass
 class RunResult:
     logits: np.ndarray            # float32 [M]: each real marker's logit, rows in order
     act: np.ndarray               # float32 [R, n_act]: act probabilities
     metrics: dict[str, Any]
     taps: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class Launched:
+    """A group on its way through the device: what `finish` needs to answer it."""
+    batch: Batch
+    mode: str
+    shape: Shape
+    slot: int
+    info: dict[str, Any]
+    first: bool
+    times: tuple[float, float, float, float]   # started, checked, planned, packed (perf_counter)
+    outputs: tuple                             # the forward's device outputs, alive until the readback is done
+    taps: dict | None
+    event: Any | None                          # the slot's done event (None on the CPU: done inside launch)
+    landed: Any = None                         # a threading.Event when a LandingWatch waits on `event` instead
+    error: BaseException | None = None         # what the watch's wait raised
+
+    def done(self) -> bool:
+        """True once the readback landed in the slot (never blocks)."""
+        if self.landed is not None:
+            return self.landed.is_set()
+        return self.event is None or self.event.done()
 
 
 @dataclass
@@ -74,6 +138,12 @@ class RuntimeConfig:
     fixed_shape: Shape | None = None           # graph-fixed: default is the capacity's largest bucket
     oversize: str = "eager"                    # graph-fixed: "eager" or "reject" for requests past its shape
     warmup_shapes: tuple[Shape, ...] = ()      # graph-cached: buckets captured at start, largest first
+    warmup_merged: tuple[Shape, ...] = ()      # graph-cached: request classes whose merged groups' buckets too
+    warmup_group: int = 1                      # ... merged up to this many requests (the worker's --max-batch)
+    capture: str = "inline"                    # graph-cached miss: "inline" (the request waits) or "idle"
+    # Two staging slots, so group N+1 launches before N finishes. Default: on CUDA; not on the CPU, whose forward
+    # runs inside launch (nothing to overlap; tests turn it on there to drive the two-group loop).
+    overlap: bool | None = None
 
 
 class Runtime:
@@ -85,6 +155,8 @@ class Runtime:
         cfg = replace(config or RuntimeConfig(), **overrides)
         if cfg.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
+        if cfg.capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {cfg.capture!r}")
         self.config, self.checkpoint = cfg, checkpoint
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -110,12 +182,18 @@ class Runtime:
         else:
             self.model = ReferenceModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
         self.forward_name = "fast" if self.why_reference is None else "reference"
-        self.workspace = Workspace(cap, arch.n_act, self.device)
+        # Two slots let the host pack group N+1 while group N computes; the CPU computes inside launch: one.
+        overlap = self.is_cuda if cfg.overlap is None else cfg.overlap
+        self.workspace = Workspace(cap, arch.n_act, self.device, slots=2 if overlap else 1)
+        self.slots = SlotLedger(len(self.workspace.slots))
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.upload = None
+        self.events: list[Any] = []
         if self.is_cuda:
+            from .cudart import Event
             from .upload import UploadGroup
             self.upload = UploadGroup(self.workspace, self.stream.cuda_stream)
+            self.events = [Event() for _ in self.workspace.slots]
         self.cache = GraphCache(cfg.cache_policy, self._capture, self._release)
         # The default fixed graph holds the "16 questions at full length" class of request.
         self.fixed_shape = cfg.fixed_shape or Shape(min(16, cap.max_rows), arch.max_len, min(32, cap.row_markers))
@@ -126,6 +204,7 @@ class Runtime:
             # non-blocking, so make it wait once before it reads any of them.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.capture_fault = None          # test hook: called inside a capture, may break it
+        self.before_capture = None         # set by the compute thread: quiesce its landing watch
         self.served = 0
         self.first_call_ms: dict[str, float] = {}
 
@@ -138,25 +217,37 @@ class Runtime:
         return self.checkpoint.card()
 
     # -- shapes ---------------------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Groups that may be launched and not yet finished at once."""
+        return self.slots.n
+
     def bucket(self, batch: Batch) -> Shape:
-        cap, max_len = self.capacity, self.checkpoint.arch.max_len
-        rows = min(_pow2(batch.rows, 1), cap.max_rows)
-        row_len = min(-(-batch.max_row_len // ROW_LEN_STEP) * ROW_LEN_STEP, max_len)
-        return Shape(rows, row_len, min(_pow2(batch.max_row_markers, 2), cap.row_markers))
+        return bucket_of(batch.rows, batch.max_row_len, batch.max_row_markers, self.capacity,
+                         self.checkpoint.arch.max_len)
+
+    def warmup_plan(self) -> list[Shape]:
+        cfg = self.config
+        return warmup_plan(cfg.warmup_shapes, cfg.warmup_merged, cfg.warmup_group, self.capacity,
+                           self.checkpoint.arch.max_len)
 
     @staticmethod
     def exact(batch: Batch) -> Shape:
         return Shape(batch.rows, batch.max_row_len, batch.max_row_markers)
 
     # -- graphs ---------------------------------------------------------------------------------------
-    def _forward(self, shape: Shape, taps: dict | None = None):
-        return self.model.forward(*self.workspace.views(shape), shape.row_len, taps=taps)
+    def _forward(self, shape: Shape, taps: dict | None = None, slot: int = 0):
+        return self.model.forward(*self.workspace.views(shape, slot), shape.row_len, taps=taps)
 
     def _capture(self, shape: Shape) -> GraphEntry:
         s = self.stream
         with torch.cuda.stream(s):
             self._forward(shape)          # warm-up on the capture stream: lazy handles, workspaces
         torch.cuda.synchronize(self.device)
+        if self.before_capture is not None:
+            # Another thread's CUDA call during a (global-mode) capture breaks it: the landing watch must be done
+            # with its event waits (they return at once: the device is synchronized) before the capture begins.
+            self.before_capture()
         pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         failure = None
@@ -213,14 +304,22 @@ class Runtime:
                 self.fixed_failed = str(e)
             out[f"fixed {self.fixed_shape}"] = (time.perf_counter() - t) * 1e3
         if self.config.mode == "graph-cached":
-            cap, max_len = self.capacity, self.checkpoint.arch.max_len
-            shapes = [sh for sh in self.config.warmup_shapes
-                      if sh.rows <= cap.max_rows and sh.row_len <= max_len and sh.row_markers <= cap.row_markers]
-            for shape in sorted(shapes, reverse=True):
+            for shape in self.warmup_plan():
                 t = time.perf_counter()
                 self.cache.lookup(shape, count=False)
                 out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
         return out
+
+    @property
+    def has_idle_work(self) -> bool:
+        """A missed bucket waits for a capture (graph-cached, capture="idle")."""
+        return bool(self.cache.pending)
+
+    def idle_work(self) -> Shape | None:
+        """Capture one missed bucket; call only when no request waits and nothing is launched."""
+        if self.slots.in_flight:
+            raise RuntimeError("idle_work with a group in flight: finish it first")
+        return self.cache.capture_pending()
 
     # -- the request path -----------------------------------------------------------------------------
     def _plan(self, batch: Batch, mode: str) -> tuple[Shape, GraphEntry | None, dict[str, Any]]:
@@ -242,10 +341,27 @@ class Runtime:
                                               f"{self.fixed_shape} and this worker rejects oversize requests")
             return self.exact(batch), None, {"graph": "oversize-eager"}
         shape = self.bucket(batch)
-        hits = self.cache.counters.hits
-        entry = self.cache.lookup(shape)
-        state = "hit" if self.cache.counters.hits > hits else ("miss" if entry is not None else "fallback")
-        return (shape if entry is not None else self.exact(batch)), entry, {"graph": state}
+        if self.config.capture == "inline":
+            hits = self.cache.counters.hits
+            entry = self.cache.lookup(shape)
+            state = "hit" if self.cache.counters.hits > hits else ("miss" if entry is not None else "fallback")
+            return (shape if entry is not None else self.exact(batch)), entry, {"graph": state}
+        entry = self.cache.get(shape)
+        if entry is not None:
+            return shape, entry, {"graph": "hit"}
+        # A miss never waits for a capture: a captured bucket that holds it gives the same bits; else eager.
+        # The bucket is captured once no request waits (`idle_work`), unless its cover does the same work (the
+        # same rows x length, only more marker slots): then the cover is as good as its own graph.
+        cover = smallest_cover(shape, self.cache.keys())
+        if cover is not None and cover.rows * cover.row_len == shape.rows * shape.row_len:
+            self.cache.counters.covered += 1
+            return cover, self.cache.use(cover), {"graph": "covered"}
+        cacheable = self.cache.defer(shape)
+        if cover is not None:
+            self.cache.counters.covered += 1
+            return cover, self.cache.use(cover), {"graph": "covered"}
+        self.cache.counters.fallbacks += 1
+        return self.exact(batch), None, {"graph": "deferred" if cacheable else "fallback"}
 
     def check(self, batch: Batch, mode: str | None = None, taps: bool = False) -> str:
         """Raise `RequestError` if this worker cannot run `batch` as asked; return the mode it would use."""
@@ -267,48 +383,86 @@ class Runtime:
     def run(self, batch: Batch, mode: str | None = None, taps: bool = False, checked: bool = False) -> RunResult:
         """`checked=True`: the caller already ran `check` on these rows (the worker does, request by request,
         before merging them; a merged group within the capacity passes whenever its members do)."""
+        return self.finish(self.launch(batch, mode, taps, checked))
+
+    def launch(self, batch: Batch, mode: str | None = None, taps: bool = False, checked: bool = False) -> Launched:
+        """Pack `batch` into a free slot and queue its copies, forward and readback; returns without waiting.
+        Raises `SlotError` if every slot holds a group (finish one first), `UploadError` after draining."""
         t0 = time.perf_counter()
         mode = (mode or self.config.mode) if checked else self.check(batch, mode, taps)
         t1 = time.perf_counter()
         first = mode not in self.first_call_ms
         shape, entry, info = self._plan(batch, mode)
         t2 = time.perf_counter()
-        spans = self.workspace.pack(batch, shape)
-        t3 = time.perf_counter()
+        slot = self.slots.acquire()
         tap_dict: dict | None = {} if taps else None
-        if self.is_cuda:
-            logits, act = self._run_cuda(spans, shape, entry, tap_dict)
-        else:
-            logits, act = self._forward(shape, tap_dict)
-            self.workspace.out_logits[: logits.numel()] = logits.reshape(-1).numpy()
-            self.workspace.out_act[: act.numel()] = act.reshape(-1).numpy()
-        t4 = time.perf_counter()
+        try:
+            spans = self.workspace.pack(batch, shape, slot)
+            t3 = time.perf_counter()
+            if self.is_cuda:
+                outputs = self._submit(spans, shape, entry, tap_dict, slot)
+            else:
+                logits, act = outputs = self._forward(shape, tap_dict, slot)
+                out = self.workspace.slots[slot]
+                out.out_logits[: logits.numel()] = logits.reshape(-1).numpy()
+                out.out_act[: act.numel()] = act.reshape(-1).numpy()
+                self.slots.submitted(slot)
+        except BaseException:
+            self._abandon(slot)
+            raise
+        return Launched(batch, mode, shape, slot, info, first, (t0, t1, t2, t3), outputs, tap_dict,
+                        self.events[slot] if self.is_cuda else None)
+
+    def finish(self, job: Launched) -> RunResult:
+        """Wait for `job`'s readback, cut its answers out of the slot and free the slot (also when it fails)."""
+        try:
+            if job.landed is not None:
+                job.landed.wait()          # the landing watch owns the event until it sets this
+                if job.error is not None:
+                    raise job.error
+            elif job.event is not None:
+                job.event.wait()
+            t4 = time.perf_counter()
+            return self._answers(job, t4)
+        finally:
+            job.outputs = None
+            self.slots.release(job.slot)
+
+    def _answers(self, job: Launched, t4: float) -> RunResult:
+        batch, shape = job.batch, job.shape
+        t0, t1, t2, t3 = job.times
+        out = self.workspace.slots[job.slot]
         r, k = shape.rows, shape.row_markers
-        grid = self.workspace.out_logits[: r * k].reshape(r, k)
+        grid = out.out_logits[: r * k].reshape(r, k)
         counts = batch.marker_counts
         cols = np.arange(counts.max())[None, :] < counts[:, None]
-        out_logits = grid[: batch.rows, : cols.shape[1]][cols]
+        out_logits = grid[: batch.rows, : cols.shape[1]][cols]          # fancy indexing: a copy
         n_act = self.checkpoint.arch.n_act
-        out_act = self.workspace.out_act[: r * n_act].reshape(r, n_act)[: batch.rows].copy()
+        out_act = out.out_act[: r * n_act].reshape(r, n_act)[: batch.rows].copy()
         self.served += 1
         total = (time.perf_counter() - t0) * 1e3
-        if first:
-            self.first_call_ms[mode] = total
-        metrics = {"mode": mode, "shape": list(asdict(shape).values()), "first_call": first,
+        if job.first:
+            self.first_call_ms[job.mode] = total
+        # device_ms: from the packed slot to its answers in host memory, including any wait behind the group
+        # launched before it (that group's compute is what the overlap hides this group's host work behind).
+        metrics = {"mode": job.mode, "shape": list(asdict(shape).values()), "first_call": job.first,
                    "validate_ms": (t1 - t0) * 1e3, "plan_ms": (t2 - t1) * 1e3, "pack_ms": (t3 - t2) * 1e3,
-                   "device_ms": (t4 - t3) * 1e3, "total_ms": total, **info}
+                   "device_ms": (t4 - t3) * 1e3, "total_ms": total, **job.info}
         host_taps = None
-        if tap_dict is not None:
-            host_taps = {name: t.detach().float().cpu().numpy() for name, t in tap_dict.items()}
+        if job.taps is not None:
+            host_taps = {name: t.detach().float().cpu().numpy() for name, t in job.taps.items()}
         return RunResult(out_logits.astype(np.float32, copy=False), out_act, metrics, host_taps)
 
-    def _run_cuda(self, spans, shape: Shape, entry: GraphEntry | None, taps: dict | None):
-        from .cudart import memcpy_async, stream_synchronize
+    def _submit(self, spans, shape: Shape, entry: GraphEntry | None, taps: dict | None, slot: int) -> tuple:
+        """Queue the group on the stream: upload from the slot, forward, readback into the slot, done event."""
+        from .cudart import memcpy_async
 
         s = self.stream
         handle = s.cuda_stream
+        out = self.workspace.slots[slot]
         with torch.cuda.stream(s):
-            self.upload.submit(spans)
+            self.upload.submit(spans, slot)        # a failed upload drains before raising: the slot stays PACKING
+            self.slots.submitted(slot)             # from here copies may read the slot: the host keeps off it
             if entry is not None:
                 entry.graph.replay()
                 entry.replays += 1
@@ -316,11 +470,22 @@ class Runtime:
             else:
                 logits, act = self._forward(shape, taps)
             logits, act = logits.contiguous(), act.contiguous()
-            ws = self.workspace
-            memcpy_async(ws.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
-            memcpy_async(ws.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
-            stream_synchronize(handle)
-        return logits, act
+            memcpy_async(out.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
+            memcpy_async(out.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
+            self.events[slot].record(handle)
+        # Eager outputs must live until the readback ran; a graph's outputs belong to its entry (holding them here
+        # would keep an evicted graph's pool segment reserved until this group is answered).
+        return (logits, act) if entry is None else ()
+
+    def _abandon(self, slot: int) -> None:
+        """Free the slot of a launch that raised. Copies already queued may still read it: drain them first."""
+        if self.is_cuda and self.slots.states[slot] is SlotState.QUEUED:
+            from .cudart import CudaError, stream_synchronize
+            try:
+                stream_synchronize(self.stream.cuda_stream)
+            except CudaError:
+                pass      # the device is broken: the launch's own error says so, and the worker goes fatal
+        self.slots.release(slot)
 
     def stats(self) -> dict[str, Any]:
         return {"served": self.served, "mode": self.config.mode, "device": str(self.device),
@@ -330,7 +495,8 @@ class Runtime:
                 "first_call_ms": dict(self.first_call_ms), "fixed_failed": self.fixed_failed,
                 "last_capture_error": self.cache.last_error,
                 "uploads": None if self.upload is None else {"submitted": self.upload.submitted,
-                                                             "drains": self.upload.drains}}
+                                                             "drains": self.upload.drains},
+                "slots": self.slots.n, "launched": self.slots.launched, "pending_captures": len(self.cache.pending)}
 
     def close(self) -> None:
         if self.is_cuda:
@@ -339,4 +505,7 @@ class Runtime:
                 self._release(self.fixed)
                 self.fixed = None
             self.stream.synchronize()
+            for ev in self.events:
+                ev.close()
+            self.events = []
         self.workspace.close()

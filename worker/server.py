@@ -36,6 +36,7 @@ from worker import placement
 from worker.compute import Compute, FaultHooks, Queued
 
 log = logging.getLogger("laya-pool.worker")
+_STARTED = time.monotonic()      # start-to-READY is measured from here (interpreter start-up is ~50 ms before it)
 
 
 @dataclass
@@ -58,6 +59,8 @@ class WorkerConfig:
     max_markers: int | None = None
     max_message_bytes: int = contract.MAX_BACKEND_BYTES
     warmup_shapes: str | None = None
+    overlap: str = "on"                     # CUDA: launch the next group while the current one computes
+    capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
     log_level: str = "INFO"
@@ -79,6 +82,10 @@ class WorkerConfig:
     def usage_problem(self) -> str | None:
         if min(self.credit, self.max_batch, self.heartbeat_ms, self.liveness) < 1:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
+        if self.overlap not in ("on", "off") or self.capture_misses not in ("idle", "inline"):
+            # argparse does not check a default taken from the environment against the choices
+            return (f"--overlap must be on or off (got {self.overlap!r}) and --capture-misses idle or inline "
+                    f"(got {self.capture_misses!r}); check LAYA_OVERLAP / LAYA_CAPTURE_MISSES")
         return None
 
 
@@ -359,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
     p.add_argument("--warmup-shapes", default=None,
                    help="graph-cached: buckets captured before READY, ROWSxLENGTHxMARKERS,... (default: a common set)")
+    # Defaults from the environment too, so a whole pool (`laya-pool up`) can be switched for an A/B measurement.
+    p.add_argument("--overlap", default=os.environ.get("LAYA_OVERLAP", d.overlap), choices=("on", "off"),
+                   help="CUDA: pack and launch the next group while the current one computes (two staging slots); "
+                        "off: one group at a time (for measuring; env LAYA_OVERLAP)")
+    p.add_argument("--capture-misses", default=os.environ.get("LAYA_CAPTURE_MISSES", d.capture_misses),
+                   choices=("idle", "inline"),
+                   help="graph-cached: a request whose bucket was not captured runs in a larger captured bucket "
+                        "(same answers) or eager, and its bucket is captured when no request waits (idle); inline: "
+                        "the request waits for the capture (env LAYA_CAPTURE_MISSES)")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))
@@ -366,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_problem(cfg: WorkerConfig, parse_shapes: Any, default_warmup: str) -> tuple[str | None, tuple]:
-    """What is wrong with the keys or the options, found before the model loads: (problem, warm-up shapes)."""
+    """What is wrong with the keys or the options, found before the model loads: (problem, warm-up shapes).
+    Without --warmup-shapes the runtime also captures what merged groups of common requests produce."""
     if cfg.keys:
         try:
             wire.load_curve_keys(cfg.keys, role="worker")
@@ -402,35 +419,57 @@ def _place(cfg: WorkerConfig, torch: Any, torch_device: str) -> list[int] | None
     return pinned
 
 
-def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple) -> tuple[Any, float]:
-    """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms)."""
+def _open_context(torch: Any, torch_device: str) -> threading.Thread | None:
+    """Create the CUDA context in a thread while the main thread reads and checks the checkpoint (both wait
+    mostly outside the GIL); `_build_runtime` joins it before the weights move to the device."""
+    if not torch_device.startswith("cuda"):
+        return None
+    t = threading.Thread(target=lambda: torch.empty(1, device=torch_device), name="cuda-context", daemon=True)
+    t.start()
+    return t
+
+
+def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: dict[str, float],
+                   context: threading.Thread | None = None) -> tuple[Any, float]:
+    """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms); `phases` gets ms per step."""
     from worker.checkpoint import CheckpointError, load_checkpoint
-    from worker.runtime import Runtime, RuntimeConfig
+    from worker.runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
     from worker.workspace import Capacity
 
+    t = time.perf_counter()
     try:
         ck = load_checkpoint(cfg.model)
     except CheckpointError as e:
         log.error("cannot load the checkpoint: %s", e)
         raise _Exit(contract.EXIT_CONFIG) from e
+    phases["checkpoint"] = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    if context is not None:
+        context.join()         # a context that failed to open fails again, with its error, in Runtime below
+    phases["context wait"] = (time.perf_counter() - t) * 1e3
     d = Capacity()
     cap = Capacity(max_tokens=cfg.max_tokens or d.max_tokens, max_rows=cfg.max_rows or d.max_rows,
                    max_markers=cfg.max_markers or d.max_markers, row_markers=d.row_markers)
     try:
-        rt = Runtime(ck, device=torch_device, config=RuntimeConfig(mode=cfg.mode, capacity=cap, warmup_shapes=warm))
+        merged = parse_shapes(DEFAULT_MERGED) if cfg.mode == "graph-cached" and cfg.warmup_shapes is None else ()
+        rt = Runtime(ck, device=torch_device, config=RuntimeConfig(
+            mode=cfg.mode, capacity=cap, warmup_shapes=warm, warmup_merged=merged, warmup_group=cfg.max_batch,
+            capture=cfg.capture_misses, overlap=None if cfg.overlap == "on" else False))
     except ValueError as e:
         log.error("cannot build the runtime: %s", e)
         raise _Exit(contract.EXIT_CONFIG) from e
     except Exception as e:  # noqa: BLE001 - a device that cannot hold the model
         log.exception("cannot build the runtime: %s", e)
         raise _Exit(contract.EXIT_FATAL) from e
+    phases["runtime"] = (time.perf_counter() - t) * 1e3
     t = time.perf_counter()
     try:
         rt.warmup()
     except Exception as e:  # noqa: BLE001
         log.exception("warm-up failed")
         raise _Exit(contract.EXIT_FATAL) from e
-    return rt, (time.perf_counter() - t) * 1e3
+    phases["warm-up"] = (time.perf_counter() - t) * 1e3
+    return rt, phases["warm-up"]
 
 
 def _serve(cfg: WorkerConfig, rt: Any, label: str) -> int:
@@ -473,17 +512,20 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         log.error("cannot import the runtime: %s", e)
         return contract.EXIT_FATAL
+    phases = {"imports": (time.monotonic() - _STARTED) * 1e3}
     problem, warm = _config_problem(cfg, parse_shapes, DEFAULT_WARMUP)
     if problem:
         log.error("%s", problem)
         return contract.EXIT_CONFIG
     try:
         pinned = _place(cfg, torch, torch_device)
-        rt, warm_ms = _build_runtime(cfg, torch_device, warm)
+        rt, warm_ms = _build_runtime(cfg, torch_device, warm, phases, _open_context(torch, torch_device))
     except _Exit as e:
         return e.code
     log.info("worker %s: %s (%s), mode %s, threads %s, cpus %s, warm-up %.0f ms", cfg.id, label, torch_device,
              cfg.mode, torch.get_num_threads(), pinned, warm_ms)
+    log.info("worker %s: started in %.2f s (%s ms)", cfg.id, time.monotonic() - _STARTED,
+             ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
     if early["signal"] is not None:
         return contract.EXIT_OK
     return _serve(cfg, rt, label)

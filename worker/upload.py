@@ -1,9 +1,10 @@
 """UploadGroup: every host-to-device copy of one request, submitted together on the worker's stream.
 
 No synchronisation per copy: the compute is queued on the same stream after the group, so the stream
-orders it, and the worker's single `cudaStreamSynchronize` after the readback is the only host wait
-per request. If a submission fails part-way, the copies already queued may still be reading the pinned
-staging, so the group drains the stream before raising; only then may the staging be rewritten.
+orders it (and orders the copies after the previous group's compute, which reads the same device mirror),
+and the wait on the group's done event after its readback is the only host wait per group. If a
+submission fails part-way, the copies already queued may still be reading the pinned staging slot, so
+the group drains the stream before raising; only then may the slot be rewritten.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ class UploadGroup:
         self.drains = 0
         self.last_drained_after: int | None = None
 
-    def submit(self, spans: list[tuple[int, int]]) -> None:
-        host, dev = self.ws.host_in.ctypes.data, self.ws.dev_in.data_ptr()
+    def submit(self, spans: list[tuple[int, int]], slot: int = 0) -> None:
+        """Queue the copies of `spans` from slot `slot`'s pinned inputs into the device mirror."""
+        host, dev = self.ws.slots[slot].host_in.ctypes.data, self.ws.dev_in.data_ptr()
         done = 0
         try:
             for offset, count in spans:

@@ -1,13 +1,15 @@
-"""The worker's reusable staging: one packed int32 input region and one float32 output region.
+"""The worker's reusable staging: packed int32 input regions and float32 output regions.
 
 Allocated once per worker. On a GPU the host side is page-locked memory the workspace owns
-(`PinnedBuffer`) and the device side a mirror with the same layout; every request packs into the same
-host bytes and uploads the used prefix of each field, and every CUDA graph reads the same device
-addresses, so a replay sees the new request. On the CPU the "device" mirror is the host memory itself.
+(`PinnedBuffer`), cut into `slots` (two by default: group N+1 packs into one while group N's copies and
+readback use the other; worker/slots.py says when a slot may be written), and the device side is ONE input
+mirror with the same layout: every CUDA graph reads the same device addresses, so a replay sees the new
+request, and the stream orders group N+1's upload after group N's compute has read the mirror. On the CPU
+the forward runs synchronously and reads the host staging in place, so one slot is all there is.
 
-Layout (int32, element offsets fixed by the capacity, so each field's address never moves):
+Layout of one slot (int32, element offsets fixed by the capacity, so each field's address never moves):
     ids[max_tokens] | row_start[max_rows] | row_len[max_rows] | qtype[max_rows] | markers[max_rows * row_markers]
-Output (float32): logits[max_rows * row_markers] | act[max_rows * n_act]
+Output (float32, per slot): logits[max_rows * row_markers] | act[max_rows * n_act]
 """
 from __future__ import annotations
 
@@ -41,8 +43,17 @@ class Shape:
                 and batch.max_row_markers <= self.row_markers)
 
 
+@dataclass
+class Slot:
+    """One slot's host side: the packed inputs (by field) and the outputs the readback lands in."""
+    host_in: np.ndarray
+    host: dict[str, np.ndarray]
+    out_logits: np.ndarray
+    out_act: np.ndarray
+
+
 class Workspace:
-    def __init__(self, capacity: Capacity, n_act: int, device: torch.device):
+    def __init__(self, capacity: Capacity, n_act: int, device: torch.device, slots: int = 1):
         self.capacity, self.n_act, self.device = capacity, n_act, device
         c = capacity
         sizes = (c.max_tokens, c.max_rows, c.max_rows, c.max_rows, c.max_rows * c.row_markers)
@@ -51,39 +62,56 @@ class Workspace:
         self.in_elems = int(sum(sizes))
         self.out_elems = c.max_rows * c.row_markers + c.max_rows * n_act
         self.pinned = None
+        per_slot = self.in_elems + self.out_elems
         if device.type == "cuda":
             from .cudart import PinnedBuffer
-            self.pinned = PinnedBuffer(4 * (self.in_elems + self.out_elems))
-            host_in = self.pinned.view(np.int32, 0, self.in_elems)
-            host_out = self.pinned.view(np.float32, 4 * self.in_elems, self.out_elems)
+            self.pinned = PinnedBuffer(4 * per_slot * slots)
+            regions = [(self.pinned.view(np.int32, 4 * per_slot * i, self.in_elems),
+                        self.pinned.view(np.float32, 4 * (per_slot * i + self.in_elems), self.out_elems))
+                       for i in range(slots)]
             self.dev_in = torch.zeros(self.in_elems, dtype=torch.int32, device=device)
         else:
-            host_in = np.zeros(self.in_elems, np.int32)
-            host_out = np.zeros(self.out_elems, np.float32)
-            self.dev_in = torch.from_numpy(host_in)      # the CPU forward reads the staging directly
-        self.host_in, self.host_out = host_in, host_out
-        self.host = {f: host_in[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS}
-        self.dev = {f: self.dev_in[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS}
+            # The CPU forward reads each slot's staging in place (one slot unless a test asks for two).
+            regions = [(np.zeros(self.in_elems, np.int32), np.zeros(self.out_elems, np.float32))
+                       for _ in range(slots)]
+            self.dev_in = torch.from_numpy(regions[0][0])
         k = c.max_rows * c.row_markers
-        self.out_logits, self.out_act = host_out[:k], host_out[k:]
+        self.slots = [Slot(host_in, {f: host_in[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS},
+                           host_out[:k], host_out[k:]) for host_in, host_out in regions]
+        mirrors = [self.dev_in] if device.type == "cuda" else [torch.from_numpy(r[0]) for r in regions]
+        self.dev_slots = [{f: m[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS} for m in mirrors]
+        self.dev = self.dev_slots[0]
         self._starts = np.zeros(c.max_rows + 1, np.int64)
+
+    # Slot 0's host side under the names a one-slot workspace had (scripts and tests use them).
+    @property
+    def host_in(self) -> np.ndarray:
+        return self.slots[0].host_in
+
+    @property
+    def out_logits(self) -> np.ndarray:
+        return self.slots[0].out_logits
+
+    @property
+    def out_act(self) -> np.ndarray:
+        return self.slots[0].out_act
 
     @property
     def host_address(self) -> int:
-        return int(self.host_in.ctypes.data)
+        return int(self.slots[0].host_in.ctypes.data)
 
     @property
     def device_address(self) -> int:
         return int(self.dev_in.data_ptr())
 
-    def pack(self, batch: Batch, shape: Shape) -> list[tuple[int, int]]:
-        """Write `batch` into the staging laid out for `shape`; return the (offset, count) spans to upload.
+    def pack(self, batch: Batch, shape: Shape, slot: int = 0) -> list[tuple[int, int]]:
+        """Write `batch` into slot `slot` laid out for `shape`; return the (offset, count) spans to upload.
 
         Padding rows get length 0 and no markers, so the forward ignores them; every marker slot of the
         shape is rewritten, so nothing of an earlier request can leak into this one.
         """
         r, rows, k = batch.rows, shape.rows, shape.row_markers
-        h = self.host
+        h = self.slots[slot].host
         h["ids"][: batch.tokens] = batch.ids
         starts = self._starts[: r + 1]
         np.cumsum(batch.lengths, out=starts[1:])
@@ -102,15 +130,15 @@ class Workspace:
                 (self.offsets["row_len"], rows), (self.offsets["qtype"], rows),
                 (self.offsets["markers"], rows * k)]
 
-    def views(self, shape: Shape) -> tuple[torch.Tensor, ...]:
-        """Device tensors the forward reads for `shape`: always the same addresses for the same shape."""
-        d, rows, k = self.dev, shape.rows, shape.row_markers
+    def views(self, shape: Shape, slot: int = 0) -> tuple[torch.Tensor, ...]:
+        """Device tensors the forward reads for `shape`: always the same addresses for the same shape (on CUDA
+        every slot uploads into the one mirror; on the CPU each slot is read in place)."""
+        d, rows, k = self.dev_slots[slot % len(self.dev_slots)], shape.rows, shape.row_markers
         return (d["ids"], d["row_start"][:rows], d["row_len"][:rows], d["qtype"][:rows],
                 d["markers"][: rows * k].view(rows, k))
 
     def close(self) -> None:
         if self.pinned is not None:
-            self.host_in = self.host_out = self.out_logits = self.out_act = None
-            self.host = {}
+            self.slots = []
             self.pinned.close()
             self.pinned = None

@@ -1,0 +1,139 @@
+"""Issue 12's worker side on a real GPU (tiny preset, ~30 s): overlap on == off, merged == alone, no captures on the
+request path after READY, a failed upload with a group in flight.
+
+Run on the device: `python -m pytest -q -m gpu tests/test_serving_gpu.py -s`. Requests go through the worker's real
+compute thread (tests/compute_driver.py: the wire codec both ways, no sockets).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from compute_driver import Driven, queued, rows
+
+from worker.batch import Batch
+from worker.checkpoint import load_checkpoint
+from worker.runtime import DEFAULT_MERGED, DEFAULT_WARMUP, Runtime, RuntimeConfig, parse_shapes
+from worker.workspace import Capacity, Shape
+
+pytestmark = pytest.mark.gpu
+CAP = Capacity(max_tokens=4096, max_rows=32, max_markers=1024, row_markers=16)
+FIXED = Shape(32, 128, 8)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return load_checkpoint(tiny_ckpt)
+
+
+def worker_runtime(ckpt, mode: str = "graph-cached", overlap: bool = True, capture: str = "idle",
+                   warm: bool = True) -> Runtime:
+    """A runtime set up as `worker.server` sets one up (default warm-up: named shapes + merged classes, group 32)."""
+    cfg = RuntimeConfig(mode=mode, capacity=CAP, fixed_shape=FIXED, overlap=overlap, capture=capture,
+                        warmup_shapes=parse_shapes(DEFAULT_WARMUP) if warm else (),
+                        warmup_merged=parse_shapes(DEFAULT_MERGED) if warm else (), warmup_group=32)
+    rt = Runtime(ckpt, device="cuda", config=cfg)
+    rt.warmup()
+    return rt
+
+
+def small_requests(seed: int, n: int) -> list[Batch]:
+    """What a decision loop sends most: one question (2-4 options) over 20-128 tokens, some with two questions."""
+    rng = np.random.default_rng(seed)
+    return [rows(rng, 1 + int(rng.random() < 0.2), int(rng.choice([20, 48, 48, 64, 100, 128])), int(rng.integers(2, 5)))
+            for _ in range(n)]
+
+
+def record_depth(rt: Runtime) -> list[int]:
+    seen: list[int] = []
+    launch = rt.launch
+
+    def recording(*a, **kw):
+        job = launch(*a, **kw)
+        seen.append(rt.slots.in_flight)
+        return job
+    rt.launch = recording
+    return seen
+
+
+def same(a, b) -> bool:
+    return a.status == b.status == "ok" and np.array_equal(a.logits, b.logits) and np.array_equal(a.act, b.act)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph-fixed", "graph-cached"])
+def test_overlap_on_equals_off_and_merged_equals_alone(ckpt, mode):
+    """Each request alone, one group at a time (overlap off, groups of one) is the reference; then merged groups of
+    up to 32 with overlap on and off, all requests queued at once (two groups in flight) and as a stream."""
+    batches = small_requests(1, 96)
+    items = lambda: [queued(i, b) for i, b in enumerate(batches)]    # noqa: E731
+    alone = Driven(worker_runtime(ckpt, mode, overlap=False, warm=mode == "graph-cached"), 1).run(items())
+    for overlap in (False, True):
+        rt = worker_runtime(ckpt, mode, overlap=overlap, warm=mode == "graph-cached")
+        depth = record_depth(rt)
+        for gap_s in (0.0, 0.0003):
+            d = Driven(rt, max_group=32)
+            got = d.run(items(), gap_s=gap_s)
+            bad = [i for i in range(len(batches)) if not same(got[i], alone[i])]
+            assert not bad, (mode, overlap, gap_s, bad[:5])
+            assert d.counts["merged_runs"] > 0, "nothing merged: the test would not show merged == alone"
+        assert max(depth) == (2 if overlap else 1), (mode, overlap, max(depth))
+        print(f"\n{mode}, overlap {'on' if overlap else 'off'}: {len(batches)} requests x 2 feeds byte-identical to "
+              f"alone; {rt.slots.launched} groups launched, deepest {max(depth)}; cache {rt.cache.counters}")
+
+
+def test_no_captures_on_the_request_path_after_ready(ckpt):
+    """A worker's default warm-up holds every bucket merged small requests land in: a stream of them after READY
+    captures nothing on the request path and never misses. A request outside the plan runs in a larger captured
+    bucket (or eager), its own bucket is captured once the worker is idle, and it hits from then on; inline capture
+    (the old way) shows up in the same counter."""
+    rt = worker_runtime(ckpt)
+    eager = worker_runtime(ckpt, "eager", warm=False)
+    c = rt.cache.counters
+    captures_at_ready = c.captures
+    batches = small_requests(2, 160)
+    d = Driven(rt, max_group=32)
+    want = Driven(eager, 1).run([queued(i, b) for i, b in enumerate(batches)])
+    for gap_s in (0.0, 0.0002, 0.001):
+        got = d.run([queued(i, b) for i, b in enumerate(batches)], gap_s=gap_s)
+        assert all(same(got[i], want[i]) for i in range(len(batches)))
+        # "covered": a bucket with more marker slots and the same rows x length: the same work, nothing to capture
+        states = {r.metrics["graph"] for r in got.values()}
+        assert states <= {"hit", "covered"}, states
+    sizes = sorted({r.metrics["batched"] for r in got.values()})
+    assert (c.request_path_captures, c.misses, c.captures) == (0, 0, captures_at_ready), c
+    print(f"\n{len(batches)} x 3 streams of small requests: group sizes {sizes}; cache {c}")
+
+    odd = Batch.from_rows([(np.arange(5, 305, dtype=np.int32), np.array([3, 9, 40, 77, 100], np.int32), 1)] * 3)
+    bucket = rt.bucket(odd)
+    assert bucket not in rt.cache.keys()
+    first = Driven(rt, 1).run([queued(0, odd)])[0]
+    assert first.metrics["graph"] in ("covered", "deferred") and c.request_path_captures == 0
+    assert same(first, Driven(eager, 1).run([queued(0, odd)])[0])
+    assert rt.has_idle_work and rt.idle_work() == bucket and c.idle_captures == 1
+    again = Driven(rt, 1).run([queued(0, odd)])[0]
+    assert again.metrics["graph"] == "hit" and same(again, first)
+
+    inline = worker_runtime(ckpt, capture="inline", warm=False)
+    Driven(inline, 32).run([queued(i, b) for i, b in enumerate(batches[:40])])
+    assert inline.cache.counters.request_path_captures > 0, "the counter must see captures a request waited for"
+
+
+def test_failed_upload_with_a_group_in_flight(ckpt):
+    """The second group's upload fails part-way (a copy aimed at an invalid device pointer, inside the real
+    cudaMemcpyAsync) while the first group computes: the first is answered right, the failed one's requests
+    are retryable, the drain ran, and the worker serves the rest."""
+    batches = small_requests(3, 12)
+    want = Driven(worker_runtime(ckpt, overlap=False), 1).run([queued(i, b) for i, b in enumerate(batches)])
+    rt = worker_runtime(ckpt)
+    groups = []
+
+    def fault(i: int) -> bool:
+        if i == 0:
+            groups.append(1)
+        return len(groups) == 2 and i == 2
+    rt.upload.fault = fault
+    d = Driven(rt, max_group=1)
+    got = d.run([queued(i, b) for i, b in enumerate(batches)])
+    assert got[1].status == "retryable" and got[1].error.get("reason") == "upload-failed", got[1]
+    assert rt.upload.drains == 1 and rt.upload.last_drained_after == 2
+    assert all(same(got[i], want[i]) for i in range(len(batches)) if i != 1)
+    assert d.counts["upload_errors"] == 1 and rt.slots.in_flight == 0
