@@ -79,10 +79,18 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
         bn = 16 if paired else 32
         while bn < 64 and (n_out // bn) > 2 * sms:
             bn *= 2
+        if epi == Epi.GEGLU:
+            # 32-wide pairs, three stages: 5.2 us against 7.4 for 16-wide at M=48, N=2x2624 (device sweep,
+            # probe_fast.py tiles step, 2026-12-03); a 16-wide tiling leaves 164 programs for 132 SMs.
+            return Tiles(bm, 32, 128 if k >= 128 else 64, warps, 3)
         return Tiles(bm, bn, 128 if k >= 128 else 64, warps, 4)
     if m <= 512:
         bn = 32 if paired else 64
         return Tiles(64, bn, 64, 4, 4)
+    if epi == Epi.ROPE:
+        # Tiles spanning heads pay off only at large M: 127 us against 140 (64-wide) and 145 (32-wide) at M=8,192;
+        # at M=1,536 32-wide is best (33.4 us against 34.4 and 40.4). Same sweep.
+        return Tiles(128, 128 if m >= 4096 else 32, 64, 8, 3)
     if paired:
         return Tiles(128, 64, 64, 8, 3)
     return Tiles(128, 128, 64, 8, 3)

@@ -88,7 +88,8 @@ for i, b in enumerate(batches):
                   flush=True)
             traceback.print_exc()
             for name, r in rts.items():
-                print(name, "stats", r.stats(), flush=True)
+                st = r.stats()
+                print(name, "capture error:", st.get("last_capture_error"), "| cache", st.get("cache"), flush=True)
             diagnose(rts)
             raise SystemExit(1) from None
     same = all(np.array_equal(o.logits, outs["eager"].logits) and np.array_equal(o.act, outs["eager"].act)

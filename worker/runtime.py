@@ -10,6 +10,7 @@ group N+1 before it finishes group N, so the device never waits for the host's v
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -251,6 +252,10 @@ class Runtime:
         pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         failure = None
+        # No garbage collection inside the capture (torch collects once before it begins): a finalizer that frees a
+        # CUDA resource (a module, an event, a host buffer) would be an illegal call in a global-mode capture.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=pool, stream=s):
                 outputs = self._forward(shape)
@@ -258,6 +263,9 @@ class Runtime:
                     self.capture_fault()
         except Exception as e:
             failure = f"{type(e).__name__}: {e}"
+        finally:
+            if collecting:
+                gc.enable()
         if failure is not None:
             # Out of the except block, so the traceback no longer pins the capture's tensors. A graph
             # whose capture failed never releases its pool by itself: release it here.
