@@ -269,6 +269,9 @@ class Broker:
                  self.cfg.backend, self.cfg.heartbeat_ms, self.cfg.liveness)
         while not self.stopping:
             timeout = max(1, int(self.hb * 1000 / 2))
+            if self.queue:
+                # Queued requests have deadlines: look at them every housekeeping period, even when idle.
+                timeout = min(timeout, max(1, int(self._housekeeping_s() * 1000)))
             events = dict(poller.poll(timeout))
             # Workers first: replies free credit for the requests waiting behind them.
             if events.get(self.backend):
@@ -313,13 +316,16 @@ class Broker:
     def tick(self) -> None:
         """Between messages: dispatch, and every few tens of milliseconds the housekeeping first."""
         now = time.monotonic()
-        if now - self.last_housekeeping >= min(0.05, self.hb / 4):
+        if now - self.last_housekeeping >= self._housekeeping_s():
             self.last_housekeeping = now
             for w in list(self.workers.values()):
                 self._watch(w, now)
             self._expire_queue(now)
             self.replies.expire(now)
         self.dispatch()
+
+    def _housekeeping_s(self) -> float:
+        return min(0.05, self.hb / 4)
 
     def _watch(self, w: WorkerInfo, now: float) -> None:
         """Liveness of one worker: silent, hung or unreachable means dead; otherwise a heartbeat when due."""

@@ -29,8 +29,8 @@ from client.errors import PoolBusy, PoolNoWorker, PoolTimeout, PoolUnavailable, 
 from protocol import contract, wire
 from protocol.contract import Reason
 
-MARGIN_S = 0.25          # the budget a request carries stops this much (at most) short of the deadline ...
-MARGIN_SHARE = 0.1       # ... and at most this share of the time left
+MARGIN_S = 0.25          # the budget a request carries ends this much (at most) before the call's deadline ...
+MARGIN_SHARE = 0.1       # ... and at most this share of the call's timeout
 
 
 class Action(enum.Enum):
@@ -102,9 +102,10 @@ class Attempts:
         return self._next_attempt()
 
     def budget_ms(self) -> int:
-        """The time the pool may spend on the request now: what is left, a little short of the deadline."""
-        left = self.deadline - self.clock()
-        return max(0, int((left - min(MARGIN_S, MARGIN_SHARE * left)) * 1e3))
+        """The time the pool may spend on the request now: until a moment before the call's deadline, the same
+        moment for every attempt (a retry renews the broker's deadline for it, never pushes it later)."""
+        margin = min(MARGIN_S, MARGIN_SHARE * self.policy.timeout)
+        return max(0, int((self.deadline - margin - self.clock()) * 1e3))
 
     def sent(self, connected: bool = True) -> Step:
         """The attempt went out: wait for its share of the time left (the last attempt: all of it)."""
