@@ -380,10 +380,10 @@ class Broker:
         if where == "queue" and not self._serving():
             self._fail(job, wire.STATUS_RETRYABLE, "no worker is serving the model: the request waited in the queue "
                        "until its deadline", reason=Reason.NO_WORKER)
-        else:
-            self._fail(job, wire.STATUS_RETRYABLE, f"the request's deadline passed before a worker started it "
-                       f"(it waited in the broker's {where})" if where == "queue" else
-                       "the request's deadline passed before its worker started it", reason=Reason.EXPIRED)
+            return
+        place = "in the broker's queue" if where == "queue" else "inside its worker"
+        self._fail(job, wire.STATUS_RETRYABLE, f"the request's deadline passed while it waited {place}",
+                   reason=Reason.EXPIRED)
 
     # -------------------------------------------------------------------------------------------- clients
 

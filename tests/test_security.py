@@ -38,7 +38,7 @@ def test_client_key_cannot_register_a_worker(tmp_path):
             wire.configure_curve_client(s, keys, role=role)
             s.connect(be)
             socks[wid] = s
-        with Client(fe, keys=str(keys), timeout=2.0, retries=3) as c:
+        with Client(fe, keys=str(keys), timeout=30.0, connect_timeout=30.0) as c:   # waits for the broker to bind
             def admitted():
                 # Both knock (again) until the worker key is in; the client key knocked just as often.
                 ids = {w["id"] for w in c.status()["workers"]}
