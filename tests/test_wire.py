@@ -72,6 +72,10 @@ def test_a_budget_travels_in_the_header_and_is_checked():
     req = wire.parse_request(wire.decode(frames), need_cid=True)
     assert req.budget_ms == 1500 and req.rid == 7 and req.ids.tolist() == [1, 5, 9, 2, 7, 8, 9]
     assert wire.parse_request(wire.decode(_request())).budget_ms is None        # no deadline
+    # stamped again (a retry's budget): the last one counts; a header too large for a fixmap is re-encoded
+    assert wire.decode(wire.with_budget(frames, 700)).header["budget_ms"] == 700
+    big = wire.encode(Cmd.STATUS, {f"k{i}": i for i in range(20)})
+    assert wire.decode(wire.with_budget(big, 5)).header == {**{f"k{i}": i for i in range(20)}, "budget_ms": 5}
     # the broker forwards what is left of it, under its own job id
     assert wire.request_header_for_worker(req, 42, 300)["budget_ms"] == 300
     assert "budget_ms" not in wire.request_header_for_worker(req, 42)
