@@ -173,7 +173,7 @@ class Attempts:
         """The typed error for what went wrong last."""
         n, elapsed = self.attempts, self.clock() - self.started
         if self.why is _Why.UNREACHABLE:
-            why = self.last if self.last != "no connection" else "no connection: is the pool running, listening there?"
+            why = self.last if self.last != "no connection" else "no connection: is a pool running and listening there?"
             return PoolUnreachable(f"{endpoint}: nothing answered at this endpoint within {elapsed:.1f} s ({why})",
                                    last=self.last, attempts=n, reason=Reason.UNREACHABLE)
         if self.why is _Why.SILENCE:
