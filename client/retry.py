@@ -30,7 +30,7 @@ from protocol import contract, wire
 from protocol.contract import Reason
 
 MARGIN_S = 0.25          # the budget a request carries ends this much (at most) before the call's deadline ...
-MARGIN_SHARE = 0.1       # ... and at most this share of the call's timeout
+MARGIN_SHARE = 0.2       # ... and at most this share of the call's timeout
 
 
 class Action(enum.Enum):

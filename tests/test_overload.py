@@ -30,6 +30,7 @@ from protocol.contract import CONNECT_TIMEOUT_S, RETRY_AFTER_MAX_S, RETRY_AFTER_
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = make_rows(7, 2)
+SLACK_S = 0.25          # a call raises at its deadline; this is for a busy machine's scheduling
 
 
 def _timed(fn):
@@ -107,7 +108,7 @@ def test_no_worker_and_a_full_queue_that_does_not_drain(bare_broker):
         # The queued one waited until its deadline (less the margin) and was told why.
         nowork, took = waiting.result()
         assert type(nowork) is PoolNoWorker and nowork.reason == Reason.NO_WORKER, nowork
-        assert 0.8 < took <= 1.05, took
+        assert 0.7 < took <= 1.0, took
         st = other.status()
     assert st["broker"]["queue"] == 0 and st["meter"]["expired"] == {"queue": 1}
     outcomes = st["meter"]["outcomes"]
@@ -117,15 +118,13 @@ def test_no_worker_and_a_full_queue_that_does_not_drain(bare_broker):
 # ---------------------------------------------------------------------------------------------- a real worker
 
 def test_busy_expired_and_other_callers_on_a_real_pool(tiny_ckpt):
-    """One CPU worker holding 2 requests (credit 2), a broker queue of 2. A slow request takes ~1.5 s."""
-    slow = make_rows(11, 16, length=512)
-    with local_pool(tiny_ckpt, "cpu", extra_args=["--threads", "1", "--credit", "2", "--queue-size", "2"]) as pool, \
+    """One CPU worker holding 2 requests (credit 2), a broker queue of 1. The slow request (the workspace's
+    whole capacity, 16384 tokens) takes 2.5-5 s on one thread, well past every short deadline below."""
+    slow = make_rows(11, 32, length=512)
+    with local_pool(tiny_ckpt, "cpu", extra_args=["--threads", "1", "--credit", "2", "--queue-size", "1"]) as pool, \
             pool.client(timeout=30) as watch, concurrent.futures.ThreadPoolExecutor(4) as run:
         want = watch.forward(slow).flat                        # also warms the shape
         want_small = watch.forward(SMALL).flat
-        t = time.monotonic()
-        watch.forward(slow)
-        slow_s = time.monotonic() - t
 
         def settled(expired: int | None = None):
             """The status once the worker's own counts (sent with its heartbeats) caught up with the broker's."""
@@ -135,38 +134,46 @@ def test_busy_expired_and_other_callers_on_a_real_pool(tiny_ckpt):
             return st if caught_up and (expired is None or w["stats"].get("expired") == expired) else None
         before = wait_until(settled, 5, "the worker's stats never caught up")["workers"][0]["stats"]
 
-        def slow_call():
-            with pool.client(timeout=30) as c:
-                return c.forward(slow).flat
+        def call(timeout: float, rows):
+            with pool.client(timeout=timeout) as c:
+                t = time.monotonic()
+                try:
+                    return c.forward(rows).flat, time.monotonic() - t
+                except PoolUnavailable as e:
+                    return e, time.monotonic() - t
 
-        s1 = run.submit(slow_call)
-        wait_until(lambda: watch.status()["workers"][0]["inflight"] == 1, 5, "the slow request never reached a worker")
-        # 1) Dispatched to the worker (one credit free) but queued there behind the slow one: the caller gives
-        # up after 0.4 s, and the worker skips it unrun when its turn comes.
-        with pool.client(timeout=0.4) as c:
-            skipped, took = _timed(lambda: c.forward(SMALL))
-        assert type(skipped) is PoolTimeout and skipped.reason == Reason.TIMEOUT and took < 0.6, (skipped, took)
-        # 2) The worker is full: the next slow request and a short one wait in the broker's queue (2 of 2) ...
-        s2 = run.submit(slow_call)
-        wait_until(lambda: watch.status()["broker"]["queue"] == 1, 5, "the second slow request never queued")
-        with pool.client(timeout=0.6) as c, pool.client(timeout=0.3) as b:
-            expiring = run.submit(_timed, lambda: c.forward(SMALL))
-            wait_until(lambda: watch.status()["broker"]["queue"] == 2, 5, "the short request never queued")
-            # 3) ... so a third caller is turned away busy, with the pool's hint, within its deadline.
-            busy, took = _timed(lambda: b.forward(SMALL))
-            assert type(busy) is PoolBusy and RETRY_AFTER_MIN_S <= busy.retry_after <= RETRY_AFTER_MAX_S, busy
-            assert took <= 0.35, took
-            # The short one is dropped from the queue at its deadline, and the broker's verdict reaches it.
-            expired, took = expiring.result()
-            assert type(expired) is PoolTimeout and expired.reason == Reason.EXPIRED and took <= 0.65, (expired, took)
-        # Callers with time to wait are served, right; so is a new caller once the burst is over.
-        assert np.array_equal(s1.result(), want) and np.array_equal(s2.result(), want)
+        def held(inflight: int, queue: int) -> bool:
+            st = watch.status()
+            return st["workers"][0]["inflight"] == inflight and st["broker"]["queue"] == queue
+
+        s1 = run.submit(call, 30, slow)                        # a caller with time to wait
+        wait_until(lambda: held(1, 0), 5, "the slow request never reached the worker")
+        # Dispatched to the worker (its second credit) but waiting there behind the slow one: its caller gives
+        # up after 0.5 s, and the worker skips it unrun when its turn comes.
+        skipped = run.submit(call, 0.5, SMALL)
+        wait_until(lambda: held(2, 0), 5, "the short request never reached the worker")
+        # The worker is full: the next one waits in the broker's queue (1 of 1) until its deadline ...
+        expiring = run.submit(call, 1.0, SMALL)
+        wait_until(lambda: held(2, 1), 5, "the request never queued")
+        # ... so a caller now is turned away busy, with the pool's hint, within its deadline.
+        busy, took = call(0.3, SMALL)
+        assert type(busy) is PoolBusy and RETRY_AFTER_MIN_S <= busy.retry_after <= RETRY_AFTER_MAX_S, busy
+        assert took <= 0.3 + SLACK_S, took
+        e, took = skipped.result()
+        assert type(e) is PoolTimeout and e.reason == Reason.TIMEOUT and took <= 0.5 + SLACK_S, (e, took)
+        # The queued one is dropped at its deadline (a little before the caller's), and the verdict reaches it.
+        e, took = expiring.result()
+        assert type(e) is PoolTimeout and e.reason == Reason.EXPIRED and took <= 1.0, (e, took)
+        # The caller with time is served, right; so is a new caller once the burst is over.
+        flat, slow_s = s1.result()
+        assert np.array_equal(flat, want), flat
         assert np.array_equal(watch.forward(SMALL).flat, want_small)
 
-        st = wait_until(lambda: settled(before["expired"] + 1), 5, "the worker never counted the skipped request")
+        st = wait_until(lambda: settled(before["expired"] + 1), 5,
+                        lambda: f"the worker never counted the skipped request: {watch.status()}")
         stats = st["workers"][0]["stats"]
-        # Computed: the two slow requests and the last small one; the skipped request never ran.
-        assert stats["ok"] - before["ok"] == 3 and stats["received"] - before["received"] == 4, (before, stats)
+        # Computed: the slow request and the last small one; the skipped request reached the worker, never ran.
+        assert stats["ok"] - before["ok"] == 2 and stats["received"] - before["received"] == 3, (before, stats)
         assert st["meter"]["expired"] == {"worker": 1, "queue": 1}
         outcomes = {(s, r): n for s, r, n in st["meter"]["outcomes"]}
         assert outcomes[("retryable", "expired")] == 2 and outcomes[("retryable", "busy")] >= 1, outcomes
