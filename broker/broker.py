@@ -2,7 +2,10 @@
 
 What it owns:
 - the worker table: id, device, model fingerprint, capacity, credit, liveness, state (`WorkerState`);
-- the queue (bounded: a full queue answers "busy", retryable, instead of growing);
+- the queue (bounded: a full queue answers "busy", retryable, with a retry-after hint, instead of growing);
+- deadlines: a request carries its caller's time left (`budget_ms`); one still queued when it runs out is
+  answered "expired" (or "no-worker" when no worker serves the model) and never dispatched, and a worker
+  is handed only what is left, so it skips work whose caller has given up (docs/protocol.md, Deadlines);
 - the in-flight table: a job sent to a worker that dies (missed heartbeats, vanished, or came back
   with a fresh READY) is sent to another worker, at most `max_attempts` times, never dropped silently;
 - deduplication by (client id, request id): a retry of a request still queued or running waits for
@@ -34,6 +37,7 @@ import zmq
 from broker import operator, security
 from broker.metering import Meter
 from broker.monitor import LogLimiter, SocketWatch
+from broker.overload import DrainRate, retry_after
 from broker.replies import ReplyCache, frames_bytes
 from protocol import contract, wire
 from protocol.contract import Leave, Reason, WorkerState
@@ -130,6 +134,7 @@ class Job:
     dispatched: float = 0.0
     nbytes: int = 0                 # payload bytes, held until the job is finished
     arrived: float = 0.0            # first arrival at this broker: end-to-end time for the metrics
+    expires: float | None = None    # when its caller gives up (this broker's clock); None: no deadline
 
 
 class Broker:
@@ -169,6 +174,7 @@ class Broker:
         self.last_housekeeping = 0.0
         self.counters = collections.Counter()
         self.meter = Meter()                    # outcomes, per-worker work and timings (broker/metering.py)
+        self.drain = DrainRate()                # requests leaving the queue per second: the busy hint's basis
 
     # -------------------------------------------------------------------------------------------- sockets
 
@@ -237,12 +243,13 @@ class Broker:
                      "(%d queued at most per client; --client-hwm)", self.cfg.client_hwm)
 
     def _client_error(self, envelope: list[bytes], rid: Any, status: str, message: str, *, field: str | None = None,
-                      row: int | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None) -> None:
+                      row: int | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None,
+                      retry_after: float | None = None) -> None:
         self.counters["errors_" + status] += 1
         if cmd == Cmd.REPLY:
             self.meter.refused(status, reason)
         self._to_client(envelope, wire.encode_error(rid, status, message, field=field, row=row, cmd=cmd,
-                                                    reason=reason))
+                                                    reason=reason, retry_after=retry_after))
 
     def _to_worker(self, w: WorkerInfo, cmd: Cmd, header: dict, *frames: Any) -> bool:
         ok = self._send(self.backend, [w.identity, *wire.encode(cmd, header, *frames)])
@@ -262,6 +269,9 @@ class Broker:
                  self.cfg.backend, self.cfg.heartbeat_ms, self.cfg.liveness)
         while not self.stopping:
             timeout = max(1, int(self.hb * 1000 / 2))
+            if self.queue:
+                # Queued requests have deadlines: look at them every housekeeping period, even when idle.
+                timeout = min(timeout, max(1, int(self._housekeeping_s() * 1000)))
             events = dict(poller.poll(timeout))
             # Workers first: replies free credit for the requests waiting behind them.
             if events.get(self.backend):
@@ -306,13 +316,16 @@ class Broker:
     def tick(self) -> None:
         """Between messages: dispatch, and every few tens of milliseconds the housekeeping first."""
         now = time.monotonic()
-        if now - self.last_housekeeping >= min(0.05, self.hb / 4):
+        if now - self.last_housekeeping >= self._housekeeping_s():
             self.last_housekeeping = now
             for w in list(self.workers.values()):
                 self._watch(w, now)
             self._expire_queue(now)
             self.replies.expire(now)
         self.dispatch()
+
+    def _housekeeping_s(self) -> float:
+        return min(0.05, self.hb / 4)
 
     def _watch(self, w: WorkerInfo, now: float) -> None:
         """Liveness of one worker: silent, hung or unreachable means dead; otherwise a heartbeat when due."""
@@ -340,18 +353,37 @@ class Broker:
                    for j in w.inflight)
 
     def _expire_queue(self, now: float) -> None:
-        """Fail (retryable) what waited longer than `queue_timeout_s` for a worker."""
-        if not any(now - j.enqueued > self.cfg.queue_timeout_s for j in self.queue):
+        """Take out of the queue what waited longer than `queue_timeout_s` for a worker (failed, retryable) and
+        what its caller has given up on (its deadline passed: never dispatched, counted, answered with why)."""
+        timeout = self.cfg.queue_timeout_s
+        if not any(now - j.enqueued > timeout or (j.expires is not None and now >= j.expires) for j in self.queue):
             return
         kept: collections.deque[Job] = collections.deque()
         for job in self.queue:
-            if now - job.enqueued > self.cfg.queue_timeout_s:
+            if job.expires is not None and now >= job.expires:
                 self.describes_queued -= job.kind == "describe"
-                self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within "
-                           f"{self.cfg.queue_timeout_s:g} s", reason=Reason.QUEUE_TIMEOUT)
+                self._expired(job, "queue")
+            elif now - job.enqueued > timeout:
+                self.describes_queued -= job.kind == "describe"
+                self._fail(job, wire.STATUS_RETRYABLE, f"no worker took this request within {timeout:g} s",
+                           reason=Reason.QUEUE_TIMEOUT)
             else:
                 kept.append(job)
         self.queue = kept
+
+    def _expired(self, job: Job, where: str) -> None:
+        """`job`'s caller has given up (`where`: it ran out of time in the "queue", or a "worker" skipped it).
+        Counted; the answer says why, in case the caller is still listening (it stamps its budget a little
+        short of its own deadline so that it can hear this): no worker serving the model, or just no time."""
+        self.counters["expired"] += 1
+        self.meter.expired(where)
+        if where == "queue" and not self._serving():
+            self._fail(job, wire.STATUS_RETRYABLE, "no worker is serving the model: the request waited in the queue "
+                       "until its deadline", reason=Reason.NO_WORKER)
+            return
+        place = "in the broker's queue" if where == "queue" else "inside its worker"
+        self._fail(job, wire.STATUS_RETRYABLE, f"the request's deadline passed while it waited {place}",
+                   reason=Reason.EXPIRED)
 
     # -------------------------------------------------------------------------------------------- clients
 
@@ -391,29 +423,36 @@ class Broker:
         req = wire.parse_request(msg, need_cid=True)   # dedup needs an id that survives reconnects
         self.counters["requests"] += 1
         key = (req.cid, req.rid)
-        if self._answered_or_joined(key, envelope):
+        if self._answered_or_joined(key, envelope, req.budget_ms):
             return
         if req.worker is not None and not self._target_ready(req, envelope):
             return
         self._check_capacity(req)
         size = frames_bytes(msg.frames)
         if len(self.queue) >= self.cfg.queue_size or self.queue_bytes + size > self.cfg.queue_max_bytes:
-            self.counters["busy"] += 1
-            self._client_error(envelope, req.rid, wire.STATUS_RETRYABLE,
-                               f"the pool is busy ({len(self.queue)} requests, {self.queue_bytes} B queued)",
-                               reason=Reason.BUSY)
+            self._busy(envelope, req.rid, Cmd.REPLY)
             return
         job = Job(self._job_id(), "request", key, envelope, req.rid, req=req, payload=list(msg.frames),
                   target=req.worker, enqueued=time.monotonic(), nbytes=size)
         job.arrived = job.enqueued
+        job.expires = _expiry(job.arrived, req.budget_ms)
         self.by_key[key] = job
         self.queue_bytes += size
         self.queue.append(job)
         self.dispatch()
 
-    def _answered_or_joined(self, key: tuple[str, Any], envelope: list[bytes]) -> bool:
+    def _busy(self, envelope: list[bytes], rid: Any, cmd: Cmd) -> None:
+        """Turn a request away (the queue is full) with the time the queue needs to drain as the retry-after."""
+        self.counters["busy"] += 1
+        wait = retry_after(len(self.queue), self.drain.rate(time.monotonic()))
+        self._client_error(envelope, rid, wire.STATUS_RETRYABLE, f"the pool is busy ({len(self.queue)} requests, "
+                           f"{self.queue_bytes} B queued); retry after {wait:.2f} s", cmd=cmd, reason=Reason.BUSY,
+                           retry_after=wait)
+
+    def _answered_or_joined(self, key: tuple[str, Any], envelope: list[bytes], budget_ms: int | None = None) -> bool:
         """A retry: a finished request is answered from the cache; a queued or running one is joined (its
-        reply goes to the latest attempt's address). Either way it does not run again."""
+        reply goes to the latest attempt's address, its deadline is the latest attempt's). Either way it does
+        not run again."""
         cached = self.replies.get(key)
         if cached is not None:
             self.counters["cache_hits"] += 1
@@ -423,6 +462,8 @@ class Broker:
         if job is not None:
             self.counters["retries_joined"] += 1
             job.envelope = envelope
+            if budget_ms is not None:
+                job.expires = _expiry(time.monotonic(), budget_ms)
             return True
         return False
 
@@ -466,10 +507,10 @@ class Broker:
                                                   self.cards[self.pool_fp]))
             return
         if len(self.queue) >= self.cfg.queue_size:
-            self._client_error(envelope, rid, wire.STATUS_RETRYABLE, "the pool is busy", cmd=Cmd.DESCRIBE,
-                               reason=Reason.BUSY)
+            self._busy(envelope, rid, Cmd.DESCRIBE)
             return
         job = Job(self._job_id(), "describe", None, envelope, rid, enqueued=time.monotonic())
+        job.expires = _expiry(job.enqueued, wire.budget_of(msg.header))
         self.queue.append(job)
         self.describes_queued += 1
         self.dispatch()
@@ -544,6 +585,7 @@ class Broker:
                            "fingerprint": self.pool_fp, "uptime_s": round(now - self.started, 3),
                            "heartbeat_ms": self.cfg.heartbeat_ms, "liveness": self.cfg.liveness,
                            "queue": len(self.queue), "queue_size": self.cfg.queue_size,
+                           "drain_per_s": round(self.drain.rate(now), 3),
                            "queue_bytes": self.queue_bytes, "cached_reply_bytes": self.replies.bytes,
                            "inflight": len(self.inflight), "cached_replies": len(self.replies),
                            "counters": dict(self.counters)},
@@ -662,6 +704,9 @@ class Broker:
             return
         del self.inflight[job.id]
         w.inflight.discard(job.id)
+        if rep.status == wire.STATUS_RETRYABLE and (rep.error or {}).get("reason") == Reason.EXPIRED:
+            self._expired(job, "worker")      # the worker skipped it: its caller had given up
+            return
         if rep.status == wire.STATUS_RETRYABLE and (rep.error or {}).get("reason") == Reason.WORKER_FAULT:
             # The worker failed running it (and is going down): that is a lost attempt, bounded by
             # max_attempts, so one poisonous request cannot take down worker after worker.
@@ -812,15 +857,19 @@ class Broker:
         # A fresh id per dispatch: a late reply to an earlier attempt (the job went back to the queue and,
         # perhaps, to the same worker id) can never be taken for the answer to this one.
         job.id = self._job_id()
+        now = time.monotonic()
+        budget = None if job.expires is None else max(0, int((job.expires - now) * 1e3))   # what is left of it
         if job.kind == "describe":
             ok = self._to_worker(w, Cmd.DESCRIBE, {"rid": job.id})
         else:
-            ok = self._to_worker(w, Cmd.REQUEST, wire.request_header_for_worker(job.req, job.id), *job.payload)
+            ok = self._to_worker(w, Cmd.REQUEST, wire.request_header_for_worker(job.req, job.id, budget),
+                                 *job.payload)
         if not ok:
             self._worker_lost(w, WorkerState.DEAD, "unreachable")
             return False
-        job.worker, job.dispatched = w.id, time.monotonic()
+        job.worker, job.dispatched = w.id, now
         w.last_dispatch = job.dispatched
+        self.drain.note(now)
         if job.kind == "request":
             self.meter.dispatched(job.dispatched - job.enqueued)
         w.inflight.add(job.id)
@@ -845,6 +894,11 @@ class Broker:
         """A request is no longer queued or running: its key and payload bytes are released."""
         if self.by_key.pop(job.key, None) is not None:
             self.queue_bytes -= job.nbytes
+
+
+def _expiry(now: float, budget_ms: int | None) -> float | None:
+    """When a request's caller gives up, on this broker's clock: its budget counts from its arrival here."""
+    return None if budget_ms is None else now + budget_ms / 1e3
 
 
 SHARE_BYTES = 8 << 10

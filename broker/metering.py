@@ -43,10 +43,17 @@ class Meter:
         self.workers: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.timings = {name: Histogram(SECONDS_BOUNDS) for name in TIMINGS}
         self.batch: dict[str, Histogram] = {}          # per worker: requests in the group a request ran in
+        self.expired_by: collections.Counter[str] = collections.Counter()   # "queue" | "worker"
 
     def refused(self, status: str, reason: str | None) -> None:
         """The broker itself answered a request with an error (busy, queue-timeout, workers-lost, malformed…)."""
         self.outcomes[(status, reason or "")] += 1
+
+    def expired(self, where: str) -> None:
+        """A request (or describe call) dropped unrun because its caller's deadline passed: while it waited in
+        the broker's "queue", or in a "worker" that skipped it before compute. (Its answer, if any, is counted
+        by `refused` as well, under its reason.)"""
+        self.expired_by[where] += 1
 
     def dispatched(self, waited_s: float) -> None:
         """A request left the broker's queue for a worker after `waited_s` (per dispatch: a re-sent request
@@ -82,4 +89,5 @@ class Meter:
         return {"outcomes": [[s, r, n] for (s, r), n in sorted(self.outcomes.items())],
                 "workers": {w: dict(c) for w, c in self.workers.items()},
                 "timings": {name: h.snapshot() for name, h in self.timings.items()},
-                "batch": {w: h.snapshot() for w, h in self.batch.items()}}
+                "batch": {w: h.snapshot() for w, h in self.batch.items()},
+                "expired": dict(self.expired_by)}

@@ -23,7 +23,8 @@ PREFIX = "laya_pool_"
 READY = "ready"
 
 # Worker stats (from the worker process, in its heartbeats) exported as counters.
-WORKER_ERRORS = ("request_errors", "internal_errors", "upload_errors", "protocol_errors", "handed_back", "dropped")
+WORKER_ERRORS = ("request_errors", "internal_errors", "upload_errors", "protocol_errors", "handed_back", "dropped",
+                 "expired")
 GRAPH_CACHE_EVENTS = ("hits", "misses", "captures", "evictions", "fallbacks", "oversized", "capture_failures",
                       "request_path_captures", "covered", "deferred", "idle_captures")
 
@@ -109,6 +110,8 @@ class PoolObserver:
                     t.feed("redispatches", {"worker": wid, "cause": cause}, epoch, c.get(cause, 0))
                 t.feed("worker_rows", {"worker": wid}, epoch, c.get("rows", 0))
                 t.feed("worker_tokens", {"worker": wid}, epoch, c.get("tokens", 0))
+            for where, n in meter.get("expired", {}).items():
+                t.feed("expired", {"where": str(where)}, epoch, n)
             for name, h in meter.get("timings", {}).items():
                 self._feed_histogram(name, {}, epoch, h)
             for wid, h in meter.get("batch", {}).items():
@@ -162,6 +165,8 @@ class PoolObserver:
                      [({}, now - self.updated if self.status is not None else float("inf"))])
         for name, key, text in (("queue_depth", "queue", "requests waiting in the broker's queue"),
                                 ("queue_capacity", "queue_size", "requests the queue holds before answering busy"),
+                                ("drain_rate", "drain_per_s", "requests per second leaving the queue for workers "
+                                                              "(last 5 s): what the busy retry-after is based on"),
                                 ("queue_bytes", "queue_bytes", "payload bytes of requests queued or running"),
                                 ("inflight", "inflight", "requests (and describe calls) held by workers"),
                                 ("cached_replies", "cached_replies", "finished replies kept for retries")):
@@ -193,6 +198,8 @@ class PoolObserver:
                 ("redispatches", "requests taken back from a worker and queued again (worker-lost: it died, hung "
                                  "or failed running them; handed-back: it was stopping)"),
                 ("broker_events", "the broker's own event counters (status broker.counters), by name"),
+                ("expired", "requests dropped unrun because their caller's deadline passed, by where (queue: "
+                            "waiting in the broker; worker: skipped by a worker before compute)"),
                 ("worker_requests", "requests a worker answered, by outcome (ok, final), as the broker saw them"),
                 ("worker_rows", "question rows a worker answered"),
                 ("worker_tokens", "tokens a worker answered"),

@@ -22,11 +22,38 @@ class RequestFailed(PoolError, ValueError):
 
 
 class PoolUnavailable(PoolError):
-    """Every attempt timed out or was answered "retryable" (busy, worker lost, no worker)."""
+    """The call got no answer: out of time or attempts, or turned away "retryable" each time.
 
-    def __init__(self, message: str, last: str | None = None, attempts: int = 0):
-        self.last, self.attempts = last, attempts
+    Which of these is told by the subclass, and by `reason` (a `protocol.contract.Reason` word: from the pool's
+    last reply, or "timeout" / "unreachable", the client's own verdicts), never by the message:
+    `PoolBusy` (the queue is full; `retry_after` says when to come back), `PoolNoWorker` (no worker serves the
+    model), `PoolUnreachable` (nothing answered at the endpoint), `PoolTimeout` (no answer within the deadline).
+    Others (the broker shutting down, workers handing the request back ...) are a plain `PoolUnavailable`."""
+
+    def __init__(self, message: str, last: str | None = None, attempts: int = 0, reason: str | None = None,
+                 retry_after: float | None = None):
+        self.last, self.attempts, self.reason, self.retry_after = last, attempts, reason, retry_after
         super().__init__(message)
+
+
+class PoolBusy(PoolUnavailable):
+    """The pool's queue is full. `retry_after`: seconds the pool asks callers to wait (its queue over its
+    recent drain rate, within bounds); the client already waited it out as long as the deadline allowed."""
+
+
+class PoolNoWorker(PoolUnavailable):
+    """The pool answers, but no worker serves the model (none registered, or all restarting), or the worker the
+    call named is not ready."""
+
+
+class PoolUnreachable(PoolUnavailable):
+    """Nothing answered at the endpoint: no pool is listening there, or it refuses this client's handshake
+    (the message says which when the connection knows)."""
+
+
+class PoolTimeout(PoolUnavailable):
+    """No answer within the call's deadline (the pool was reachable): the pool is slow or stuck, or the deadline
+    ran out while the request waited (reason "expired")."""
 
 
 class MalformedReply(PoolError, ProtocolError):

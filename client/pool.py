@@ -4,13 +4,16 @@
     c = Client("tcp://127.0.0.1:5555")
     c.predict("the printer on floor 3 is broken", {"team": {...}})   # the SDK's Agent.predict() dict
 
-Each client holds ONE long-lived DEALER socket. A call sends one request with a fresh request id and
-waits; on a timeout or a "retryable" reply (busy, a worker lost, no worker yet) it sends the same
-request again with the SAME request id after a short backoff (Lazy Pirate, without recreating the
-socket: replies carrying another id are stale answers to earlier attempts and are dropped). The broker
-deduplicates by (client id, request id), so a retry never runs a request twice. A "final" reply (the
-request itself is wrong) raises `RequestFailed` naming the field and row; running out of attempts raises
-`PoolUnavailable`; every error a call raises is a `PoolError` (client/errors.py).
+Each client holds ONE long-lived DEALER socket. A call has one deadline (`timeout`, 10 s by default) and
+sends one request with a fresh request id and the time it has left; on silence or a "retryable" reply
+(busy, a worker lost) it sends the same request again with the SAME request id, after the pool's
+retry-after or a short backoff, within the deadline (Lazy Pirate, without recreating the socket: replies
+carrying another id are stale answers to earlier attempts and are dropped). The broker deduplicates by
+(client id, request id), so a retry never runs a request twice, and drops work whose caller gave up. A
+"final" reply (the request itself is wrong) raises `RequestFailed` naming the field and row; no answer
+raises a `PoolUnavailable`, typed by why: `PoolBusy` (with `retry_after`), `PoolNoWorker`,
+`PoolUnreachable` (nothing listens: said within `connect_timeout`, 3 s), `PoolTimeout`. Every error a call
+raises is a `PoolError` (client/errors.py).
 
 The two clients share everything but the socket: the retry rules are `client.retry.Attempts` (no I/O),
 and each API call (`forward`, `predict`, `describe`, `status`, `drain`, `ping`) is written once as a
@@ -45,15 +48,26 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from client.card import CardError
-from client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
-from client.retry import Action, Attempts, RetryPolicy, Step, reply_message
+from client.errors import (
+    BadModelCard,
+    MalformedReply,
+    PoolBusy,
+    PoolError,
+    PoolNoWorker,
+    PoolTimeout,
+    PoolUnavailable,
+    PoolUnreachable,
+    RequestFailed,
+)
+from client.retry import Action, Attempts, RetryPolicy, Step, reply_error
 from client.watch import EVENTS, ConnectionWatch
 from protocol import contract, wire
 from protocol.contract import Reason, WorkerState
 from protocol.wire import Cmd
 
 __all__ = ["Client", "AsyncClient", "ForwardResult", "LocalPool", "local_pool", "PoolError", "RequestFailed",
-           "PoolUnavailable", "MalformedReply", "BadModelCard", "configure_curve_client"]
+           "PoolUnavailable", "PoolBusy", "PoolNoWorker", "PoolUnreachable", "PoolTimeout", "MalformedReply",
+           "BadModelCard", "configure_curve_client"]
 
 DEFAULT_ENDPOINT = contract.default_frontend()
 MAX_FRAME_BYTES = contract.MAX_FRONTEND_BYTES      # the broker's default frontend MAXMSGSIZE
@@ -160,11 +174,12 @@ class _Base:
     """What the blocking and the asyncio clients share: the plans, request building, reply interpretation."""
 
     def __init__(self, endpoint: str | None, timeout: float, retries: int, backoff: float, max_backoff: float,
-                 keys: str | None):
+                 keys: str | None, connect_timeout: float = contract.CONNECT_TIMEOUT_S):
         self.endpoint = endpoint or DEFAULT_ENDPOINT
-        if timeout <= 0 or retries < 0:
-            raise ValueError("timeout must be positive and retries non-negative")
+        if timeout <= 0 or retries < 0 or connect_timeout <= 0:
+            raise ValueError("timeout and connect_timeout must be positive and retries non-negative")
         self.timeout, self.retries, self.backoff, self.max_backoff = timeout, retries, backoff, max_backoff
+        self.connect_timeout = connect_timeout
         self.keys = keys
         self.max_frame_bytes = MAX_FRAME_BYTES
         self.cid = uuid.uuid4().hex
@@ -190,10 +205,15 @@ class _Base:
         s.connect(self.endpoint)
         return s, mon
 
-    def _attempts(self, timeout: float | None, retries: int | None) -> Attempts:
+    def _attempts(self, timeout: float | None, retries: int | None, started: float | None) -> Attempts:
         return Attempts(RetryPolicy(timeout=self.timeout if timeout is None else timeout,
                                     retries=self.retries if retries is None else retries,
-                                    backoff=self.backoff, max_backoff=self.max_backoff))
+                                    backoff=self.backoff, max_backoff=self.max_backoff,
+                                    connect_timeout=self.connect_timeout), started=started)
+
+    def _left(self, timeout: float | None, started: float) -> float:
+        """What is left of a call's deadline (`timeout` from `started`), for a step that is a call of its own."""
+        return max(1e-3, (self.timeout if timeout is None else timeout) - (time.monotonic() - started))
 
     # -- plans: each API call written once; the drivers run them -------------------------------------------
     def _forward_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
@@ -343,12 +363,15 @@ class Client(_Base):
     """A blocking client over one DEALER socket. Thread-safe: calls from several threads take turns
     (use one client per thread, or `AsyncClient`, for concurrent requests from one process)."""
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
+    def __init__(self, endpoint: str | None = None, *, timeout: float = contract.CALL_TIMEOUT_S, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
-                 context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client"):
-        """`operator`: the pool's operator secret (what `laya-pool drain` reads), needed only by `drain`;
-        `key_role="operator"` connects with the operator CURVE key pair in `keys` instead of the client's."""
-        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+                 context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
+                 connect_timeout: float = contract.CONNECT_TIMEOUT_S):
+        """`timeout`: each call's deadline in seconds (a call may override it), retries included; `retries`:
+        re-sends within it; `connect_timeout`: with no connection to the pool this long, a call raises
+        `PoolUnreachable`. `operator`: the pool's operator secret (what `laya-pool drain` reads), needed only
+        by `drain`; `key_role="operator"` connects with the operator CURVE key pair in `keys`."""
+        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -397,24 +420,27 @@ class Client(_Base):
 
     # -- the driver ----------------------------------------------------------------------------------------
     def _run(self, plan: Plan[T]) -> T:
+        started = time.monotonic()       # one deadline for the whole call, whatever pool calls it takes
         with _as_pool_errors():
             try:
                 step = next(plan)
                 while True:
                     if isinstance(step, _Card):
-                        step = plan.send(self.card(timeout=step.timeout, refresh=step.refresh))
+                        step = plan.send(self.card(timeout=self._left(step.timeout, started), refresh=step.refresh))
                     elif isinstance(step, _Await):
                         step = plan.send(step.future.result())
                     else:
-                        step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent))
+                        step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent,
+                                                   started=started))
             except StopIteration as done:
                 return done.value
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
-             retries: int | None = None, on_sent: Callable[[], None] | None = None) -> tuple[wire.Message, int]:
+             retries: int | None = None, on_sent: Callable[[], None] | None = None,
+             started: float | None = None) -> tuple[wire.Message, int]:
         """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts.
-        `on_sent` runs once, after the first send."""
-        attempts = self._attempts(timeout, retries)
+        `on_sent` runs once, after the first send; the deadline is `timeout` from `started` (default: now)."""
+        attempts = self._attempts(timeout, retries, started)
         rid = next(self._rids)
         frames = build(rid, self.cid)
         with self._lock:
@@ -435,9 +461,10 @@ class Client(_Base):
                     msg = self._wait(rid, time.monotonic() + step.seconds)
                     if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
                         step, msg = attempts.reconnected(), None
+                    elif msg is None:
+                        step = attempts.woke(self._watch.up, self._watch.trouble)
                     else:
-                        step = attempts.timed_out(self._watch.trouble) if msg is None else attempts.replied(
-                            msg.header.get("status"), reply_message(msg.header))
+                        step = attempts.replied(msg.header.get("status"), reply_error(msg.header))
                 elif step.action is Action.RETURN:
                     return msg, attempts.attempts
                 else:
@@ -445,11 +472,11 @@ class Client(_Base):
 
     def _send(self, frames: list[Any], attempts: Attempts) -> Step:
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._sock.send_multipart(wire.with_budget(frames, attempts.budget_ms()), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._events()
-            return attempts.send_failed(self._watch.trouble or "the socket's send queue is full")
-        return attempts.sent()
+            return attempts.send_failed(self._watch.trouble or "the socket's send queue is full", self._watch.up)
+        return attempts.sent(self._watch.up)
 
     def _events(self) -> bool:
         """Read the monitor's events; True if the connection came back after a drop."""
@@ -495,10 +522,11 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The asyncio flavour: many concurrent calls over one socket, replies matched by request id."""
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
+    def __init__(self, endpoint: str | None = None, *, timeout: float = contract.CALL_TIMEOUT_S, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
-                 context: Any = None, operator: str | None = None, key_role: str = "client"):
-        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
+                 context: Any = None, operator: str | None = None, key_role: str = "client",
+                 connect_timeout: float = contract.CONNECT_TIMEOUT_S):
+        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         import zmq.asyncio
 
@@ -549,17 +577,19 @@ class AsyncClient(_Base):
 
     # -- the driver ----------------------------------------------------------------------------------------
     async def _run(self, plan: Plan[T]) -> T:
+        started = time.monotonic()       # one deadline for the whole call, whatever pool calls it takes
         with _as_pool_errors():
             try:
                 step = next(plan)
                 while True:
                     if isinstance(step, _Card):
-                        step = plan.send(await self.card(timeout=step.timeout, refresh=step.refresh))
+                        step = plan.send(await self.card(timeout=self._left(step.timeout, started),
+                                                         refresh=step.refresh))
                     elif isinstance(step, _Await):
                         step = plan.send(await asyncio.wrap_future(step.future))
                     else:
                         step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
-                                                         step.on_sent))
+                                                         step.on_sent, started=started))
             except StopIteration as done:
                 return done.value
 
@@ -595,17 +625,19 @@ class AsyncClient(_Base):
         # Never block on a full queue (no connection, or the pool refuses our handshake): back off and retry,
         # and run out of attempts with the reason, as Client does.
         try:
-            await self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            await self._sock.send_multipart(wire.with_budget(frames, attempts.budget_ms()), flags=zmq.NOBLOCK,
+                                            copy=False)
         except zmq.Again:
             self._events()
-            return attempts.send_failed(self._watch.trouble or "the socket's send queue is full")
-        return attempts.sent()
+            return attempts.send_failed(self._watch.trouble or "the socket's send queue is full", self._watch.up)
+        return attempts.sent(self._watch.up)
 
     async def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
-                   retries: int | None = None, on_sent: Callable[[], None] | None = None) -> tuple[wire.Message, int]:
+                   retries: int | None = None, on_sent: Callable[[], None] | None = None,
+                   started: float | None = None) -> tuple[wire.Message, int]:
         if self._sock is None:
             raise PoolError("the client is closed")
-        attempts = self._attempts(timeout, retries)
+        attempts = self._attempts(timeout, retries, started)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read())
         if self._watcher is None or self._watcher.done():
@@ -625,15 +657,17 @@ class AsyncClient(_Base):
                         on_sent()
                         on_sent = None
                 elif step.action is Action.WAIT:
-                    try:
-                        msg = await asyncio.wait_for(fut, step.seconds)
-                    except asyncio.TimeoutError:
-                        step = attempts.timed_out(self._watch.trouble)
+                    # asyncio.wait, not wait_for: the future must survive a wait that ends early (woken to look
+                    # at the connection), since the reply may still come to it.
+                    await asyncio.wait((fut,), timeout=step.seconds)
+                    if not fut.done():
+                        step = attempts.woke(self._watch.up, self._watch.trouble)
                         continue
+                    msg = fut.result()
                     if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
                         step, msg = attempts.reconnected(), None
                         continue
-                    step = attempts.replied(msg.header.get("status"), reply_message(msg.header))
+                    step = attempts.replied(msg.header.get("status"), reply_error(msg.header))
                 elif step.action is Action.RETURN:
                     return msg, attempts.attempts
                 else:

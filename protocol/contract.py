@@ -38,7 +38,9 @@ class _Text(str, enum.Enum):
 
 class Reason(_Text):
     """`error.reason` of a reply that is not "ok": why, in a word a program can branch on."""
-    BUSY = "busy"                              # retryable: the broker's bounded queue is full
+    BUSY = "busy"                              # retryable: the broker's bounded queue is full (+ retry-after)
+    NO_WORKER = "no-worker"                    # retryable: its deadline ran out queued, with no worker serving
+    EXPIRED = "expired"                        # retryable: its deadline ran out before a worker started it
     QUEUE_TIMEOUT = "queue-timeout"            # retryable: no worker took it in time
     WORKER_UNAVAILABLE = "worker-unavailable"  # retryable: the targeted worker is not ready
     STOPPING = "stopping"                      # retryable: the worker is leaving; the broker runs it elsewhere
@@ -52,6 +54,8 @@ class Reason(_Text):
     TOO_LARGE = "too-large"                    # final, raised by the client: a frame over the broker's limit
     NOT_ALLOWED = "not-allowed"                # final: an operator command without the operator credential
     RATE_LIMITED = "rate-limited"              # final: too many restarts in the window; the message says when
+    TIMEOUT = "timeout"                        # raised by the client: no answer within the call's deadline
+    UNREACHABLE = "unreachable"                # raised by the client: nothing answered at the endpoint
 
 
 class Leave(_Text):
@@ -108,6 +112,11 @@ HEARTBEAT_MS = 1000
 LIVENESS = 3                          # heartbeats missed (either way) before the peer is taken for gone
 MAX_FRONTEND_BYTES = 16 << 20         # the broker's frontend ZMQ_MAXMSGSIZE (per frame)
 MAX_BACKEND_BYTES = 1 << 30           # the backend's (taps can be large)
+CALL_TIMEOUT_S = 10.0                 # a client call's deadline: from the call to its answer or its error
+CONNECT_TIMEOUT_S = 3.0               # a call with no connection to the pool this long reports it unreachable
+# A "busy" reply's retry-after hint (the broker's queue depth over its recent drain rate) stays within these.
+RETRY_AFTER_MIN_S = 0.05
+RETRY_AFTER_MAX_S = 5.0
 
 
 def default_frontend() -> str:

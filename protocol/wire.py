@@ -36,6 +36,7 @@ MAX_STR = 4096                  # a header string (ids, modes, messages)
 MAX_COUNT = 1 << 26             # any row / token / marker count on the wire (a sanity bound, not a capacity)
 MAX_TAPS = 256
 MAX_METRIC_ITEMS = 256
+MAX_BUDGET_MS = 24 * 3600 * 1000   # a request's time budget (`budget_ms`): a day is more than any caller waits
 
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
@@ -259,6 +260,7 @@ class Request(Rows):
     worker: str | None = None  # run on this worker only
     mode: str | None = None    # override the worker's execution mode
     taps: bool = False         # return intermediate activations (eager only)
+    budget_ms: int | None = None   # the caller's time left when it was sent; None: no deadline
     header: dict[str, Any] = field(default_factory=dict)
 
 
@@ -315,22 +317,66 @@ def parse_request(msg: Message, need_cid: bool = False) -> Request:
     if mode is not None and mode not in MODES:
         raise ProtocolError("mode", f"must be one of {MODES}, got {mode!r}")
     taps = get(h, "taps", bool, default=False)
+    budget_ms = budget_of(h)
     if len(msg.frames) != len(REQUEST_ARRAYS):
         raise ProtocolError("frames", f"a request carries {len(REQUEST_ARRAYS)} buffers "
                                       f"({', '.join(REQUEST_ARRAYS)}), got {len(msg.frames)}")
     counts = {"ids": tokens, "lengths": rows, "types": rows, "marker_counts": rows, "markers": markers}
     arrays = {k: _array(f, I32, counts[k], k) for k, f in zip(REQUEST_ARRAYS, msg.frames)}
-    return Request(rid=rid, cid=cid, worker=worker, mode=mode, taps=taps, header=h, **arrays)
+    return Request(rid=rid, cid=cid, worker=worker, mode=mode, taps=taps, budget_ms=budget_ms, header=h, **arrays)
 
 
-def request_header_for_worker(req: Request, job: int) -> dict[str, Any]:
-    """The header the broker forwards: its own job id as rid, the client's cid dropped."""
+def request_header_for_worker(req: Request, job: int, budget_ms: int | None = None) -> dict[str, Any]:
+    """The header the broker forwards: its own job id as rid, the client's cid dropped, the time left."""
     h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers}
     if req.mode is not None:
         h["mode"] = req.mode
     if req.taps:
         h["taps"] = True
+    if budget_ms is not None:
+        h["budget_ms"] = budget_ms
     return h
+
+
+# ---------------------------------------------------------------------------------------------- deadlines
+#
+# A deadline travels as a budget: the milliseconds the caller has left when it sends (`budget_ms` in the
+# header). Each hop turns it into a deadline on its own monotonic clock when the message arrives, and hands on
+# what is left when it forwards. Only durations cross hosts, so clocks that disagree (or jump) change nothing;
+# the transit time is the error, and it only ever makes a hop hold work a little longer than the caller waits.
+
+def budget_of(header: dict) -> int | None:
+    """The header's `budget_ms`, checked (a non-negative integer of at most a day), or None."""
+    b = get(header, "budget_ms", int, default=None)
+    if b is not None and b > MAX_BUDGET_MS:
+        raise ProtocolError("budget_ms", f"{b} exceeds the limit of {MAX_BUDGET_MS} (a day)")
+    return b
+
+
+_BUDGET_KEY = msgpack.packb("budget_ms")
+
+
+def with_budget(frames: Sequence[Any], budget_ms: int) -> list[Any]:
+    """The message `frames` (as `encode` built them) with `budget_ms` set in its header; payloads untouched.
+
+    Every attempt of every call does this, so a header that is a small map (a msgpack fixmap, as every header
+    the client builds) gets the key appended to its bytes, a microsecond instead of a decode and an encode.
+    Were the key there already, the decoder keeps the last one: this one."""
+    budget = max(0, min(int(budget_ms), MAX_BUDGET_MS))
+    h = bytes(_bytes(frames[2]))
+    if h and 0x80 <= h[0] < 0x8f:
+        header = bytes((h[0] + 1,)) + h[1:] + _BUDGET_KEY + msgpack.packb(budget)
+    else:
+        d = unpack(h, MAX_HEADER_BYTES)
+        d["budget_ms"] = budget
+        header = pack(d)
+    return [*frames[:2], header, *frames[3:]]
+
+
+def retry_after_of(error: dict | None) -> float | None:
+    """A retryable reply's retry-after hint in seconds (`error.retry_after_ms`), or None."""
+    ms = (error or {}).get("retry_after_ms")
+    return ms / 1e3 if isinstance(ms, int) and not isinstance(ms, bool) and ms >= 0 else None
 
 
 # ---------------------------------------------------------------------------------------------- replies
@@ -382,8 +428,10 @@ def encode_reply(rid: Any, logits: np.ndarray, act: np.ndarray, *, worker: str |
 
 
 def encode_error(rid: Any, status: str, message: str, *, field: str | None = None, row: int | None = None,
-                 worker: str | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None) -> list[Any]:
-    """A "final" (bad request: names field and row) or "retryable" (busy, worker lost ...) reply."""
+                 worker: str | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None,
+                 retry_after: float | None = None) -> list[Any]:
+    """A "final" (bad request: names field and row) or "retryable" (busy, worker lost ...) reply; `retry_after`
+    (seconds): when the client should try again (a busy pool's hint)."""
     if status not in (STATUS_RETRYABLE, STATUS_FINAL):
         raise ValueError(f"an error reply is retryable or final, not {status!r}")
     err: dict[str, Any] = {"message": str(message)[:MAX_STR]}
@@ -393,6 +441,8 @@ def encode_error(rid: Any, status: str, message: str, *, field: str | None = Non
         err["row"] = int(row)
     if reason is not None:
         err["reason"] = str(reason)     # a contract.Reason travels as its text
+    if retry_after is not None:
+        err["retry_after_ms"] = max(0, round(retry_after * 1e3))
     h: dict[str, Any] = {"rid": rid, "status": status, "error": err}
     if worker is not None:
         h["worker"] = worker

@@ -30,7 +30,7 @@ def test_queue_bytes_are_bounded_and_cid_is_required(tmp_path):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(fe)
     try:
-        with Client(fe, timeout=2.0, retries=10) as c:
+        with Client(fe, timeout=30.0, connect_timeout=30.0) as c:   # waits for the broker to bind
             c.status()                                  # the broker is up
         replies = {}
 

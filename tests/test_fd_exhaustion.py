@@ -32,7 +32,7 @@ def test_fd_exhaustion_logs_one_clear_line_and_the_broker_recovers(tmp_path):
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT)))
     conns: list[socket.socket] = []
     try:
-        with Client(fe, timeout=2.0, retries=10) as c:
+        with Client(fe, timeout=30.0, connect_timeout=30.0) as c:   # waits for the broker to bind
             c.ping()                                      # up and serving
         port = int(fe.rsplit(":", 1)[1])
         for _ in range(100):

@@ -21,7 +21,7 @@ def test_hung_worker_is_declared_dead_and_its_request_runs_elsewhere(tiny_ckpt, 
               "--heartbeat-ms", "300", "--threads", "1"]
     try:
         procs.append(subprocess.Popen(worker + ["--id", "hangs"], env=dict(ENV, LAYA_WORKER_HANG_ROWS="3"), cwd=ROOT))
-        with Client(fe, timeout=20.0, retries=2) as c:
+        with Client(fe, timeout=60.0, connect_timeout=30.0) as c:
             wait_until(lambda: any(w["id"] == "hangs" and w["state"] == "ready" for w in c.status()["workers"]), 60,
                        "the hanging worker never registered")
             procs.append(subprocess.Popen(worker + ["--id", "healthy"], env=ENV, cwd=ROOT))

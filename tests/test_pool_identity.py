@@ -44,7 +44,7 @@ def test_a_second_up_on_a_used_frontend_fails_without_claiming_the_pool(tiny_ckp
     first = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend",
                               f"ipc://{tmp_path}/be"], env=SUBPROCESS_ENV, cwd=ROOT)
     try:
-        with Client(fe, timeout=2.0, retries=10) as c:
+        with Client(fe, timeout=30.0, connect_timeout=30.0) as c:   # waits for the broker to bind
             pid = c.status()["broker"]["pid"]
             r = subprocess.run([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend",
                                 f"ipc://{tmp_path}/be2"], env=SUBPROCESS_ENV, cwd=ROOT, capture_output=True,

@@ -77,7 +77,7 @@ def test_without_the_worker_key_no_registration_or_takeover_and_only_the_operato
 
     try:
         honest = dealer("worker", "w")
-        with Client(fe, keys=str(keys), timeout=2.0, retries=3) as c:
+        with Client(fe, keys=str(keys), timeout=30.0, connect_timeout=30.0) as c:   # waits for the broker to bind
             def registered():
                 rows = {w["id"]: w for w in c.status()["workers"]}
                 if "w" not in rows:

@@ -67,6 +67,30 @@ def test_error_replies():
         wire.encode_error(1, "ok", "not an error")
 
 
+def test_a_budget_travels_in_the_header_and_is_checked():
+    frames = wire.with_budget(_request(), 1500)
+    req = wire.parse_request(wire.decode(frames), need_cid=True)
+    assert req.budget_ms == 1500 and req.rid == 7 and req.ids.tolist() == [1, 5, 9, 2, 7, 8, 9]
+    assert wire.parse_request(wire.decode(_request())).budget_ms is None        # no deadline
+    # stamped again (a retry's budget): the last one counts; a header too large for a fixmap is re-encoded
+    assert wire.decode(wire.with_budget(frames, 700)).header["budget_ms"] == 700
+    big = wire.encode(Cmd.STATUS, {f"k{i}": i for i in range(20)})
+    assert wire.decode(wire.with_budget(big, 5)).header == {**{f"k{i}": i for i in range(20)}, "budget_ms": 5}
+    # the broker forwards what is left of it, under its own job id
+    assert wire.request_header_for_worker(req, 42, 300)["budget_ms"] == 300
+    assert "budget_ms" not in wire.request_header_for_worker(req, 42)
+    for bad, field in ((-1, "budget_ms"), (wire.MAX_BUDGET_MS + 1, "budget_ms"), ("soon", "budget_ms")):
+        header = msgpack.unpackb(frames[2])
+        header["budget_ms"] = bad
+        _raises([*frames[:2], msgpack.packb(header), *frames[3:]], field)
+
+
+def test_retry_after_travels_in_the_error_in_milliseconds():
+    rep = wire.parse_reply(wire.decode(wire.encode_error(1, "retryable", "busy", reason="busy", retry_after=0.25)))
+    assert rep.error["retry_after_ms"] == 250 and wire.retry_after_of(rep.error) == 0.25
+    assert wire.retry_after_of({"message": "x"}) is None and wire.retry_after_of({"retry_after_ms": True}) is None
+
+
 def test_body_round_trip():
     frames = wire.encode_body_reply(Cmd.STATUS, 4, {"workers": [{"id": "0", "state": "ready"}]})
     msg = wire.decode(frames)

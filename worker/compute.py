@@ -14,6 +14,8 @@ Every request gets exactly one reply:
 
 - refused by validation (`RequestError`): "final", naming field and row; the worker keeps serving;
 - queued before the worker registered again: "retryable" (stale), its client retries through the new session;
+- its caller's deadline passed before compute started: "retryable" (expired), skipped unrun (the broker drops
+  it: the caller has given up); a request already computing finishes;
 - a failed upload (drained before raising): "retryable" (upload-failed); the worker keeps serving;
 - a merged group whose run fails: its members run alone, so the failure finds its owner;
 - anything else on CUDA: "retryable" (worker-fault) and the worker is fatal (the context may be poisoned).
@@ -50,6 +52,13 @@ class Queued:
     session: int          # the registration it arrived under
     req: wire.Request
     received: float       # time.monotonic() when the I/O thread decoded it
+    expires: float | None = None   # when its caller gives up (this host's monotonic clock); None: no deadline
+
+    @classmethod
+    def of(cls, session: int, req: wire.Request, received: float) -> Queued:
+        """`req` as it arrived at `received`: its budget (the caller's time left) counts from then."""
+        expires = None if req.budget_ms is None else received + req.budget_ms / 1e3
+        return cls(session, req, received, expires)
 
 
 @dataclass
@@ -242,6 +251,12 @@ class Compute:
         if q.session != self.session:
             self.counts["dropped"] += 1
             self.reply(self._error(req, wire.STATUS_RETRYABLE, "dropped after re-registering", reason=Reason.STALE))
+            return None
+        if q.expires is not None and time.monotonic() >= q.expires:
+            # Its caller has given up: computing it would only delay the requests behind it.
+            self.counts["expired"] += 1
+            self.reply(self._error(req, wire.STATUS_RETRYABLE, f"worker {self.id}: the request's deadline passed "
+                                   "before compute started", reason=Reason.EXPIRED))
             return None
         try:
             batch = Batch(**req.arrays())

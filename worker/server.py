@@ -104,7 +104,7 @@ class Worker:
         self.stop_requested = False    # set by the signal handler; acted on by the I/O loop
         self.stop_reason: Leave | None = None   # SHUTDOWN | DRAIN | RESTART once draining
         self.counts = {"received": 0, "ok": 0, "request_errors": 0, "internal_errors": 0, "upload_errors": 0,
-                       "dropped": 0, "protocol_errors": 0, "handed_back": 0, "registrations": 0,
+                       "dropped": 0, "expired": 0, "protocol_errors": 0, "handed_back": 0, "registrations": 0,
                        "merged_runs": 0, "merged_requests": 0}
         self.pair_io = self.ctx.socket(zmq.PAIR)
         addr = f"inproc://compute-{id(self)}"
@@ -335,7 +335,7 @@ class Worker:
             return
         self.counts["received"] += 1
         self.outstanding += 1
-        self.compute.queue.put(Queued(self.compute.session, req, now))
+        self.compute.queue.put(Queued.of(self.compute.session, req, now))
 
 
 # ---------------------------------------------------------------------------------------------- setup
