@@ -57,6 +57,7 @@ class Cmd(enum.IntEnum):
     STATUS = 6       # client -> broker: the pool's state (reply carries a body)
     DRAIN = 7        # client -> broker: drain (and optionally restart) a worker; broker -> worker: drain
     DESCRIBE = 8     # client -> broker -> worker: the model card (reply carries a body)
+    RELOAD = 9       # operator -> broker: roll the pool onto another checkpoint (the supervisor carries it out)
 
 
 class ProtocolError(ValueError):

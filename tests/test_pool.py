@@ -532,7 +532,7 @@ def test_cli_status_and_predict(tcp_pool, expected):
     assert r.returncode == 0, r.stderr
     _close(expected[0], json.loads(r.stdout))
     r = _cli("status", "--frontend", "tcp://127.0.0.1:1", "--timeout", "0.3")
-    assert r.returncode == 1 and "no answer" in r.stderr
+    assert r.returncode == 3 and "no answer" in r.stderr
 
 
 # ------------------------------------------------------------------------------------------------ broker alone

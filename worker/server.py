@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from protocol import contract, wire
+from protocol import contract, logs, wire
 from protocol.contract import Leave, Reason
 from protocol.wire import Cmd
 from worker import placement
@@ -451,8 +451,7 @@ def _serve(cfg: WorkerConfig, rt: Any, label: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = WorkerConfig.from_args(build_parser().parse_args(argv))
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s worker {cfg.id} %(levelname)s %(message)s")
+    logs.setup(f"worker {cfg.id}", cfg.log_level)
     torch_device, label = placement.cuda_local_device(cfg.device)
     cfg = cfg.for_device(torch_device.startswith("cuda"))
     problem = cfg.usage_problem()
