@@ -245,7 +245,7 @@ def cmd_reload(a: argparse.Namespace) -> int:
             problem = rl.problem(st, before, fp, r.get("reload", {}).get("id"))
             if problem:
                 return _fail(problem)
-            if st.get("broker", {}).get("fingerprint") == fp and rl.all_on(st, fp):
+            if rl.finished(st, before, fp, seen):
                 print(f"reload done: {len(seen)} workers serve model {fp[:12]}")
                 return 0
         return _fail(f"the reload did not finish within {a.wait_timeout:g} s (`laya-pool status` shows where it is;"

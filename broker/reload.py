@@ -32,6 +32,15 @@ def all_on(status: dict[str, Any], fingerprint: str) -> bool:
                                    for w in connected)
 
 
+def finished(status: dict[str, Any], before: dict[str, dict[str, Any]], fingerprint: str, moved_ids: set[str]) -> bool:
+    """The pool serves `fingerprint`, every connected worker is ready on it, and every worker that was
+    connected when the reload began has moved (one that is stopped between its turn's stop and start
+    is not connected, but has not moved either)."""
+    due = {wid for wid, w in before.items() if w.get("state") in _CONNECTED}
+    return ((status.get("broker") or {}).get("fingerprint") == fingerprint and all_on(status, fingerprint)
+            and due <= moved_ids)
+
+
 def _restarted(w: dict[str, Any], before: dict[str, dict[str, Any]]) -> bool:
     old = before.get(w.get("id"))
     return old is None or w.get("registrations", 0) > old.get("registrations", 0) or w.get("pid") != old.get("pid")

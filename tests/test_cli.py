@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SUBPROCESS_ENV, free_port
 
 from broker import cli
-from conftest import SUBPROCESS_ENV, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
