@@ -776,6 +776,9 @@ class Broker:
         w.lost += 1
         self.counters["requeued"] += 1
         if not self._requeue(job, lost=True):
+            tag = job.req.tag if job.req is not None else f"describe {job.client_rid}"
+            log.warning("request %s failed: %d workers were lost while running it (last: worker %s, %s)", tag,
+                        job.attempts, w.id, why, extra={"request": tag})
             self._fail(job, wire.STATUS_FINAL, f"{job.attempts} workers were lost while running this request "
                                                f"(last: worker {w.id}, {why})", reason=Reason.WORKERS_LOST)
 

@@ -466,11 +466,12 @@ def _add_up(up: argparse.ArgumentParser) -> None:
 
 
 def env_name(action: argparse.Action) -> str:
-    return ENV_PREFIX + action.dest.upper()
+    """`--queue-timeout` reads $LAYA_POOL_QUEUE_TIMEOUT."""
+    return ENV_PREFIX + action.option_strings[0].lstrip("-").upper().replace("-", "_")
 
 
 def _from_environment(p: argparse.ArgumentParser) -> None:
-    """Every option of `p` reads $LAYA_POOL_<DEST> as its default, so a flag given still beats it. A bad value
+    """Every option of `p` reads $LAYA_POOL_<OPTION> as its default, so a flag given still beats it. A bad value
     is reported when the command runs (`_env_problems`), naming the variable."""
     problems: list[str] = []
     for action in p._actions:
@@ -547,7 +548,7 @@ def _add_operator_commands(command: Any) -> None:
 
 def exit_code(e: BaseException) -> int:
     """The exit code for an error a command let through (see EXIT_CODES)."""
-    from client.errors import PoolError, PoolUnavailable, RequestFailed
+    from client.pool import PoolError, PoolUnavailable, RequestFailed
     from protocol.contract import Reason
     if isinstance(e, UsageError):
         return EXIT_USAGE
@@ -588,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _expected(e: BaseException) -> bool:
-    from client.errors import PoolError
+    from client.pool import PoolError
     return isinstance(e, (UsageError, PoolError, OSError))
 
 

@@ -262,6 +262,15 @@ class Request(Rows):
     taps: bool = False         # return intermediate activations (eager only)
     header: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def tag(self) -> str:
+        """The request's id for log lines, `CLIENT_ID:REQUEST_ID`, the same in the broker's and the worker's
+        logs (the broker forwards it as `req`, since the worker sees only the broker's job id as rid)."""
+        forwarded = self.header.get("req")
+        if isinstance(forwarded, str):
+            return forwarded[:80]
+        return f"{self.cid}:{self.rid}" if self.cid else f"job {self.rid}"
+
 
 def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
     """`(ids, markers, qtype)` rows -> the five request arrays."""
@@ -326,7 +335,7 @@ def parse_request(msg: Message, need_cid: bool = False) -> Request:
 
 def request_header_for_worker(req: Request, job: int) -> dict[str, Any]:
     """The header the broker forwards: its own job id as rid, the client's cid dropped."""
-    h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers}
+    h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers, "req": req.tag}
     if req.mode is not None:
         h["mode"] = req.mode
     if req.taps:

@@ -120,6 +120,7 @@ def test_rolling_reload_under_load_fails_nothing(tiny_ckpt, tmp_path):
         wait_until(lambda: all(w["state"] == "ready" and w["fingerprint"] == old_fp for w in workers().values()),
                    120, pool.log, ignore=(PoolUnavailable,))
         assert "reload to" in pool.log() and "failed" in pool.log()
+        assert "worker 0: loading" in pool.log() and "importing the runtime" in pool.log()   # progress lines
 
         with _Load(pool.endpoint, 3) as load:
             wait_until(lambda: load.count() >= 6, 60, "the load never got going")

@@ -408,6 +408,8 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple) -> tuple[A
     from worker.runtime import Runtime, RuntimeConfig
     from worker.workspace import Capacity
 
+    log.info("worker %s: loading %s", cfg.id, cfg.model)
+    t = time.perf_counter()
     try:
         ck = load_checkpoint(cfg.model)
     except CheckpointError as e:
@@ -424,9 +426,15 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple) -> tuple[A
     except Exception as e:  # noqa: BLE001 - a device that cannot hold the model
         log.exception("cannot build the runtime: %s", e)
         raise _Exit(contract.EXIT_FATAL) from e
+    log.info("worker %s: checkpoint loaded and placed on %s (%.1f s); warming up", cfg.id, torch_device,
+             time.perf_counter() - t)
+
+    def progress(i: int, n: int, what: str) -> None:
+        log.info("worker %s: warming %s (%d/%d)", cfg.id, what, i, n)
+
     t = time.perf_counter()
     try:
-        rt.warmup()
+        rt.warmup(progress)
     except Exception as e:  # noqa: BLE001
         log.exception("warm-up failed")
         raise _Exit(contract.EXIT_FATAL) from e
@@ -465,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, early_stop)
     signal.signal(signal.SIGINT, early_stop)
+    log.info("worker %s: starting on %s (pid %d): importing the runtime", cfg.id, cfg.device, os.getpid())
     try:
         import torch
 
