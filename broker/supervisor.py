@@ -325,10 +325,10 @@ class Supervisor:
         if not Path(model).is_dir():
             log.error("reload to %s refused: not a directory this supervisor can read", model)
             return
-        if model == self.cfg.model:
-            log.info("reload: the pool already runs %s", model)
-            return
         previous_fp = next((a for a, b in zip(self.broker.argv[1:], self.broker.argv) if b == "--fingerprint"), None)
+        if fp == previous_fp:       # by fingerprint, not path: files replaced in place are a new model
+            log.info("reload: the pool already runs model %s (%s)", fp[:12], model)
+            return
         self.reload = Reload(str(request.get("id")), model, fp, self.cfg.model, previous_fp, list(self.workers),
                              len(self.workers))
         self._use_model(model, fp)

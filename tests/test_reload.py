@@ -144,3 +144,50 @@ def test_rolling_reload_under_load_fails_nothing(tiny_ckpt, tmp_path):
     assert load.cards == [new_fp] * 3, "a client kept the old model card"
     print(f"reload under load: {len(load.answers)} answers, 0 failed, reload took {finished - started:.1f} s, "
           f"stop {time.perf_counter() - t:.1f} s")
+
+
+# ------------------------------------------------------------------------------------------------ status reading
+
+def _st(fp: str, *workers: tuple[str, str, str, int, int], reload_id: str | None = None) -> dict:
+    return {"broker": {"fingerprint": fp, "reload": {"id": reload_id} if reload_id else None},
+            "workers": [{"id": i, "state": s, "fingerprint": f, "pid": pid, "registrations": reg}
+                        for i, s, f, pid, reg in workers]}
+
+
+def test_reading_a_reload_from_the_status():
+    from broker import reload as rl
+    A, B = "a" * 64, "b" * 64
+    start = _st(A, ("0", "ready", A, 10, 1), ("1", "ready", A, 11, 1))
+    before = {w["id"]: w for w in start["workers"]}
+    assert not rl.moved(start, before, B) and rl.problem(start, before, B, "r1") is None
+    # worker 0 moved, the broker switched, worker 1 is stopped between its stop and its start: not finished
+    mid = _st(B, ("0", "ready", B, 20, 2), ("1", "stopped", A, 11, 1), reload_id="r1")
+    assert set(rl.moved(mid, before, B)) == {"0"} and rl.all_on(mid, B)
+    assert not rl.finished(mid, before, B, {"0"})
+    end = _st(B, ("0", "ready", B, 20, 2), ("1", "ready", B, 21, 2), reload_id="r1")
+    assert rl.finished(end, before, B, {"0", "1"}) and rl.problem(end, before, B, "r1") is None
+    # rolled back: worker 0 registered again on the old model
+    back = _st(A, ("0", "ready", A, 30, 2), ("1", "ready", A, 11, 1), reload_id="r1")
+    assert "worker 0 registered again on model aaaaaaaaaaaa" in rl.problem(back, before, B, "r1")
+    assert "another reload" in rl.problem(_st(A, reload_id="r2"), before, B, "r1")
+
+
+def test_the_broker_serves_the_new_model_once_half_the_ready_workers_have_it(tmp_path):
+    from broker.broker import Broker, BrokerConfig, WorkerInfo
+    from protocol.contract import WorkerState
+    A, B = "a" * 64, "b" * 64
+    b = Broker(BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be", fingerprint=A,
+                            operator_secret=False))
+    try:
+        for i in "012":
+            b.workers[i] = WorkerInfo(id=i, identity=i.encode(), fingerprint=A)
+        b.reload = {"id": "r", "model": "/m", "fingerprint": B, "previous": A}
+        b.workers["0"].fingerprint, b.workers["0"].state = B, WorkerState.MISMATCH    # 1 new, 2 old
+        b._maybe_switch_model()
+        assert b.pool_fp == A and [w.id for w in b._serving()] == ["1", "2"]
+        b.workers["1"].fingerprint, b.workers["1"].state = B, WorkerState.MISMATCH    # 2 new, 1 old
+        b._maybe_switch_model()
+        assert b.pool_fp == B == b.cfg.fingerprint and [w.id for w in b._serving()] == ["0", "1"]
+        assert b.workers["2"].state is WorkerState.MISMATCH                            # waits for its turn
+    finally:
+        b.shutdown()
