@@ -39,7 +39,7 @@ from broker.metering import Meter
 from broker.monitor import LogLimiter, SocketWatch
 from broker.overload import DrainRate, retry_after
 from broker.replies import ReplyCache, frames_bytes
-from protocol import contract, wire
+from protocol import contract, logs, wire
 from protocol.contract import Leave, Reason, WorkerState
 from protocol.wire import Cmd
 
@@ -168,6 +168,7 @@ class Broker:
         self.queue_bytes = 0
         self.cards: dict[str, zmq.Frame] = {}   # fingerprint -> the card body frame, one buffer shared by all sends
         self.pool_fp: str | None = cfg.fingerprint or None
+        self.reload: dict[str, str] | None = None     # the latest `laya-pool reload`, for the supervisor (status)
         self.next_job = int.from_bytes(os.urandom(6), "little") << 8   # a restarted broker never reuses ids
         self.started = time.monotonic()
         self.stopping = False
@@ -409,6 +410,8 @@ class Broker:
                 self._to_client(envelope, wire.encode_body_reply(Cmd.STATUS, rid, self.status()))
             elif msg.cmd == Cmd.DRAIN:
                 self.on_drain(envelope, msg)
+            elif msg.cmd == Cmd.RELOAD:
+                self.on_reload(envelope, msg)
             elif msg.cmd == Cmd.HEARTBEAT:
                 self._to_client(envelope, wire.encode(Cmd.HEARTBEAT, {"rid": msg.header.get("rid"),
                                                                        "status": wire.STATUS_OK}))
@@ -417,7 +420,7 @@ class Broker:
         except wire.ProtocolError as e:
             self.counters["malformed"] += 1
             self._client_error(envelope, wire.rid_of(body), wire.STATUS_FINAL, str(e), field=e.field, cmd=msg.cmd
-                               if msg.cmd in (Cmd.STATUS, Cmd.DRAIN, Cmd.DESCRIBE) else Cmd.REPLY)
+                               if msg.cmd in (Cmd.STATUS, Cmd.DRAIN, Cmd.DESCRIBE, Cmd.RELOAD) else Cmd.REPLY)
 
     def on_request(self, envelope: list[bytes], msg: wire.Message) -> None:
         req = wire.parse_request(msg, need_cid=True)   # dedup needs an id that survives reconnects
@@ -545,7 +548,45 @@ class Broker:
             "registrations": w.registrations, "pid": w.pid}))
         self.dispatch()
 
-    def _operator_may(self, envelope: list[bytes], msg: wire.Message, rid: Any) -> bool:
+    def on_reload(self, envelope: list[bytes], msg: wire.Message) -> None:
+        """`laya-pool reload`: remember the new checkpoint for the supervisor (it reads `reload` in the status
+        and restarts the workers on it one at a time) and serve its fingerprint once enough workers have it."""
+        rid = wire.get(msg.header, "rid", (int, str), default=None)
+        if not self._operator_may(envelope, msg, rid, Cmd.RELOAD):
+            return
+        model = wire.get(msg.header, "model", str)
+        fp = wire.get(msg.header, "fingerprint", str)
+        if not model.startswith("/") or len(model) > 4096:
+            raise wire.ProtocolError("model", "an absolute path of the checkpoint directory")
+        if len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp):
+            raise wire.ProtocolError("fingerprint", "the checkpoint's sha256 (64 hex digits)")
+        self.reload = {"id": wire.get(msg.header, "id", str, default=str(rid))[:64], "model": model,
+                       "fingerprint": fp, "previous": self.pool_fp or ""}
+        log.info("reload requested: model %s (%s), serving %s until enough workers have it", fp[:12], model,
+                 (self.pool_fp or "?")[:12])
+        self._to_client(envelope, wire.encode_body_reply(Cmd.RELOAD, rid, {"reload": self.reload}))
+        self._maybe_switch_model()
+
+    def _maybe_switch_model(self) -> None:
+        """During a reload, serve the new model once at least as many ready workers have it as have the old:
+        a client whose answer comes from the new model fetches its card again (by the fingerprint), and
+        the workers still on the old model wait, idle, for their turn."""
+        r = self.reload
+        if r is None or r["fingerprint"] == self.pool_fp:
+            return
+        ready = [w for w in self.workers.values() if w.state in (WorkerState.READY, WorkerState.MISMATCH)]
+        new = sum(w.fingerprint == r["fingerprint"] for w in ready)
+        old = sum(w.fingerprint == self.pool_fp for w in ready)
+        if new == 0 or new < old:
+            return
+        log.info("serving model %s from now on (%d workers have it, %d still have %s)", r["fingerprint"][:12], new,
+                 old, (self.pool_fp or "?")[:12])
+        self.pool_fp = self.cfg.fingerprint = r["fingerprint"]
+        for w in ready:
+            w.state = WorkerState.READY if w.fingerprint == self.pool_fp else WorkerState.MISMATCH
+        self.dispatch()
+
+    def _operator_may(self, envelope: list[bytes], msg: wire.Message, rid: Any, cmd: Cmd = Cmd.DRAIN) -> bool:
         """A command that changes the pool: only from a peer with the operator secret or the operator key."""
         if operator.token_matches(msg.header.get("op"), self.op_token) or (
                 self.peer_user is not None and self.peer_user in self.operator_keys):
@@ -557,8 +598,8 @@ class Broker:
                f"{operator.runtime_dir()})")
         if self.cfg.keys:
             how += ", or connect with the operator key (keys=DIR with operator.key_secret)"
-        self._client_error(envelope, rid, wire.STATUS_FINAL, f"not allowed: drain and restart need the pool's "
-                           f"operator credential; {how}", field="op", cmd=Cmd.DRAIN, reason=Reason.NOT_ALLOWED)
+        self._client_error(envelope, rid, wire.STATUS_FINAL, f"not allowed: drain, restart and reload need the "
+                           f"pool's operator credential; {how}", field="op", cmd=cmd, reason=Reason.NOT_ALLOWED)
         return False
 
     def _restart_allowed(self, envelope: list[bytes], rid: Any, w: WorkerInfo) -> bool:
@@ -582,7 +623,7 @@ class Broker:
         now = time.monotonic()
         return {"workers": [w.row(now) for w in sorted(self.workers.values(), key=lambda w: _natural(w.id))],
                 "broker": {"pid": os.getpid(), "frontend": self.cfg.frontend, "backend": self.cfg.backend,
-                           "fingerprint": self.pool_fp, "uptime_s": round(now - self.started, 3),
+                           "fingerprint": self.pool_fp, "reload": self.reload, "uptime_s": round(now - self.started, 3),
                            "heartbeat_ms": self.cfg.heartbeat_ms, "liveness": self.cfg.liveness,
                            "queue": len(self.queue), "queue_size": self.cfg.queue_size,
                            "drain_per_s": round(self.drain.rate(now), 3),
@@ -641,6 +682,7 @@ class Broker:
             if w.state is WorkerState.READY:
                 w.state = WorkerState.DRAINING
                 log.info("worker %s: draining (%s)", w.id, msg.header.get("reason", "its own decision"))
+                self._maybe_switch_model()
         elif msg.cmd == Cmd.DISCONNECT:
             reason = wire.get(msg.header, "reason", str, default=Leave.SHUTDOWN)
             state = {Leave.DRAIN: WorkerState.DRAINED, Leave.RESTART: WorkerState.RESTARTING}.get(
@@ -685,7 +727,11 @@ class Broker:
         # a bare broker follows the workers it has.
         if not self.cfg.fingerprint and (self.pool_fp is None or not live_fps or self.pool_fp not in live_fps):
             self.pool_fp = fp
-        if fp != self.pool_fp:
+        if fp != self.pool_fp and self.reload is not None and fp == self.reload["fingerprint"]:
+            w.state = WorkerState.MISMATCH      # until _maybe_switch_model serves the new model
+            log.info("worker %s has the model of the reload (%s); the pool serves %s until enough workers have it",
+                     wid, fp[:12], self.pool_fp[:12])
+        elif fp != self.pool_fp:
             w.state = WorkerState.MISMATCH
             log.error("worker %s serves model %s but the pool serves %s: not dispatching to it", wid, fp[:12],
                       self.pool_fp[:12])
@@ -694,6 +740,7 @@ class Broker:
         self._to_worker(w, Cmd.HEARTBEAT, {})
         log.info("worker %s ready: %s pid %s, credit %d, fingerprint %s (registration %d)", wid, w.device, w.pid,
                  w.credit, fp[:12], w.registrations)
+        self._maybe_switch_model()
         self.dispatch()
 
     def on_worker_reply(self, w: WorkerInfo, msg: wire.Message) -> None:
@@ -760,6 +807,7 @@ class Broker:
         else:
             log.info("worker %s %s: %s", w.id, state, why)
         self._requeue_from(w, why)
+        self._maybe_switch_model()
 
     def _requeue_from(self, w: WorkerInfo, why: str) -> None:
         for jid in sorted(w.inflight, reverse=True):
@@ -773,6 +821,9 @@ class Broker:
         w.lost += 1
         self.counters["requeued"] += 1
         if not self._requeue(job, lost=True):
+            tag = job.req.tag if job.req is not None else f"describe {job.client_rid}"
+            log.warning("request %s failed: %d workers were lost while running it (last: worker %s, %s)", tag,
+                        job.attempts, w.id, why, extra={"request": tag})
             self._fail(job, wire.STATUS_FINAL, f"{job.attempts} workers were lost while running this request "
                                                f"(last: worker {w.id}, {why})", reason=Reason.WORKERS_LOST)
 
@@ -945,7 +996,8 @@ def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> No
     else:
         p.add_argument("--backend", default=d.backend, help="endpoint workers connect to (default %(default)s)")
         p.add_argument("--fingerprint", default=None, help="serve only this model (sha256 of the checkpoint)")
-    p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms)
+    p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms,
+                   help="milliseconds between heartbeats of the broker and each worker (default %(default)s)")
     p.add_argument("--liveness", type=int, default=d.liveness, help="heartbeats missed before a worker is dead")
     for flag, name, kind, text in POLICY_FLAGS:
         p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)")
@@ -994,10 +1046,10 @@ def serve(cfg: BrokerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m broker.broker", description="the laya-pool broker")
     add_arguments(p)
-    p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", "INFO"))
+    p.add_argument("--log-level", default=None, help="default: $LAYA_POOL_LOG or INFO")
+    p.add_argument("--log-format", default=None, help="text or json (default: $LAYA_POOL_LOG_FORMAT or text)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup("broker", a.log_level, a.log_format)
     return serve(config_from_args(a))
 
 

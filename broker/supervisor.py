@@ -7,6 +7,8 @@
   (exit 78: the checkpoint is unusable) or a clean drain (exit 0: the operator took it out);
 - restarts the broker if it dies (workers re-register with the new one by themselves);
 - brings back a drained worker when `laya-pool restart-worker ID` asks for it (seen in the broker's status);
+- carries out `laya-pool reload --model DIR` (seen in the broker's status): the workers move onto DIR one
+  at a time (broker/reload.py tells the whole procedure);
 - on SIGINT/SIGTERM: every worker finishes its in-flight work and leaves, then the broker; exit 0. A worker
   still there `drain_timeout` (5 s) after it was told is SIGKILLed (a hung device never finishes), and the
   broker fails what it held as retryable when it stops: `up` exits within 10 s whatever the workers do.
@@ -72,6 +74,7 @@ class Child:
     state: str = "starting"      # running | backoff | down (drained / config error) | stopped
     last_exit: int | None = None
     operator_start: float = float("-inf")   # when an operator's restart-worker last started it
+    reloading: bool = False                  # told to stop for a reload: start it again at once
 
     @property
     def pid(self) -> int | None:
@@ -85,6 +88,30 @@ except OSError:
 
 
 OPERATOR_RESTART_HOLD_S = 30.0
+RELOAD_WORKER_TIMEOUT_S = 600.0     # one worker's stop + start + warm-up during a reload
+
+
+@dataclass
+class Reload:
+    """A rolling reload under way (broker/reload.py)."""
+    id: str
+    model: str
+    fingerprint: str
+    previous_model: str
+    previous_fingerprint: str | None
+    todo: list[str]
+    total: int
+    current: str | None = None
+    pid_before: int | None = None
+    since: float = 0.0
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> None:
+    """Replace `flag`'s value in a child's command line (append the pair when it is not there)."""
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
 
 
 def _die_with_parent() -> None:
@@ -138,6 +165,8 @@ class Supervisor:
         self.announced = False
         self.foreign_seen = False
         self.observer = None                # broker.observe.PoolObserver, with --http
+        self.reload: Reload | None = None
+        self.reloads_seen: set[str] = set()
         self.http = None                    # broker.ops_http.MetricsServer, with --http
 
     def _broker_child(self, common: list[str]) -> Child:
@@ -192,6 +221,13 @@ class Supervisor:
         if self.stopping:
             child.state = "stopped"
             return
+        if is_worker and child.reloading and code in (contract.EXIT_OK, contract.EXIT_RESTART):
+            child.reloading = False
+            log.info("%s stopped for the reload; starting it on %s", child.name, self.cfg.model)
+            child.restarts += 1
+            child.state, child.next_start = "backoff", now
+            return
+        child.reloading = False
         if not is_worker and code in (contract.EXIT_USAGE, contract.EXIT_CONFIG):
             log.error("the broker cannot start (exit %d: an endpoint is in use or refused); stopping", code)
             child.state = "down"
@@ -203,6 +239,10 @@ class Supervisor:
             log.info("%s drained and left; it stays down (laya-pool restart-worker %s brings it back)", child.name,
                      child.name.split()[-1])
             child.state = "down"
+        elif (is_worker and code == contract.EXIT_CONFIG and self.reload is not None
+              and self.reload.current == child.name.split()[-1]):
+            child.state = "down"
+            self._abort_reload(f"{child.name} cannot load it (exit {code})")
         elif is_worker and code == contract.EXIT_CONFIG:
             log.error("%s cannot serve this model or configuration (exit %d); not restarting it", child.name, code)
             child.state = "down"
@@ -256,11 +296,95 @@ class Supervisor:
                 child.restarts += 1
                 child.operator_start = now
                 self._start_worker(wid)
+        self._follow_reload(st.get("broker", {}).get("reload"), rows, now)
         ready = sum(1 for w in rows.values() if w.get("state") == WorkerState.READY)
         if not self.announced and ready >= len(self.workers):
             self.announced = True
             log.info("pool ready: %d workers on %s, frontend %s", ready, ",".join(self.cfg.devices),
                      self.cfg.frontend)
+
+    # ------------------------------------------------------------------------------------------------ reload
+
+    def _follow_reload(self, request: dict | None, rows: dict, now: float) -> None:
+        if request and request.get("id") not in self.reloads_seen and self.reload is None:
+            self.reloads_seen.add(request.get("id"))
+            self._begin_reload(request)
+        if self.reload is not None:
+            self._reload_step(rows, now)
+
+    def _use_model(self, model: str, fingerprint: str | None) -> None:
+        """Every later start of a worker loads `model`; a restarted broker serves `fingerprint`."""
+        self.cfg.model = model
+        for child in self.workers.values():
+            _set_flag(child.argv, "--model", model)
+        if fingerprint:
+            _set_flag(self.broker.argv, "--fingerprint", fingerprint)
+
+    def _begin_reload(self, request: dict) -> None:
+        model, fp = str(request.get("model", "")), str(request.get("fingerprint", ""))
+        if not Path(model).is_dir():
+            log.error("reload to %s refused: not a directory this supervisor can read", model)
+            return
+        previous_fp = next((a for a, b in zip(self.broker.argv[1:], self.broker.argv) if b == "--fingerprint"), None)
+        if fp == previous_fp:       # by fingerprint, not path: files replaced in place are a new model
+            log.info("reload: the pool already runs model %s (%s)", fp[:12], model)
+            return
+        self.reload = Reload(str(request.get("id")), model, fp, self.cfg.model, previous_fp, list(self.workers),
+                             len(self.workers))
+        self._use_model(model, fp)
+        log.info("reload: moving %d workers onto %s (model %s), one at a time", len(self.workers), model, fp[:12])
+
+    def _reload_step(self, rows: dict, now: float) -> None:
+        r = self.reload
+        if r.current is not None:
+            child, row = self.workers[r.current], rows.get(r.current, {})
+            if child.state == "down" and child.last_exit == contract.EXIT_CONFIG:
+                self._abort_reload(f"worker {r.current} cannot load it (exit {child.last_exit})")
+                return
+            if (child.pid not in (None, r.pid_before) and row.get("pid") == child.pid
+                    and row.get("fingerprint") == r.fingerprint
+                    and row.get("state") in (WorkerState.READY, WorkerState.MISMATCH)):
+                done = r.total - len(r.todo)
+                log.info("reload: worker %s serves model %s (pid %s; %d of %d)", r.current, r.fingerprint[:12],
+                         child.pid, done, r.total)
+                r.current = None
+            elif now - r.since > RELOAD_WORKER_TIMEOUT_S:
+                self._abort_reload(f"worker {r.current} was not ready on it after {RELOAD_WORKER_TIMEOUT_S:g} s")
+                return
+            else:
+                return
+        while r.todo:
+            wid = r.todo.pop(0)
+            child = self.workers[wid]
+            if child.state != "running" or child.proc is None or child.proc.poll() is not None:
+                continue        # down or between starts: its next start loads the new model
+            r.current, r.since, r.pid_before = wid, now, child.pid
+            child.reloading = True
+            log.info("reload: worker %s (%d of %d): finishing its requests, then restarting on the new model", wid,
+                     r.total - len(r.todo), r.total)
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+            return
+        log.info("reload done: the pool runs %s (model %s)", r.model, r.fingerprint[:12])
+        self.reload = None
+
+    def _abort_reload(self, why: str) -> None:
+        """Put the previous model back on the worker that failed; the workers already moved keep the new one."""
+        r = self.reload
+        self.reload = None
+        moved = r.total - len(r.todo) - 1
+        self._use_model(r.previous_model, r.previous_fingerprint)
+        log.error("reload to %s failed: %s; worker %s goes back to %s%s", r.model, why, r.current, r.previous_model,
+                  f" ({moved} workers already moved keep the new model: `laya-pool reload --model "
+                  f"{r.previous_model}` moves them back)" if moved > 0 else "")
+        child = self.workers[r.current]
+        child.reloading = False
+        if child.state == "down":
+            child.restarts += 1
+            child.state, child.next_start = "backoff", time.monotonic()
+        elif child.proc is not None and child.proc.poll() is None:
+            child.reloading = True          # a slow start on the new model: stop it, start it on the old one
+            child.proc.send_signal(signal.SIGTERM)
 
     # ------------------------------------------------------------------------------------------------ run
 
@@ -284,13 +408,13 @@ class Supervisor:
                 self._reap(self.broker, False)
                 if self.broker.state == "down":
                     self._shutdown()
-                    return 1
+                    return self.broker.last_exit or contract.EXIT_CONFIG
                 for child in self.workers.values():
                     self._reap(child, True)
                 if all(c.state == "down" and c.last_exit == contract.EXIT_CONFIG for c in self.workers.values()):
                     log.error("no worker can start (configuration errors); stopping")
                     self._shutdown()
-                    return 1
+                    return contract.EXIT_CONFIG
                 self._restart_due()
                 self._poll_broker()
                 time.sleep(0.1)

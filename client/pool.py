@@ -276,6 +276,13 @@ class _Base:
                              timeout, 0)
         return self._body(msg)
 
+    def _reload_plan(self, model: str, fingerprint: str, reload_id: str,
+                     timeout: float | None) -> Plan[dict[str, Any]]:
+        op = {"op": self.operator} if self.operator else {}
+        msg, _ = yield _Call(Cmd.RELOAD, _header_only(Cmd.RELOAD, model=str(model), fingerprint=str(fingerprint),
+                                                      id=str(reload_id), **op), timeout, 0)
+        return self._body(msg)
+
     def _ping_plan(self, timeout: float | None) -> Plan[float]:
         t = time.perf_counter()
         yield _Call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT), timeout, 0)
@@ -413,6 +420,12 @@ class Client(_Base):
         """Stop dispatching to `worker`; it finishes its in-flight work and leaves (and with `restart`,
         the supervisor starts it again and it re-registers)."""
         return self._run(self._drain_plan(worker, restart, timeout))
+
+    def reload(self, model: str, fingerprint: str, *, reload_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """Ask the pool to roll onto the checkpoint `model` (a directory the pool's supervisor reads) whose
+        fingerprint is `fingerprint`; needs the operator credential. Returns at once: `status()` shows the
+        workers move, one at a time (`laya-pool reload` follows it)."""
+        return self._run(self._reload_plan(model, fingerprint, reload_id, timeout))
 
     def ping(self, *, timeout: float | None = None) -> float:
         """Round trip to the broker, in seconds."""

@@ -58,6 +58,7 @@ class Cmd(enum.IntEnum):
     STATUS = 6       # client -> broker: the pool's state (reply carries a body)
     DRAIN = 7        # client -> broker: drain (and optionally restart) a worker; broker -> worker: drain
     DESCRIBE = 8     # client -> broker -> worker: the model card (reply carries a body)
+    RELOAD = 9       # operator -> broker: roll the pool onto another checkpoint (the supervisor carries it out)
 
 
 class ProtocolError(ValueError):
@@ -263,6 +264,15 @@ class Request(Rows):
     budget_ms: int | None = None   # the caller's time left when it was sent; None: no deadline
     header: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def tag(self) -> str:
+        """The request's id for log lines, `CLIENT_ID:REQUEST_ID`, the same in the broker's and the worker's
+        logs (the broker forwards it as `req`, since the worker sees only the broker's job id as rid)."""
+        forwarded = self.header.get("req")
+        if isinstance(forwarded, str):
+            return forwarded[:80]
+        return f"{self.cid}:{self.rid}" if self.cid else f"job {self.rid}"
+
 
 def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
     """`(ids, markers, qtype)` rows -> the five request arrays."""
@@ -327,8 +337,9 @@ def parse_request(msg: Message, need_cid: bool = False) -> Request:
 
 
 def request_header_for_worker(req: Request, job: int, budget_ms: int | None = None) -> dict[str, Any]:
-    """The header the broker forwards: its own job id as rid, the client's cid dropped, the time left."""
-    h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers}
+    """The header the broker forwards: its own job id as rid, the client's cid dropped (its `CID:RID` kept as `req`,
+    for log lines), the time left."""
+    h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers, "req": req.tag}
     if req.mode is not None:
         h["mode"] = req.mode
     if req.taps:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from scripts.progress import Progress, enabled  # noqa: E402
 
 SDK_GRAPH = "sdk forward cuda-graph"
 SHAPES = [(1, 48), (1, 128), (4, 256), (16, 512)]
@@ -179,6 +180,7 @@ def run(args) -> dict:
         print(f"feasible: {name}  first call ms: " + ", ".join(f"{k} {v:.2f}" for k, v in first_call[name].items()),
               flush=True)
     order = list(configs)
+    bar = Progress(2 * len(labels) * len(order) * (args.warmup + args.samples), "bench", enabled(args.quiet))
     for rnd, names in enumerate((order, order[::-1])):
         for lab_i, lab in enumerate(labels):
             for name in names:
@@ -186,12 +188,15 @@ def run(args) -> dict:
                 seq = call if isinstance(call, list) else [call]
                 for j in range(args.warmup):
                     seq[j % len(seq)]()
+                    bar.update()
                 for j in range(args.samples):
                     c = seq[j % len(seq)]
                     t = time.perf_counter()
                     c()
                     sync()
                     results[name][lab].append((time.perf_counter() - t) * 1e3)
+                    bar.update()
+        bar.close()
         print(f"round {rnd + 1} done", flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     table = {name: {lab: percentiles(xs) for lab, xs in per.items()} for name, per in results.items()}
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two shapes, for CI on a CPU")
     ap.add_argument("--no-sdk", action="store_true")
     ap.add_argument("--only", default=None, help="time one configuration only (used for the SDK graph child)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a TTY)")
     args = ap.parse_args(argv)
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

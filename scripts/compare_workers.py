@@ -27,8 +27,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 from protocol.contract import MODES  # noqa: E402
+from scripts.progress import Progress, enabled  # noqa: E402
 
 # Stated tolerances against the fp32 reference, per worker dtype: probabilities, and taps by nRMS.
 TOL = {"fp32": {"dp": 1e-4, "nrms": 1e-4}, "bf16": {"dp": 0.06, "nrms": 0.05}}
@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report", default="out/compare_workers.json")
     ap.add_argument("--devices", default=None, help="for a pool of our own: cpu or cuda:0,...")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a TTY)")
     args = ap.parse_args(argv)
     if not args.frontend and not args.model:
         ap.error("give --frontend, --model, or both")
@@ -149,6 +150,7 @@ def compare(args, Client, RequestFailed) -> int:
         outputs: dict = {}          # (worker, mode, order) -> list of (logits, act)
         taps: dict = {}
         failures: list[str] = []
+        bar = Progress(len(workers) * len(MODES) * 2 * len(cases), "compare", enabled(getattr(args, "quiet", False)))
         for w in workers:
             dtype = "fp32" if w["device"] == "cpu" else "bf16"
             for mode in MODES:
@@ -159,11 +161,13 @@ def compare(args, Client, RequestFailed) -> int:
                         for i in idx:
                             res = client.forward(cases[i][1], worker=w["id"], mode=mode)
                             got[i] = (res.flat, res.act, res.metrics.get("first_call", False))
+                            bar.update()
                     except RequestFailed as e:
                         if e.field == "mode":
                             break           # this worker does not run this mode (a CPU worker: eager only)
                         raise
                     outputs[(w["id"], dtype, mode, order)] = [got[i] for i in range(len(cases))]
+                bar.close()
                 print(f"  {w['id']} {mode}: {'done' if (w['id'], dtype, mode, 'forward') in outputs else 'n/a'}",
                       flush=True)
             if ref is not None:

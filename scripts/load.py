@@ -25,6 +25,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import shlex
 import signal
 import statistics
@@ -38,6 +39,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.pool import AsyncClient, Client, local_pool  # noqa: E402
+from scripts.progress import Progress, enabled  # noqa: E402
+
+QUIET = False           # --quiet: no progress bar
 
 
 def _rows(n_rows: int, tokens: int) -> list:
@@ -116,6 +120,21 @@ def _killer(endpoint: str, after: float, done: dict) -> None:
             time.sleep(0.2)
 
 
+def _collect(q: mp.Queue, n: int, seconds: float, t0: float, label: str) -> list[dict]:
+    """The children's results, with a progress bar over the run's seconds meanwhile (stderr, a TTY only)."""
+    parts: list[dict] = []
+    deadline = time.monotonic() + seconds + 120
+    with Progress(seconds, label, enabled(QUIET)) as bar:
+        while len(parts) < n:
+            try:
+                parts.append(q.get(timeout=0.2))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise
+            bar.set(round(min(seconds, time.perf_counter() - t0), 1))
+    return parts
+
+
 def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, rows: int = 1, tokens: int = 48,
              kill_after: float | None = None, mix: list[Shape] | None = None) -> dict:
     """Drive `endpoint` for `seconds` with `concurrency` requests in flight (of `rows` x `tokens`, or drawn
@@ -141,7 +160,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     if kill_after is not None:
         killer = threading.Thread(target=_killer, args=(endpoint, kill_after, killed), daemon=True)
         killer.start()
-    parts = [q.get(timeout=seconds + 120) for _ in children]
+    parts = _collect(q, len(children), seconds, t0, f"load, {concurrency} in flight")
     if kill_after is not None:
         killer.join(300)
     wall = time.perf_counter() - t0
@@ -241,7 +260,10 @@ def main() -> int:
     ap.add_argument("--kill-after", type=float, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None, help="draw throughput and latency against concurrency here")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a TTY)")
     args = ap.parse_args()
+    global QUIET
+    QUIET = args.quiet
     if not args.frontend and not args.model:
         ap.error("give --frontend or --model")
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -532,7 +533,7 @@ def test_cli_status_and_predict(tcp_pool, expected):
     assert r.returncode == 0, r.stderr
     _close(expected[0], json.loads(r.stdout))
     r = _cli("status", "--frontend", "tcp://127.0.0.1:1", "--timeout", "0.3")
-    assert r.returncode == 1 and "tcp://127.0.0.1:1: nothing answered at this endpoint" in r.stderr, r.stderr
+    assert r.returncode == 3 and "tcp://127.0.0.1:1: nothing answered at this endpoint" in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------------------------------------ broker alone
@@ -613,10 +614,16 @@ def test_up_fails_fast_on_what_cannot_work(tmp_path, tiny_ckpt):
     port = free_port()
     r = _cli("up", "--model", str(tiny_ckpt), "--frontend", f"tcp://127.0.0.1:{port}",
              "--backend", f"tcp://127.0.0.1:{port}", "--insecure-backend", timeout=120)   # the broker cannot bind
-    assert r.returncode == 1 and "cannot bind" in r.stderr
+    assert r.returncode == contract.EXIT_CONFIG and "cannot bind" in r.stderr
     r = _cli("up", "--model", str(tmp_path), "--frontend", f"ipc://{tmp_path}/fe", "--workers-per-device", "2",
-             timeout=120)                                                   # no checkpoint there
-    assert r.returncode == 1 and "configuration" in r.stderr and "missing file" in r.stderr
+             timeout=120)                                                   # no checkpoint there: a usage error
+    assert r.returncode == 2 and "is not a checkpoint: missing" in r.stderr and "Traceback" not in r.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")           # there, but no worker can load it
+    r = _cli("up", "--model", str(broken), "--frontend", f"ipc://{tmp_path}/fe", "--workers-per-device", "2",
+             timeout=120)
+    assert r.returncode == contract.EXIT_CONFIG and "configuration" in r.stderr, r.stderr
 
 
 def test_worker_exit_codes(tmp_path):

@@ -246,7 +246,8 @@ class Compute:
         """The request's rows if this worker can run them; otherwise answer it here and return None."""
         req = q.req
         if self.faults.hang_rows and len(req.lengths) == self.faults.hang_rows:
-            log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %r", self.id, req.rid)
+            log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %s", self.id, req.tag,
+                        extra={"request": req.tag})
             threading.Event().wait()
         if q.session != self.session:
             self.counts["dropped"] += 1
@@ -268,7 +269,7 @@ class Compute:
             return None
         except Exception as e:  # noqa: BLE001 - host-side only (no device work yet): refuse this one request
             self.counts["internal_errors"] += 1
-            log.exception("worker %s: could not read request %r", self.id, req.rid)
+            log.exception("worker %s: could not read request %s", self.id, req.tag, extra={"request": req.tag})
             self.reply(self._internal(req, e))
             return None
 
@@ -323,7 +324,8 @@ class Compute:
             # The group drained before raising, so the staging is safe to reuse: keep serving, and let
             # the broker run these requests elsewhere.
             self.counts["upload_errors"] += 1
-            log.warning("worker %s: %s", self.id, e)
+            tags = ", ".join(q.req.tag for q in members)
+            log.warning("worker %s: %s (requests %s, handed back)", self.id, e, tags, extra={"request": tags})
             for q in members:
                 self.reply(self._error(q.req, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
                                        reason=Reason.UPLOAD_FAILED))
@@ -394,11 +396,11 @@ class Compute:
             return
         self.counts["internal_errors"] += 1
         if self.rt.is_cuda:
-            log.exception("worker %s: device failure", self.id)
+            log.exception("worker %s: device failure on request %s", self.id, q.req.tag, extra={"request": q.req.tag})
             self.reply(self._handed_back(q, type(e).__name__))
             self.fatal = f"{type(e).__name__}: {e}"     # the context may be poisoned
             return
-        log.exception("worker %s: internal error on request %r", self.id, q.req.rid)
+        log.exception("worker %s: internal error on request %s", self.id, q.req.tag, extra={"request": q.req.tag})
         self.reply(self._internal(q.req, e))
 
     # -- replies ---------------------------------------------------------------------------------------------

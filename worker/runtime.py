@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -294,28 +295,35 @@ class Runtime:
         torch.cuda.empty_cache()
         return before - torch.cuda.memory_reserved(self.device)
 
-    def warmup(self) -> dict[str, float]:
-        """Capture what steady traffic will need, off the request path; returns ms per step."""
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> dict[str, float]:
+        """Capture what steady traffic will need, off the request path; returns ms per step. `progress(i, n,
+        what)` is called before each step (the worker logs it: a long warm-up is not silent)."""
         out = {}
         if not self.is_cuda:
             return out
+        say = progress or (lambda i, n, what: None)
+        cached = self.warmup_plan() if self.config.mode == "graph-cached" else []
+        fixed = self.config.mode == "graph-fixed" and self.fixed is None and self.fixed_failed is None
+        n = 1 + fixed + len(cached)
+        say(1, n, "eager forward")
         t = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self._forward(Shape(1, ROW_LEN_STEP, 2))
         self.stream.synchronize()
         out["eager"] = (time.perf_counter() - t) * 1e3
-        if self.config.mode == "graph-fixed" and self.fixed is None and self.fixed_failed is None:
+        if fixed:
+            say(2, n, f"fixed graph {_shape_text(self.fixed_shape)}")
             t = time.perf_counter()
             try:
                 self.fixed = self._capture(self.fixed_shape)
             except CaptureError as e:
                 self.fixed_failed = str(e)
             out[f"fixed {self.fixed_shape}"] = (time.perf_counter() - t) * 1e3
-        if self.config.mode == "graph-cached":
-            for shape in self.warmup_plan():
-                t = time.perf_counter()
-                self.cache.lookup(shape, count=False)
-                out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
+        for i, shape in enumerate(cached):
+            say(2 + fixed + i, n, f"bucket {_shape_text(shape)}")
+            t = time.perf_counter()
+            self.cache.lookup(shape, count=False)
+            out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
         return out
 
     @property
@@ -517,3 +525,8 @@ class Runtime:
                 ev.close()
             self.events = []
         self.workspace.close()
+
+
+def _shape_text(shape: Shape) -> str:
+    """ROWSxLENGTHxMARKERS, as --warmup-shapes writes a bucket."""
+    return f"{shape.rows}x{shape.row_len}x{shape.row_markers}"

@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from protocol import contract, wire
+from protocol import contract, logs, wire
 from protocol.contract import Leave, Reason
 from protocol.wire import Cmd
 from worker import placement
@@ -436,6 +436,7 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
     from worker.runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
     from worker.workspace import Capacity
 
+    log.info("worker %s: loading %s", cfg.id, cfg.model)
     t = time.perf_counter()
     try:
         ck = load_checkpoint(cfg.model)
@@ -462,9 +463,15 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
         log.exception("cannot build the runtime: %s", e)
         raise _Exit(contract.EXIT_FATAL) from e
     phases["runtime"] = (time.perf_counter() - t) * 1e3
+    log.info("worker %s: checkpoint loaded and placed on %s (%.1f s); warming up", cfg.id, torch_device,
+             sum(phases.values()) / 1e3)
+
+    def progress(i: int, n: int, what: str) -> None:
+        log.info("worker %s: warming %s (%d/%d)", cfg.id, what, i, n)
+
     t = time.perf_counter()
     try:
-        rt.warmup()
+        rt.warmup(progress)
     except Exception as e:  # noqa: BLE001
         log.exception("warm-up failed")
         raise _Exit(contract.EXIT_FATAL) from e
@@ -490,8 +497,7 @@ def _serve(cfg: WorkerConfig, rt: Any, label: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = WorkerConfig.from_args(build_parser().parse_args(argv))
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s worker {cfg.id} %(levelname)s %(message)s")
+    logs.setup(f"worker {cfg.id}", cfg.log_level)
     torch_device, label = placement.cuda_local_device(cfg.device)
     cfg = cfg.for_device(torch_device.startswith("cuda"))
     problem = cfg.usage_problem()
@@ -505,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, early_stop)
     signal.signal(signal.SIGINT, early_stop)
+    log.info("worker %s: starting on %s (pid %d): importing the runtime", cfg.id, cfg.device, os.getpid())
     try:
         import torch
 
