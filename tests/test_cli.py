@@ -55,7 +55,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], dict, int, str]]:
         (["frobnicate"], {}, 2, "invalid choice: 'frobnicate'"),
         # after the subcommand too, and at debug level: still one line for the user
         (["status", "--frontend", dead, "--timeout", "0.2", "--retries", "0", "--log-level", "debug"], {}, 3,
-         "no answer"),
+         "nothing answered at this endpoint"),
     ]
 
 
