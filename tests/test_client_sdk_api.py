@@ -393,6 +393,14 @@ def test_decide_equals_sdk(client, sdk, return_details):
             _same_decision(w, h)
 
 
+def test_sdk_decide_functions_take_a_client(client, sdk):
+    import laya
+    for state in STATES[:2]:
+        assert laya.decide(client, state, JSON_SCHEMA, min_confidence=0.5) == client.decide(state, JSON_SCHEMA,
+                                                                                           min_confidence=0.5)
+    assert laya.decide_batch(client, STATES, JSON_SCHEMA) == client.decide_batch(STATES, JSON_SCHEMA)
+
+
 def _same_decision(want, have):
     if return_details := not isinstance(want, dict):
         assert type(have).__name__ == "DecisionResult"
