@@ -61,6 +61,10 @@ DEFAULT_ENDPOINT = contract.default_frontend()
 MAX_FRAME_BYTES = contract.MAX_FRONTEND_BYTES      # the broker's default frontend MAXMSGSIZE
 
 log = logging.getLogger("laya-pool.client")
+# Requests of one predict_batch in flight at once (AsyncClient): each is a full-capacity batch, so a few keep
+# every worker busy, while a batch of thousands of states neither fills the broker's queue (shared by every
+# client; a full one answers "busy") nor waits so long behind itself that its own requests time out.
+BATCH_IN_FLIGHT = 16
 T = TypeVar("T")
 
 
@@ -798,8 +802,14 @@ class AsyncClient(_Base):
                 return done.value
 
     async def _run_all(self, plans: list[Plan[Any]]) -> list[Any]:
-        """The plans concurrently, results in order; the first failure cancels the rest and is raised."""
-        tasks = [asyncio.ensure_future(self._run(p)) for p in plans]
+        """The plans concurrently (at most `BATCH_IN_FLIGHT` at a time), results in order; the first failure
+        cancels the rest and is raised."""
+        slots = asyncio.Semaphore(BATCH_IN_FLIGHT)
+
+        async def run(plan: Plan[Any]) -> Any:
+            async with slots:
+                return await self._run(plan)
+        tasks = [asyncio.ensure_future(run(p)) for p in plans]
         try:
             return list(await asyncio.gather(*tasks))
         finally:

@@ -441,22 +441,31 @@ def test_async_client_equals_sdk(pool, sdk):
         run_async(pool, "predict_batch", "a state", QUESTIONS)
 
 
-def test_async_batch_requests_are_in_flight_together(pool):
-    # AsyncClient sends a batch's requests concurrently: the pool sees them overlap.
+def _most_in_flight(pool) -> int:
+    """The most requests of one AsyncClient.predict_batch in flight at once."""
     async def go():
         async with AsyncClient(pool.endpoint, timeout=60) as c:
             await c.describe()
-            seen, call = [], c.call
+            now, most, call = 0, 0, c.call
 
-            async def spy(cmd, build, *args, **kwargs):
-                seen.append(("start", cmd))
+            async def spy(*args, **kwargs):
+                nonlocal now, most
+                now += 1
+                most = max(most, now)
                 try:
-                    return await call(cmd, build, *args, **kwargs)
+                    return await call(*args, **kwargs)
                 finally:
-                    seen.append(("end", cmd))
+                    now -= 1
             c.call = spy
-            await c.predict_batch(STATES, QUESTIONS)
-            return seen
-    seen = asyncio.run(go())
-    n = math.ceil(len(STATES) / (MAX_ROWS // len(QUESTIONS)))
-    assert [s for s, _ in seen[:n]] == ["start"] * n, seen
+            for want, have in zip(await c.predict_batch(STATES, QUESTIONS), await c.predict_batch(STATES, QUESTIONS)):
+                assert want == have
+            return most
+    return asyncio.run(go())
+
+
+def test_async_batch_requests_are_in_flight_together_within_a_bound(pool, monkeypatch):
+    import client.pool
+    requests = math.ceil(len(STATES) / (MAX_ROWS // len(QUESTIONS)))
+    assert _most_in_flight(pool) == requests == 4
+    monkeypatch.setattr(client.pool, "BATCH_IN_FLIGHT", 2)
+    assert _most_in_flight(pool) == 2
