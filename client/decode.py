@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from client.calibration import Calibration, apply_binning
 from client.card import TEMP_MAX, TEMP_MIN, ModelCard, clamp_temperature, temperature_rejected
 from client.semantics import EncodedRequest, render_criterion
 from protocol.contract import QType
@@ -29,15 +30,23 @@ def temp_bucket(qtype: int, k: int) -> str:
 LangTemperatures = dict[str, dict[str, Any]]
 
 
-def temperature_for(card: ModelCard, qtype: int, k: int, lang: str | None = None,
-                    lang_temperatures: LangTemperatures | None = None) -> float:
-    """The temperature of a question: its language's (when `lang` has an override), else the card's."""
-    bucket = temp_bucket(qtype, k)
+def lang_override(lang: str | None, lang_temperatures: LangTemperatures | None) -> dict[str, Any] | None:
+    """The temperatures `lang` ("de", "de-AT") has an override for, or None."""
     if lang and lang_temperatures:
-        override = lang_temperatures.get(lang.split("-")[0].lower())
-        if override is not None:
-            return override["temperature_by_options"].get(bucket, override["temperature"][qtype])
-    return card.temperature_by_options.get(bucket, card.temperature[qtype])
+        return lang_temperatures.get(lang.split("-")[0].lower())
+    return None
+
+
+def temperature_for(card: ModelCard, qtype: int, k: int, lang: str | None = None,
+                    lang_temperatures: LangTemperatures | None = None, calibration: Calibration | None = None) -> float:
+    """The temperature of a question: its language's (when `lang` has an override), else the calibration
+    file's (when there is one), else the card's."""
+    bucket = temp_bucket(qtype, k)
+    source: Any = lang_override(lang, lang_temperatures)
+    if source is not None:
+        return source["temperature_by_options"].get(bucket, source["temperature"][qtype])
+    source = calibration or card
+    return source.temperature_by_options.get(bucket, source.temperature[qtype])
 
 
 def resolve_lang_temperatures(raw: dict[str, Any] | None, base: Any) -> LangTemperatures:
@@ -111,9 +120,13 @@ def entropy_confidence(p: np.ndarray, k: int) -> float:
     return 0.0 if score < 0.0 else (1.0 if score > 1.0 else score)
 
 
-def _answer(q: dict[str, Any], p: np.ndarray, k: int, act_row: np.ndarray) -> dict[str, Any]:
+def _answer(q: dict[str, Any], p: np.ndarray, k: int, act_row: np.ndarray,
+            binning: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     action = {"act_probability": round(float(act_row[0]), 4)}
-    ans_conf = round(answer_confidence(p, k), 4)
+    ans_conf = answer_confidence(p, k)
+    if binning is not None:             # (bucket, map): a calibration file's recalibration of it
+        ans_conf = apply_binning(ans_conf, *binning)
+    ans_conf = round(ans_conf, 4)
     if q["t"] == "choice":
         keys = list(q["crit"].keys())
         return {
@@ -167,12 +180,15 @@ def _usage(encoded: EncodedRequest) -> dict[str, Any]:
 
 
 def decode_answers(card: ModelCard, encoded: EncodedRequest, logits: Any, act_probs: Any, lang: str | None = None,
-                   lang_temperatures: LangTemperatures | None = None) -> dict[str, Any]:
+                   lang_temperatures: LangTemperatures | None = None,
+                   calibration: Calibration | None = None) -> dict[str, Any]:
     """The SDK `predict()` result for `encoded` given the model's outputs.
 
     `logits` is float32 [M]: every row's per-marker logits back to back, rows in order (M = the
     request's marker count); `act_probs` is float32 [R, n_act], the softmax of the act head. `lang`
-    picks that language's temperatures from `lang_temperatures` (`resolve_lang_temperatures`), if any.
+    picks that language's temperatures from `lang_temperatures` (`resolve_lang_temperatures`), if any;
+    `calibration` (client/calibration.py) replaces the card's temperatures and may rebin `answer_confidence`
+    (not for a language with its own temperatures, as in the SDK).
     """
     if not encoded.rows:
         return {"model": MODEL_NAME, "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0}}
@@ -190,7 +206,10 @@ def decode_answers(card: ModelCard, encoded: EncodedRequest, logits: Any, act_pr
         # A copy keeps every row its own contiguous array, as the SDK's row slice is.
         raw = flat[offset:offset + k].copy()
         offset += k
-        p = softmax_f32(raw, temperature_for(card, qtype, k, lang, lang_temperatures))
+        p = softmax_f32(raw, temperature_for(card, qtype, k, lang, lang_temperatures, calibration))
         p = unpermute(p, q.get("option_order"))
-        answers[qid] = _answer(q, p, k, act[r])
+        binning = None
+        if calibration is not None and calibration.binning_map and lang_override(lang, lang_temperatures) is None:
+            binning = (temp_bucket(qtype, k), calibration.binning_map)
+        answers[qid] = _answer(q, p, k, act[r], binning)
     return {"model": MODEL_NAME, "answers": answers, "usage": _usage(encoded)}

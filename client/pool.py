@@ -195,8 +195,10 @@ class _Base:
         self.operator: str | None = None     # the pool's operator secret, sent with drain (broker.operator)
         self.capacity: dict[str, int] = {}   # the largest request the pool takes (with the model card)
         self.key_role = "client"             # "operator": connect with the operator CURVE key pair
-        self._lang_raw: dict[str, Any] | None = None      # laya.load's lang_temperatures, resolved per card
+        # laya.load's decoding options: lang_temperatures (resolved per card) and a calibration file
+        self._lang_raw: dict[str, Any] | None = None
         self._lang_resolved: tuple[Any, dict[str, Any]] | None = None
+        self._calibration: Any = None
 
     def _socket(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """The DEALER, connected, and its monitor (ConnectionWatch's events)."""
@@ -320,7 +322,8 @@ class _Base:
             stale = sorted(f for f in served if f is not None and card.fingerprint and f != card.fingerprint)
             if not stale:
                 langs = self._lang_temperatures(card)
-                return [self._decode(card, e, *outputs[i], lang, langs) for i, e in enumerate(encoded)]
+                return [self._decode(card, e, *outputs[i], lang, langs, self._calibration)
+                        for i, e in enumerate(encoded)]
             if refreshed:
                 break
             card = yield _Card(timeout, refresh=True)   # the pool now serves another model
@@ -385,17 +388,18 @@ class _Base:
 
     def _lang_temperatures(self, card: Any) -> dict[str, Any]:
         """laya.load's `lang_temperatures`, resolved against this card's temperatures (an override without
-        `temperature` inherits the checkpoint's)."""
-        if not self._lang_raw:
-            return {}
+        `temperature` inherits the checkpoint's); the first time for a card, a calibration file is checked
+        against its config."""
         if self._lang_resolved is None or self._lang_resolved[0] is not card:
             from client.decode import resolve_lang_temperatures
+            if self._calibration is not None:
+                self._calibration.check_fits(card.config)
             self._lang_resolved = (card, resolve_lang_temperatures(self._lang_raw,
                                                                    card.config.get("temperature", [1.0, 1.0, 1.0])))
         return self._lang_resolved[1]
 
-    def _set_lang_temperatures(self, lang_temperatures: dict[str, Any] | None) -> None:
-        # Malformed overrides are refused now, as laya.load refuses them, not at the first answer.
+    def _set_decoding(self, lang_temperatures: dict[str, Any] | None, calibration: Any) -> None:
+        # Malformed options are refused now, as laya.load refuses them, not at the first answer.
         if lang_temperatures is not None:
             import warnings
 
@@ -403,7 +407,10 @@ class _Base:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")        # the clamping warnings come with the card's own values
                 resolve_lang_temperatures(lang_temperatures, [1.0, 1.0, 1.0])
-        self._lang_raw, self._lang_resolved = lang_temperatures, None
+        if calibration is not None:
+            from client.calibration import load_calibration
+            calibration = load_calibration(calibration)
+        self._lang_raw, self._lang_resolved, self._calibration = lang_temperatures, None, calibration
 
     # -- what the plans use -------------------------------------------------------------------------------
     def _check_fits(self, rows: int, tokens: int, markers: int, field: str) -> None:
@@ -479,9 +486,9 @@ class _Base:
 
     @staticmethod
     def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray, lang: str | None = None,
-                lang_temperatures: dict[str, Any] | None = None) -> dict[str, Any]:
+                lang_temperatures: dict[str, Any] | None = None, calibration: Any = None) -> dict[str, Any]:
         from client.decode import decode_answers
-        return decode_answers(card, encoded, flat, act, lang, lang_temperatures)
+        return decode_answers(card, encoded, flat, act, lang, lang_temperatures, calibration)
 
 
 class Client(_Base):
@@ -491,13 +498,15 @@ class Client(_Base):
     def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
-                 lang_temperatures: dict[str, Any] | None = None):
+                 lang_temperatures: dict[str, Any] | None = None,
+                 calibration: str | os.PathLike | dict[str, Any] | None = None):
         """`operator`: the pool's operator secret (what `laya-pool drain` reads), needed only by `drain`;
         `key_role="operator"` connects with the operator CURVE key pair in `keys` instead of the client's;
-        `lang_temperatures`: per-language temperatures for `predict(..., lang=)`, as `laya.load` takes them."""
+        `lang_temperatures` (per-language temperatures for `predict(..., lang=)`) and `calibration` (a file
+        `Agent.save_calibration` wrote) as `laya.load` takes them: they change how answers are decoded here."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
         self.operator, self.key_role = operator, key_role
-        self._set_lang_temperatures(lang_temperatures)
+        self._set_decoding(lang_temperatures, calibration)
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock, self._mon = self._socket(self._ctx)
@@ -695,10 +704,11 @@ class AsyncClient(_Base):
     def __init__(self, endpoint: str | None = None, *, timeout: float = 10.0, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: Any = None, operator: str | None = None, key_role: str = "client",
-                 lang_temperatures: dict[str, Any] | None = None):
+                 lang_temperatures: dict[str, Any] | None = None,
+                 calibration: str | os.PathLike | dict[str, Any] | None = None):
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys)
         self.operator, self.key_role = operator, key_role
-        self._set_lang_temperatures(lang_temperatures)
+        self._set_decoding(lang_temperatures, calibration)
         import zmq.asyncio
 
         self._ctx = context or zmq.asyncio.Context.instance()

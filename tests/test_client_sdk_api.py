@@ -227,6 +227,42 @@ def test_lang_temperatures_match_sdk(card):
         assert outcome(resolve_lang_temperatures, raw, base) == outcome(sdk_resolve, raw, base), raw
 
 
+CALIBRATION = {"version": 2, "temperature": [2.0, 0.7, 1.5], "temperature_by_options": {"choice:3-5": 3.0},
+               "binning_map": {"choice:3-5": {"bins": 4, "values": [0.1, 0.3, 0.6, 0.9]},
+                               "noul:2": {"bins": 2, "values": [0.25, 0.75]}}}
+BAD_CALIBRATIONS = [
+    [], {"temperature": [1, 2]}, {"temperature": "abc"}, {"version": 1.5, "temperature": [1, 1, 1]},
+    {"version": "x", "temperature": [1, 1, 1]}, {"version": True, "temperature": [1, 1, 1]},
+    {"temperature": [1, 1, 1], "temperature_by_options": [1]}, {"temperature": [1, 1, 1], "binning_map": [1]},
+    {"temperature": [1, 1, 1], "binning_map": {"noul:2": 3}}, {"temperature": [1, 1, 1], "binning_map": {"noul:2": {}}},
+    {"temperature": [1, 1, 1], "binning_map": {"noul:2": {"bins": 2, "values": [0.5]}}},
+    {"temperature": [1, 1, 1], "binning_map": {"noul:2": {"bins": 1, "values": [1.5]}}},
+    {"temperature": [1, 1, 1], "binning_map": {"noul:2": {"bins": 1, "values": [True]}}},
+    {"temperature": [1, 1, 1], "binning_map": {"noul:2": {"bins": 1, "values": ["nan"]}}},
+    {"temperature": [99, 0.01, True], "temperature_by_options": {"noul:2": "x"}},          # clamped, with a warning
+    {"temperature": [1, 2, 3], "temperature_by_options": None, "binning_map": {}},
+]
+
+
+def test_calibration_files_read_as_sdk():
+    from types import SimpleNamespace
+
+    from laya.calibrate import apply_calibration_payload
+
+    from client.calibration import load_calibration
+
+    def sdk(payload):
+        agent = SimpleNamespace(model_id_or_path=None, subfolder=None, cfg=None)
+        apply_calibration_payload(agent, payload)
+        return (tuple(agent.temperature), agent.temperature_by_options, agent.binning_map)
+
+    def ours(payload):
+        c = load_calibration(payload)
+        return (c.temperature, c.temperature_by_options, c.binning_map)
+    for payload in [{**CALIBRATION, "version": 1}, *BAD_CALIBRATIONS]:
+        assert outcome(ours, payload) == outcome(sdk, payload), payload
+
+
 def test_pack_keeps_states_whole_and_within_capacity():
     sizes = [(3, 100, 9), (3, 90, 9), (3, 400, 9), (1, 10, 2), (8, 50, 20), (2, 20, 4)]
     cap = {"max_rows": 7, "max_tokens": 500, "max_markers": 30}
@@ -325,6 +361,36 @@ def test_predict_with_sdk_options_equals_sdk(client, sdk, options):
         assert_answers_close(want, client.predict(state, QUESTIONS, **options))
     assert_answers_close(quiet(sdk.system_one, STATES[0], QUESTIONS, "de"),
                          client.system_one(STATES[0], QUESTIONS, "de"))
+
+
+@pytest.fixture
+def calibrated(pool, sdk, tmp_path, monkeypatch):
+    """A calibration file loaded by the SDK agent (undone after the test) and a client given the same file."""
+    path = tmp_path / "calibration.json"
+    config = {k: v for k, v in sdk.cfg.items() if k not in ("temperature", "temperature_by_options")}
+    path.write_text(json.dumps({**CALIBRATION, "config": config}))
+    for name in ("temperature", "temperature_raw", "temperature_by_options", "temperature_by_options_raw",
+                 "binning_map"):
+        monkeypatch.setattr(sdk, name, getattr(sdk, name))
+    quiet(sdk.load_calibration, str(path))        # it warns: the file records no model path
+    with pool.client(timeout=60, lang_temperatures=LANGS, calibration=path) as c:
+        yield sdk, c
+
+
+def test_calibration_file_equals_sdk(calibrated, client):
+    sdk, c = calibrated
+    for options in ({}, {"lang": "de"}, {"min_confidence": 0.5}):
+        for want, have in zip(quiet(sdk.predict_batch, STATES[:4], QUESTIONS, **options),
+                              c.predict_batch(STATES[:4], QUESTIONS, **options), strict=True):
+            assert_answers_close(want, have)
+    binned = c.predict(STATES[0], QUESTIONS)["answers"]
+    assert binned["team"]["answer_confidence"] in CALIBRATION["binning_map"]["choice:3-5"]["values"]
+    assert binned != client.predict(STATES[0], QUESTIONS)["answers"]       # the file changed the answers
+    async def other_checkpoint():
+        async with AsyncClient(c.endpoint, calibration={**CALIBRATION, "config": {"other": 1}}) as other:
+            return await other.predict(STATES[0], QUESTIONS)
+    with pytest.warns(UserWarning, match="config differs"):
+        assert_answers_close(binned, asyncio.run(other_checkpoint())["answers"])
 
 
 def test_lang_changes_answers(client):
