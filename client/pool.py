@@ -294,8 +294,10 @@ class _Base:
             encoded = [self._encode(card, state, questions, max_len, head_max_len) for state in states]
             for e in encoded:
                 self._check_fits(len(e.rows), e.n_tokens, e.n_markers, "questions")
-            chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], self.capacity,
-                                   batch_size)
+            # A pool that did not say its capacity (no worker was ready when it described itself) still gets
+            # requests within the frame limit (4 bytes a token) rather than one the client must refuse.
+            capacity = {"max_tokens": self.max_frame_bytes // 4, **self.capacity}
+            chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
 
             # The whole states' counts (usage) are tokenized while the pool computes.
             replies = yield _Many([self._forward_plan([row for i in chunk for row in encoded[i].rows], timeout, retries,

@@ -417,6 +417,18 @@ def test_predict_batch_equals_sdk_in_shared_requests(client, sdk, monkeypatch):
     assert sent == []                          # nothing to ask: no request
 
 
+def test_predict_batch_without_known_capacity_stays_within_the_frame_limit(client, sdk, monkeypatch):
+    client.describe()
+    monkeypatch.setattr(client, "capacity", {})                  # as after a describe with no worker ready
+    monkeypatch.setattr(client, "max_frame_bytes", 4 * 200)      # 200 tokens a request
+    sent = count_requests(client, monkeypatch)
+    states = [state for state in STATES if state is not STATES[3]]
+    got = client.predict_batch(states, {"urgent": URGENT})
+    for want, have in zip(quiet(sdk.predict_batch, states, {"urgent": URGENT}), got, strict=True):
+        assert_answers_close(want, have)
+    assert 1 < len(sent) < len(states)
+
+
 def test_predict_long_equals_sdk(client, sdk):
     cases = [(LONG_TEXT, QUESTIONS, {}), (LONG_TEXT, {"urgent": URGENT}, {"window": 60, "stride": 45}),
              (LONG_CHAT, {"team": TEAM}, {"lang": "de", "batch_size": 3}), (LONG_CHAT, QUESTIONS, {}),
