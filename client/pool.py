@@ -49,6 +49,7 @@ from client.abstain import apply_confidence_gate, check_min_confidence
 from client.card import CardError
 from client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
 from client.retry import Action, Attempts, RetryPolicy, Step, reply_message
+from client.state import in_background
 from client.watch import EVENTS, ConnectionWatch
 from protocol import contract, wire
 from protocol.contract import Reason, WorkerState
@@ -348,10 +349,14 @@ class _Base:
         card = yield _Card(timeout)
         budget, step, room = scan.window_budget(card, list(internal.values()), card.max_len, card.head_max_len,
                                                 window, stride)
-        try:
-            state_ids = card.encode(semantics.serialize_state(state).replace(card.mask_token, " "))
-        except (TypeError, ValueError) as e:
-            raise text.state_error(state, e) from e
+        def tokenize() -> list[int]:
+            try:
+                return card.encode(semantics.serialize_state(state).replace(card.mask_token, " "))
+            except (TypeError, ValueError) as e:      # bytes or lone surrogates: say where (client/text.py)
+                raise text.state_error(state, e) from e
+        # The whole document is tokenized (the windows are cut from its ids) off the caller's thread, so
+        # AsyncClient's event loop goes on meanwhile.
+        state_ids = yield _Await(in_background(tokenize))
         if len(state_ids) <= (budget if window and window > 0 else room):
             # It fits one row: the plain answer, read whole.
             single = dict((yield from self._predict_plan(state, questions, timeout, retries, None, None, worker, mode,

@@ -501,6 +501,15 @@ def test_errors_match_sdk(client, sdk):
         assert ours[0] == "raised" and ours == theirs, name
 
 
+def test_predict_long_names_what_is_wrong_with_the_state(client, pool):
+    for state, error, where in ((LONG_TEXT + "\udc80", ValueError, "lone surrogate"),
+                                ({"a": LONG_TEXT, "b": b"raw"}, TypeError, r"state\['b'\] is bytes")):
+        with pytest.raises(error, match=where):
+            client.predict_long(state, {"urgent": URGENT})
+        with pytest.raises(error, match=where):
+            run_async(pool, "predict_long", state, {"urgent": URGENT})
+
+
 def test_async_client_equals_sdk(pool, sdk):
     want = quiet(sdk.predict, STATES[1], QUESTIONS, lang="de", min_confidence=0.5)
     assert_answers_close(want, run_async(pool, "predict", STATES[1], QUESTIONS, lang="de", min_confidence=0.5))
