@@ -433,7 +433,7 @@ def test_predict_long_equals_sdk(client, sdk):
     cases = [(LONG_TEXT, QUESTIONS, {}), (LONG_TEXT, {"urgent": URGENT}, {"window": 60, "stride": 45}),
              (LONG_CHAT, {"team": TEAM}, {"lang": "de", "batch_size": 3}), (LONG_CHAT, QUESTIONS, {}),
              (STATES[0], QUESTIONS, {}),
-             (LONG_TEXT, {"huge": _options(30)}, {})]
+             (LONG_TEXT, {"huge": _options(30)}, {}), (LONG_TEXT, {}, {})]
     windows = []
     for state, questions, options in cases:
         want = quiet(sdk.predict_long, state, questions, **options)
