@@ -506,7 +506,8 @@ def _add_operator_commands(command: Any) -> None:
         s = command(name, help)
         s.add_argument("--frontend", type=_endpoint, default=contract.default_frontend(),
                        help=f"the pool's client endpoint (default: ${contract.FRONTEND_ENV} or %(default)s)")
-        s.add_argument("--timeout", type=_positive(float), default=5.0, help="seconds for the whole call (every attempt within it)")
+        s.add_argument("--timeout", type=_positive(float), default=5.0,
+                       help="seconds for the whole call (every attempt within it)")
         s.add_argument("--keys", default=os.environ.get(ENV_PREFIX + "KEYS"),
                        help=f"CURVE key directory (default: ${ENV_PREFIX}KEYS, else none)")
         return s

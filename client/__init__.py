@@ -9,11 +9,12 @@ from typing import Any
 from client.card import CardError, ModelCard, clamp_temperature
 from client.decode import decode_answers, temp_bucket
 from client.semantics import EncodedRequest, QuestionError, check_question, encode_request, to_internal
+from client.structured import DecisionResult, SchemaError
 
 __all__ = [
     "CardError", "ModelCard", "clamp_temperature",
     "EncodedRequest", "QuestionError", "check_question", "encode_request", "to_internal",
-    "decode_answers", "temp_bucket",
+    "decode_answers", "temp_bucket", "DecisionResult", "SchemaError",
     "Client", "AsyncClient",
 ]
 

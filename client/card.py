@@ -27,6 +27,9 @@ TEMP_MAX = 5.0
 DEFAULT_MAX_LEN = 512
 DEFAULT_HEAD_MAX_LEN = 192
 _QUESTION_CACHE_SIZE = 4096
+# transformers' `clean_up_tokenization`, in its order
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class CardError(ValueError):
@@ -44,6 +47,17 @@ def clamp_temperature(t: Any, lo: float = TEMP_MIN, hi: float = TEMP_MAX) -> flo
     if math.isnan(t) or math.isinf(t):
         return 1.0
     return min(hi, max(lo, t))
+
+
+def temperature_rejected(raw: Any, applied: float) -> bool:
+    """Whether `raw` is not the number `clamp_temperature` turned into `applied` (a bool never is one)."""
+    if isinstance(raw, bool):
+        return True
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return True
+    return value != applied
 
 
 def _token_text(value: Any) -> str | None:
@@ -69,6 +83,8 @@ class ModelCard:
     temperature: tuple[float, float, float]
     temperature_by_options: dict[str, float]
     n_act: int
+    # tokenizer_config.json's clean_up_tokenization_spaces: what transformers' decode() does to text
+    clean_up_spaces: bool = False
 
     @classmethod
     def from_card(cls, card: dict[str, Any]) -> ModelCard:
@@ -155,6 +171,7 @@ class ModelCard:
             temperature=temperature,
             temperature_by_options=temperature_by_options,
             n_act=n_act,
+            clean_up_spaces=bool(tok_cfg.get("clean_up_tokenization_spaces", False)),
         )
 
     def __post_init__(self) -> None:
@@ -172,6 +189,15 @@ class ModelCard:
         if self._fast is not None:  # type: ignore[attr-defined]
             return self._fast([text], add_special_tokens=False)[0].ids  # type: ignore[attr-defined]
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens kept: the SDK's `tok.decode(ids)` (transformers 5 skips the
+        clean-up of spaces for BPE tokenizers, which it would corrupt, and applies it otherwise)."""
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        if self.clean_up_spaces and type(self.tokenizer.model).__name__ != "BPE":
+            for before, after in _CLEAN_UP:
+                text = text.replace(before, after)
+        return text
 
     def encode_question_text(self, text: str) -> tuple[int, ...]:
         """`encode`, cached: for instruction and option texts, which a decision loop sends again and again."""

@@ -8,11 +8,13 @@ the same `usage` block (laya 0.4.15 `Agent._decode_answers` and `predict_batch`)
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
 
-from client.card import ModelCard
+from client.calibration import Calibration, apply_binning
+from client.card import TEMP_MAX, TEMP_MIN, ModelCard, clamp_temperature, temperature_rejected
 from client.semantics import EncodedRequest, render_criterion
 from protocol.contract import QType
 
@@ -25,8 +27,62 @@ def temp_bucket(qtype: int, k: int) -> str:
     return f"{QType(int(qtype)).name.lower()}:{size}"
 
 
-def temperature_for(card: ModelCard, qtype: int, k: int) -> float:
-    return card.temperature_by_options.get(temp_bucket(qtype, k), card.temperature[qtype])
+LangTemperatures = dict[str, dict[str, Any]]
+
+
+def lang_override(lang: str | None, lang_temperatures: LangTemperatures | None) -> dict[str, Any] | None:
+    """The temperatures `lang` ("de", "de-AT") has an override for, or None."""
+    if lang and lang_temperatures:
+        return lang_temperatures.get(lang.split("-")[0].lower())
+    return None
+
+
+def temperature_for(card: ModelCard, qtype: int, k: int, lang: str | None = None,
+                    lang_temperatures: LangTemperatures | None = None, calibration: Calibration | None = None) -> float:
+    """The temperature of a question: its language's (when `lang` has an override), else the calibration
+    file's (when there is one), else the card's."""
+    bucket = temp_bucket(qtype, k)
+    source: Any = lang_override(lang, lang_temperatures)
+    if source is not None:
+        return source["temperature_by_options"].get(bucket, source["temperature"][qtype])
+    source = calibration or card
+    return source.temperature_by_options.get(bucket, source.temperature[qtype])
+
+
+def resolve_lang_temperatures(raw: dict[str, Any] | None, base: Any) -> LangTemperatures:
+    """The SDK's `lang_temperatures` load option (`laya.load(..., lang_temperatures=...)`) as
+    {language: {"temperature": [3 floats], "temperature_by_options": {bucket: float}}}: keys cut to the
+    language ("de-AT" -> "de"), a missing temperature inherits `base` (the card's raw list), every value
+    clamped as the SDK clamps it (with its warning). ValueError names a malformed entry."""
+    resolved: LangTemperatures = {}
+    for lang, cfg in (raw or {}).items():
+        if not isinstance(lang, str):
+            raise ValueError(f"Language override keys must be strings, got {lang!r}")
+        if cfg is None:
+            cfg = {}
+        if not isinstance(cfg, dict):
+            raise ValueError(f"Language override {lang!r} must be a mapping, got {type(cfg).__name__}")
+        t_raw = cfg.get("temperature")
+        inherited = t_raw is None
+        if inherited:
+            t_raw = base
+        if not isinstance(t_raw, (list, tuple)) or len(t_raw) != 3:
+            raise ValueError(f"Language override {lang!r} temperature must be a list of 3 floats, got {t_raw!r}")
+        tbo_raw = cfg.get("temperature_by_options") or {}
+        if not isinstance(tbo_raw, dict):
+            raise ValueError(f"Language override {lang!r} temperature_by_options must be a mapping of "
+                             f"bucket -> float, got {type(tbo_raw).__name__}")
+        temperature = [clamp_temperature(t) for t in t_raw]
+        by_options = {k: clamp_temperature(v) for k, v in tbo_raw.items()}
+        entries = [] if inherited else [(f"temperature[{i}]", r, a) for i, (r, a) in enumerate(zip(t_raw, temperature))]
+        entries += [(str(k), v, by_options[k]) for k, v in tbo_raw.items()]
+        rejected = [f"{name}={r!r} -> {a:g}" for name, r, a in entries if temperature_rejected(r, a)]
+        if rejected:
+            warnings.warn(f"laya: language override {lang!r} ships invalid temperatures or values outside "
+                          f"[{TEMP_MIN:g}, {TEMP_MAX:g}]; using {', '.join(rejected)}. Treat confidence from the "
+                          "affected entries as uncalibrated.", RuntimeWarning, stacklevel=2)
+        resolved[lang.split("-")[0].lower()] = {"temperature": temperature, "temperature_by_options": by_options}
+    return resolved
 
 
 def softmax_f32(raw: np.ndarray, t: float) -> np.ndarray:
@@ -64,9 +120,13 @@ def entropy_confidence(p: np.ndarray, k: int) -> float:
     return 0.0 if score < 0.0 else (1.0 if score > 1.0 else score)
 
 
-def _answer(q: dict[str, Any], p: np.ndarray, k: int, act_row: np.ndarray) -> dict[str, Any]:
+def _answer(q: dict[str, Any], p: np.ndarray, k: int, act_row: np.ndarray,
+            binning: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     action = {"act_probability": round(float(act_row[0]), 4)}
-    ans_conf = round(answer_confidence(p, k), 4)
+    ans_conf = answer_confidence(p, k)
+    if binning is not None:             # (bucket, map): a calibration file's recalibration of it
+        ans_conf = apply_binning(ans_conf, *binning)
+    ans_conf = round(ans_conf, 4)
     if q["t"] == "choice":
         keys = list(q["crit"].keys())
         return {
@@ -119,11 +179,16 @@ def _usage(encoded: EncodedRequest) -> dict[str, Any]:
     return usage
 
 
-def decode_answers(card: ModelCard, encoded: EncodedRequest, logits: Any, act_probs: Any) -> dict[str, Any]:
+def decode_answers(card: ModelCard, encoded: EncodedRequest, logits: Any, act_probs: Any, lang: str | None = None,
+                   lang_temperatures: LangTemperatures | None = None,
+                   calibration: Calibration | None = None) -> dict[str, Any]:
     """The SDK `predict()` result for `encoded` given the model's outputs.
 
     `logits` is float32 [M]: every row's per-marker logits back to back, rows in order (M = the
-    request's marker count); `act_probs` is float32 [R, n_act], the softmax of the act head.
+    request's marker count); `act_probs` is float32 [R, n_act], the softmax of the act head. `lang`
+    picks that language's temperatures from `lang_temperatures` (`resolve_lang_temperatures`), if any;
+    `calibration` (client/calibration.py) replaces the card's temperatures and may rebin `answer_confidence`
+    (not for a language with its own temperatures, as in the SDK).
     """
     if not encoded.rows:
         return {"model": MODEL_NAME, "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0}}
@@ -141,7 +206,10 @@ def decode_answers(card: ModelCard, encoded: EncodedRequest, logits: Any, act_pr
         # A copy keeps every row its own contiguous array, as the SDK's row slice is.
         raw = flat[offset:offset + k].copy()
         offset += k
-        p = softmax_f32(raw, temperature_for(card, qtype, k))
+        p = softmax_f32(raw, temperature_for(card, qtype, k, lang, lang_temperatures, calibration))
         p = unpermute(p, q.get("option_order"))
-        answers[qid] = _answer(q, p, k, act[r])
+        binning = None
+        if calibration is not None and calibration.binning_map and lang_override(lang, lang_temperatures) is None:
+            binning = (temp_bucket(qtype, k), calibration.binning_map)
+        answers[qid] = _answer(q, p, k, act[r], binning)
     return {"model": MODEL_NAME, "answers": answers, "usage": _usage(encoded)}

@@ -47,6 +47,8 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from client import batching, scan
+from client.abstain import apply_confidence_gate, check_min_confidence
 from client.card import CardError
 from client.errors import (
     BadModelCard,
@@ -60,6 +62,7 @@ from client.errors import (
     RequestFailed,
 )
 from client.retry import Action, Attempts, RetryPolicy, Step, reply_error
+from client.state import in_background
 from client.watch import EVENTS, ConnectionWatch
 from protocol import contract, wire
 from protocol.contract import Reason, WorkerState
@@ -73,6 +76,10 @@ DEFAULT_ENDPOINT = contract.default_frontend()
 MAX_FRAME_BYTES = contract.MAX_FRONTEND_BYTES      # the broker's default frontend MAXMSGSIZE
 
 log = logging.getLogger("laya-pool.client")
+# Requests of one predict_batch in flight at once (AsyncClient): each is a full-capacity batch, so a few keep
+# every worker busy, while a batch of thousands of states neither fills the broker's queue (shared by every
+# client; a full one answers "busy") nor waits so long behind itself that its own requests time out.
+BATCH_IN_FLIGHT = 16
 T = TypeVar("T")
 
 
@@ -150,11 +157,26 @@ class _Await:
     future: concurrent.futures.Future
 
 
-Plan = Generator["_Call | _Card | _Await", Any, T]
+@dataclass(frozen=True)
+class _Many:
+    """A plan's step: several requests (each a plan of its own); its answer is their results, in order.
+    The asyncio driver runs them concurrently, the blocking driver one after another."""
+    plans: list[Generator[Any, Any, Any]]
+
+
+Plan = Generator["_Call | _Card | _Await | _Many", Any, T]
 
 
 def _header_only(cmd: Cmd, **fields: Any) -> Callable[[int, str], list[Any]]:
     return lambda rid, cid: wire.encode(cmd, {"rid": rid, **fields})
+
+
+def _starter(encoded: list[Any]) -> Callable[[], None]:
+    """What a request does once sent: start tokenizing its states whole in the background (their usage counts)."""
+    def start() -> None:
+        for e in encoded:
+            e.state.start()
+    return start
 
 
 @contextlib.contextmanager
@@ -189,6 +211,10 @@ class _Base:
         self.operator: str | None = None     # the pool's operator secret, sent with drain (broker.operator)
         self.capacity: dict[str, int] = {}   # the largest request the pool takes (with the model card)
         self.key_role = "client"             # "operator": connect with the operator CURVE key pair
+        # laya.load's decoding options: lang_temperatures (resolved per card) and a calibration file
+        self._lang_raw: dict[str, Any] | None = None
+        self._lang_resolved: tuple[Any, dict[str, Any]] | None = None
+        self._calibration: Any = None
 
     def _socket(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """The DEALER, connected, and its monitor (ConnectionWatch's events)."""
@@ -230,31 +256,11 @@ class _Base:
 
     def _predict_plan(self, state: Any, questions: dict[Any, Any], timeout: float | None, retries: int | None,
                       max_len: int | None, head_max_len: int | None, worker: str | None,
-                      mode: str | None) -> Plan[dict[str, Any]]:
-        card = yield _Card(timeout)
-        for refreshed in (False, True):
-            encoded = self._encode(card, state, questions, max_len, head_max_len)
-            self._check_fits(len(encoded.rows), encoded.n_tokens, encoded.n_markers, "questions")
-            if not encoded.rows:
-                return self._decode(card, encoded, np.zeros(0, np.float32), np.zeros((0, card.n_act), np.float32))
-            # The whole state's count (usage) is tokenized while the pool computes.
-            res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False,
-                                                encoded.state.start)
-            pending = encoded.state.pending()
-            if pending is not None:
-                yield _Await(pending)
-            if not encoded.state.window_agrees():
-                # The state window (client/state.py) disagrees with the whole state's tokens, which its
-                # argument says cannot happen: answer from rows built from the whole state, and say so.
-                log.warning("state window disagreed with the whole state's tokens; re-sent with the whole state")
-                encoded = self._encode(card, state, questions, max_len, head_max_len, window=False)
-                res = yield from self._forward_plan(encoded.rows, timeout, retries, worker, mode, False)
-            if res.fingerprint is None or not card.fingerprint or res.fingerprint == card.fingerprint:
-                return self._decode(card, encoded, res.flat, res.act)
-            if refreshed:
-                break
-            card = yield _Card(timeout, refresh=True)   # the pool now serves another model
-        raise PoolError(f"the pool answered with model {res.fingerprint[:12]} but describes {card.fingerprint[:12]}")
+                      mode: str | None, lang: str | None = None, min_confidence: Any = None) -> Plan[dict[str, Any]]:
+        # The SDK's system_one is predict_batch of one state: so is ours.
+        results = yield from self._predict_batch_plan([state], questions, lang, max_len, head_max_len, min_confidence,
+                                                      None, timeout, retries, worker, mode)
+        return results[0]
 
     def _describe_plan(self, timeout: float | None, refresh: bool) -> Plan[dict[str, Any]]:
         if self._card_dict is None or refresh:
@@ -287,6 +293,158 @@ class _Base:
         t = time.perf_counter()
         yield _Call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT), timeout, 0)
         return time.perf_counter() - t
+
+    # -- the SDK's inference API (laya.Agent's predict_batch, predict_long, decide, decide_batch) -----------
+    def _predict_batch_plan(self, states: Any, questions: dict[Any, Any], lang: str | None, max_len: int | None,
+                            head_max_len: int | None, min_confidence: Any, batch_size: int | None,
+                            timeout: float | None, retries: int | None, worker: str | None,
+                            mode: str | None) -> Plan[list[dict[str, Any]]]:
+        # The SDK's checks, in its order: the threshold, the states, the questions.
+        threshold = check_min_confidence(min_confidence) if min_confidence is not None else None
+        states = batching.check_states(states, questions)
+        if not states:
+            return []
+        if not questions:
+            results = [batching.empty_result() for _ in states]
+        else:
+            card = yield _Card(timeout)
+            results = yield from self._answer_states(card, states, questions, lang, max_len, head_max_len, batch_size,
+                                                     timeout, retries, worker, mode)
+        apply_confidence_gate(results, threshold)
+        return results
+
+    def _answer_states(self, card: Any, states: list[Any], questions: dict[Any, Any], lang: str | None,
+                       max_len: int | None, head_max_len: int | None, batch_size: int | None, timeout: float | None,
+                       retries: int | None, worker: str | None, mode: str | None) -> Plan[list[dict[str, Any]]]:
+        """Every state's rows, packed whole into as few requests as the pool's capacity allows (client/batching.py),
+        sent together; each state's answers decoded from its share of the replies."""
+        for refreshed in (False, True):
+            encoded = [self._encode(card, state, questions, max_len, head_max_len) for state in states]
+            for e in encoded:
+                self._check_fits(len(e.rows), e.n_tokens, e.n_markers, "questions")
+            # A pool that did not say its capacity (no worker was ready when it described itself) still gets
+            # requests within the frame limit (4 bytes a token) rather than one the client must refuse.
+            capacity = {"max_tokens": self.max_frame_bytes // 4, **self.capacity}
+            chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
+
+            # The whole states' counts (usage) are tokenized while the pool computes.
+            replies = yield _Many([self._forward_plan([row for i in chunk for row in encoded[i].rows], timeout, retries,
+                                                      worker, mode, False, _starter([encoded[i] for i in chunk]))
+                                   for chunk in chunks])
+            outputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            for chunk, res in zip(chunks, replies):
+                parts = batching.split_outputs(res.flat, res.act, [encoded[i].n_markers for i in chunk],
+                                               [len(encoded[i].rows) for i in chunk])
+                outputs.update(zip(chunk, parts))
+            served = {res.fingerprint for res in replies}
+            for i, e in enumerate(encoded):
+                pending = e.state.pending()
+                if pending is not None:
+                    yield _Await(pending)
+                if not e.state.window_agrees():
+                    # The state window (client/state.py) disagrees with the whole state's tokens, which its
+                    # argument says cannot happen: answer from rows built from the whole state, and say so.
+                    log.warning("state window disagreed with the whole state's tokens; re-sent with the whole state")
+                    encoded[i] = e = self._encode(card, states[i], questions, max_len, head_max_len, window=False)
+                    res = yield from self._forward_plan(e.rows, timeout, retries, worker, mode, False)
+                    outputs[i] = (res.flat, res.act)
+                    served.add(res.fingerprint)
+            stale = sorted(f for f in served if f is not None and card.fingerprint and f != card.fingerprint)
+            if not stale:
+                langs = self._lang_temperatures(card)
+                return [self._decode(card, e, *outputs[i], lang, langs, self._calibration)
+                        for i, e in enumerate(encoded)]
+            if refreshed:
+                break
+            card = yield _Card(timeout, refresh=True)   # the pool now serves another model
+        raise PoolError(f"the pool answered with model {stale[0][:12]} but describes {card.fingerprint[:12]}")
+
+    def _predict_long_plan(self, state: Any, questions: dict[Any, Any], window: int | None, stride: int | None,
+                           aggregate: str, batch_size: int | None, lang: str | None, timeout: float | None,
+                           retries: int | None, worker: str | None, mode: str | None) -> Plan[dict[str, Any]]:
+        from client import semantics, text
+
+        if state is None:
+            raise TypeError("state must not be None; pass a string, dict, or list")
+        if not isinstance(questions, dict):
+            raise TypeError(f"questions must be a dict of question id -> definition, got {type(questions).__name__}")
+        if aggregate != "auto":
+            raise ValueError("predict_long: only aggregate='auto' is supported")
+        for qid in questions:
+            semantics.check_question(qid, questions[qid])
+        internal = {qid: semantics.to_internal(questions[qid]) for qid in questions}
+        card = yield _Card(timeout)
+        budget, step, room = scan.window_budget(card, list(internal.values()), card.max_len, card.head_max_len,
+                                                window, stride)
+        def tokenize() -> list[int]:
+            try:
+                return card.encode(semantics.serialize_state(state).replace(card.mask_token, " "))
+            except (TypeError, ValueError) as e:      # bytes or lone surrogates: say where (client/text.py)
+                raise text.state_error(state, e) from e
+        # The whole document is tokenized (the windows are cut from its ids) off the caller's thread, so
+        # AsyncClient's event loop goes on meanwhile.
+        state_ids = yield _Await(in_background(tokenize))
+        if len(state_ids) <= (budget if window and window > 0 else room):
+            # It fits one row: the plain answer, read whole.
+            single = dict((yield from self._predict_plan(state, questions, timeout, retries, None, None, worker, mode,
+                                                         lang)))
+            single["usage"] = {**(single.get("usage") or {}), "windows": 1}
+            return single
+        starts = scan.window_starts(len(state_ids), budget, step)
+        windows = [card.decode(state_ids[i:i + budget]) for i in starts]
+        cap = scan.window_batch_cap(len(windows), budget, scan.default_window(card.max_len, card.head_max_len),
+                                    batch_size)
+        results = yield from self._predict_batch_plan(windows, questions, lang, None, None, None, cap, timeout, retries,
+                                                      worker, mode)
+        return scan.aggregate_windows(results, {qid: q["t"] for qid, q in internal.items()}, starts, budget,
+                                      len(state_ids))
+
+    def _decide_plan(self, state: Any, schema: Any, questions: Any, return_details: bool, min_confidence: Any,
+                     lang: str | None, max_len: int | None, head_max_len: int | None, timeout: float | None,
+                     retries: int | None, worker: str | None, mode: str | None) -> Plan[Any]:
+        from client.structured import Decision
+
+        decision = Decision.plan(schema, questions, min_confidence, return_details)
+        result = yield from self._predict_plan(state, decision.questions, timeout, retries, max_len, head_max_len,
+                                               worker, mode, lang, decision.min_confidence)
+        return decision.read(result)
+
+    def _decide_batch_plan(self, states: Any, schema: Any, questions: Any, return_details: bool,
+                           min_confidence: Any, batch_size: int | None, lang: str | None, max_len: int | None,
+                           head_max_len: int | None, timeout: float | None, retries: int | None,
+                           worker: str | None, mode: str | None) -> Plan[list[Any]]:
+        from client.structured import Decision
+
+        decision = Decision.plan(schema, questions, min_confidence, return_details, batch=states)
+        results = yield from self._predict_batch_plan(list(states), decision.questions, lang, max_len, head_max_len,
+                                                      None, batch_size, timeout, retries, worker, mode)
+        return [decision.read(r) for r in results]
+
+    def _lang_temperatures(self, card: Any) -> dict[str, Any]:
+        """laya.load's `lang_temperatures`, resolved against this card's temperatures (an override without
+        `temperature` inherits the checkpoint's); the first time for a card, a calibration file is checked
+        against its config."""
+        if self._lang_resolved is None or self._lang_resolved[0] is not card:
+            from client.decode import resolve_lang_temperatures
+            if self._calibration is not None:
+                self._calibration.check_fits(card.config)
+            self._lang_resolved = (card, resolve_lang_temperatures(self._lang_raw,
+                                                                   card.config.get("temperature", [1.0, 1.0, 1.0])))
+        return self._lang_resolved[1]
+
+    def _set_decoding(self, lang_temperatures: dict[str, Any] | None, calibration: Any) -> None:
+        # Malformed options are refused now, as laya.load refuses them, not at the first answer.
+        if lang_temperatures is not None:
+            import warnings
+
+            from client.decode import resolve_lang_temperatures
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")        # the clamping warnings come with the card's own values
+                resolve_lang_temperatures(lang_temperatures, [1.0, 1.0, 1.0])
+        if calibration is not None:
+            from client.calibration import load_calibration
+            calibration = load_calibration(calibration)
+        self._lang_raw, self._lang_resolved, self._calibration = lang_temperatures, None, calibration
 
     # -- what the plans use -------------------------------------------------------------------------------
     def _check_fits(self, rows: int, tokens: int, markers: int, field: str) -> None:
@@ -361,9 +519,10 @@ class _Base:
         return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len, window=window)
 
     @staticmethod
-    def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray) -> dict[str, Any]:
+    def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray, lang: str | None = None,
+                lang_temperatures: dict[str, Any] | None = None, calibration: Any = None) -> dict[str, Any]:
         from client.decode import decode_answers
-        return decode_answers(card, encoded, flat, act)
+        return decode_answers(card, encoded, flat, act, lang, lang_temperatures, calibration)
 
 
 class Client(_Base):
@@ -373,13 +532,17 @@ class Client(_Base):
     def __init__(self, endpoint: str | None = None, *, timeout: float = contract.CALL_TIMEOUT_S, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
-                 connect_timeout: float = contract.CONNECT_TIMEOUT_S):
+                 connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
+                 calibration: str | os.PathLike | dict[str, Any] | None = None):
         """`timeout`: each call's deadline in seconds (a call may override it), retries included; `retries`:
         re-sends within it; `connect_timeout`: with no connection to the pool this long, a call raises
         `PoolUnreachable`. `operator`: the pool's operator secret (what `laya-pool drain` reads), needed only
-        by `drain`; `key_role="operator"` connects with the operator CURVE key pair in `keys`."""
+        by `drain`; `key_role="operator"` connects with the operator CURVE key pair in `keys`;
+        `lang_temperatures` (per-language temperatures for `predict(..., lang=)`) and `calibration` (a file
+        `Agent.save_calibration` wrote) as `laya.load` takes them: they change how answers are decoded here."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
+        self._set_decoding(lang_temperatures, calibration)
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock, self._mon = self._socket(self._ctx)
@@ -396,11 +559,58 @@ class Client(_Base):
         """Run pre-encoded rows `(ids, markers, qtype)`; returns per-row logits and act probabilities."""
         return self._run(self._forward_plan(rows, timeout, retries, worker, mode, taps))
 
-    def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
-                retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
-                worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
-        """The SDK's `Agent.predict(state, questions)` result, computed by the pool."""
-        return self._run(self._predict_plan(state, questions, timeout, retries, max_len, head_max_len, worker, mode))
+    def predict(self, state: Any, questions: dict[Any, Any], lang: str | None = None, *, max_len: int | None = None,
+                head_max_len: int | None = None, min_confidence: float | dict[str, float] | None = None,
+                timeout: float | None = None, retries: int | None = None, worker: str | None = None,
+                mode: str | None = None) -> dict[str, Any]:
+        """The SDK's `Agent.predict(state, questions, ...)` result (also `system_one`), computed by the pool.
+
+        `lang` picks the temperatures of `lang_temperatures` (given to the client, as to `laya.load`);
+        `min_confidence` (a float or a per-bucket map) marks answers below it, as the SDK does."""
+        return self._run(self._predict_plan(state, questions, timeout, retries, max_len, head_max_len, worker, mode,
+                                            lang, min_confidence))
+
+    system_one = predict
+
+    def predict_batch(self, states: Sequence[Any], questions: dict[Any, Any], batch_size: int | None = None,
+                      lang: str | None = None, *, max_len: int | None = None, head_max_len: int | None = None,
+                      sort_by_length: bool = False, min_confidence: float | dict[str, float] | None = None,
+                      timeout: float | None = None, retries: int | None = None, worker: str | None = None,
+                      mode: str | None = None) -> list[dict[str, Any]]:
+        """The SDK's `Agent.predict_batch`: one `predict` result per state, in order. The states' rows travel
+        in as few requests as the pool's capacity allows (`batch_size`: at most that many states per request);
+        `sort_by_length` is accepted and has nothing to do (the workers choose their own shapes)."""
+        return self._run(self._predict_batch_plan(states, questions, lang, max_len, head_max_len, min_confidence,
+                                                  batch_size, timeout, retries, worker, mode))
+
+    def predict_long(self, state: Any, questions: dict[Any, Any], window: int | None = None,
+                     stride: int | None = None, aggregate: str = "auto", batch_size: int | None = None,
+                     lang: str | None = None, *, timeout: float | None = None, retries: int | None = None,
+                     worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
+        """The SDK's `Agent.predict_long`: a long state read in overlapping windows, one answer per question
+        from its deciding window (`answer["window"]`), `usage["windows"]` the windows read (client/scan.py)."""
+        return self._run(self._predict_long_plan(state, questions, window, stride, aggregate, batch_size, lang,
+                                                 timeout, retries, worker, mode))
+
+    def decide(self, state: Any, schema: Any = None, *, questions: dict[str, Any] | None = None,
+               return_details: bool = False, min_confidence: float | dict[str, float] | None = None,
+               lang: str | None = None, max_len: int | None = None, head_max_len: int | None = None,
+               timeout: float | None = None, retries: int | None = None, worker: str | None = None,
+               mode: str | None = None) -> Any:
+        """The SDK's `Agent.decide`: a JSON schema or pydantic model (or `questions=`) answered as values
+        (a `client.structured.DecisionResult` with `return_details`); a field below `min_confidence` is None."""
+        return self._run(self._decide_plan(state, schema, questions, return_details, min_confidence, lang, max_len,
+                                           head_max_len, timeout, retries, worker, mode))
+
+    def decide_batch(self, states: Sequence[Any], schema: Any = None, *, questions: dict[str, Any] | None = None,
+                     return_details: bool = False, min_confidence: float | dict[str, float] | None = None,
+                     batch_size: int | None = None, lang: str | None = None, max_len: int | None = None,
+                     head_max_len: int | None = None, sort_by_length: bool = False, timeout: float | None = None,
+                     retries: int | None = None, worker: str | None = None, mode: str | None = None) -> list[Any]:
+        """The SDK's `Agent.decide_batch`: `decide` over many states through `predict_batch`, in order."""
+        return self._run(self._decide_batch_plan(states, schema, questions, return_details, min_confidence,
+                                                 batch_size, lang, max_len, head_max_len, timeout, retries, worker,
+                                                 mode))
 
     def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
         """The model card (what `Checkpoint.card()` returns), fetched once from the pool and cached."""
@@ -442,6 +652,8 @@ class Client(_Base):
                         step = plan.send(self.card(timeout=self._left(step.timeout, started), refresh=step.refresh))
                     elif isinstance(step, _Await):
                         step = plan.send(step.future.result())
+                    elif isinstance(step, _Many):
+                        step = plan.send([self._run(p) for p in step.plans])
                     else:
                         step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent,
                                                    started=started))
@@ -538,9 +750,11 @@ class AsyncClient(_Base):
     def __init__(self, endpoint: str | None = None, *, timeout: float = contract.CALL_TIMEOUT_S, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: Any = None, operator: str | None = None, key_role: str = "client",
-                 connect_timeout: float = contract.CONNECT_TIMEOUT_S):
+                 connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
+                 calibration: str | os.PathLike | dict[str, Any] | None = None):
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
+        self._set_decoding(lang_temperatures, calibration)
         import zmq.asyncio
 
         self._ctx = context or zmq.asyncio.Context.instance()
@@ -561,11 +775,48 @@ class AsyncClient(_Base):
                       taps: bool = False) -> ForwardResult:
         return await self._run(self._forward_plan(rows, timeout, retries, worker, mode, taps))
 
-    async def predict(self, state: Any, questions: dict[Any, Any], *, timeout: float | None = None,
-                      retries: int | None = None, max_len: int | None = None, head_max_len: int | None = None,
-                      worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
+    async def predict(self, state: Any, questions: dict[Any, Any], lang: str | None = None, *,
+                      max_len: int | None = None, head_max_len: int | None = None,
+                      min_confidence: float | dict[str, float] | None = None, timeout: float | None = None,
+                      retries: int | None = None, worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
         return await self._run(self._predict_plan(state, questions, timeout, retries, max_len, head_max_len,
-                                                  worker, mode))
+                                                  worker, mode, lang, min_confidence))
+
+    system_one = predict
+
+    async def predict_batch(self, states: Sequence[Any], questions: dict[Any, Any], batch_size: int | None = None,
+                            lang: str | None = None, *, max_len: int | None = None, head_max_len: int | None = None,
+                            sort_by_length: bool = False, min_confidence: float | dict[str, float] | None = None,
+                            timeout: float | None = None, retries: int | None = None, worker: str | None = None,
+                            mode: str | None = None) -> list[dict[str, Any]]:
+        # The requests of one batch are in flight together (Client sends them one after another).
+        return await self._run(self._predict_batch_plan(states, questions, lang, max_len, head_max_len,
+                                                        min_confidence, batch_size, timeout, retries, worker, mode))
+
+    async def predict_long(self, state: Any, questions: dict[Any, Any], window: int | None = None,
+                           stride: int | None = None, aggregate: str = "auto", batch_size: int | None = None,
+                           lang: str | None = None, *, timeout: float | None = None, retries: int | None = None,
+                           worker: str | None = None, mode: str | None = None) -> dict[str, Any]:
+        return await self._run(self._predict_long_plan(state, questions, window, stride, aggregate, batch_size, lang,
+                                                       timeout, retries, worker, mode))
+
+    async def decide(self, state: Any, schema: Any = None, *, questions: dict[str, Any] | None = None,
+                     return_details: bool = False, min_confidence: float | dict[str, float] | None = None,
+                     lang: str | None = None, max_len: int | None = None, head_max_len: int | None = None,
+                     timeout: float | None = None, retries: int | None = None, worker: str | None = None,
+                     mode: str | None = None) -> Any:
+        return await self._run(self._decide_plan(state, schema, questions, return_details, min_confidence, lang,
+                                                 max_len, head_max_len, timeout, retries, worker, mode))
+
+    async def decide_batch(self, states: Sequence[Any], schema: Any = None, *,
+                           questions: dict[str, Any] | None = None, return_details: bool = False,
+                           min_confidence: float | dict[str, float] | None = None, batch_size: int | None = None,
+                           lang: str | None = None, max_len: int | None = None, head_max_len: int | None = None,
+                           sort_by_length: bool = False, timeout: float | None = None, retries: int | None = None,
+                           worker: str | None = None, mode: str | None = None) -> list[Any]:
+        return await self._run(self._decide_batch_plan(states, schema, questions, return_details, min_confidence,
+                                                       batch_size, lang, max_len, head_max_len, timeout, retries,
+                                                       worker, mode))
 
     async def describe(self, *, timeout: float | None = None, refresh: bool = False) -> dict[str, Any]:
         # One describe at a time: concurrent first calls share the card instead of each asking for it.
@@ -600,11 +851,28 @@ class AsyncClient(_Base):
                                                          refresh=step.refresh))
                     elif isinstance(step, _Await):
                         step = plan.send(await asyncio.wrap_future(step.future))
+                    elif isinstance(step, _Many):
+                        step = plan.send(await self._run_all(step.plans))
                     else:
                         step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
                                                          step.on_sent, started=started))
             except StopIteration as done:
                 return done.value
+
+    async def _run_all(self, plans: list[Plan[Any]]) -> list[Any]:
+        """The plans concurrently (at most `BATCH_IN_FLIGHT` at a time), results in order; the first failure
+        cancels the rest and is raised."""
+        slots = asyncio.Semaphore(BATCH_IN_FLIGHT)
+
+        async def run(plan: Plan[Any]) -> Any:
+            async with slots:
+                return await self._run(plan)
+        tasks = [asyncio.ensure_future(run(p)) for p in plans]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def _read(self) -> None:
         while True:

@@ -122,6 +122,11 @@ def _background() -> ThreadPoolExecutor:
         return _executor[1]
 
 
+def in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` on the tokenizing thread (so an asyncio caller can await a long tokenization)."""
+    return _background().submit(fn, *args)
+
+
 @dataclass
 class StateTokens:
     """The state's ids as far as rows need them: `ids` is the whole state, its first tokens (`from_left`

@@ -80,6 +80,24 @@ def wait_until(predicate: Callable[[], Any], timeout: float, message: str | Call
         time.sleep(interval)
 
 
+def assert_answers_close(want: Any, have: Any, path: str = "") -> None:
+    """`have` is `want` (an SDK answer dict, or anything built of dicts, lists and scalars): the same keys in the
+    same order, the same types, equal values, floats within 2e-4 (answers are rounded to 4 decimals)."""
+    if isinstance(want, dict):
+        assert isinstance(have, dict) and list(want) == list(have), f"{path}: keys {list(want)} != {list(have)}"
+        for k in want:
+            assert_answers_close(want[k], have[k], f"{path}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(have, (list, tuple)) and len(want) == len(have), f"{path}: {want!r} != {have!r}"
+        for i, (x, y) in enumerate(zip(want, have)):
+            assert_answers_close(x, y, f"{path}[{i}]")
+    elif isinstance(want, float) and isinstance(have, float):
+        assert abs(want - have) <= 2e-4 or (want != want and have != have), f"{path}: {want} != {have}"
+    else:
+        # type first: False == 0 and 1.0 == 1, but a caller who reads the dict can tell them apart
+        assert type(want) is type(have) and want == have, f"{path}: {want!r} != {have!r}"
+
+
 def make_rows(seed: int, n: int = 3, length: int | tuple[int, int] = 40, markers: int | tuple[int, int] = (1, 4),
               vocab: int = 1000) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """`n` request rows `(ids int32, markers int32, qtype)`, the same for the same arguments.

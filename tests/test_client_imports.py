@@ -13,6 +13,7 @@ import json, sys
 import client
 from client import ModelCard, decode_answers, encode_request
 import client.card, client.decode, client.semantics
+import client.abstain, client.batching, client.calibration, client.scan, client.structured
 card = ModelCard.from_dir(sys.argv[1], fingerprint="probe")
 enc = encode_request(card, "a state", {"u": {"type": "noul", "instructions": "ok?"}})
 import numpy as np
@@ -30,7 +31,8 @@ def test_client_imports_no_torch_or_transformers(tiny_ckpt):
 
 def test_client_modules_name_no_heavy_imports():
     # a lazy `import torch` inside a function would pass the probe above and still cost a user later
-    for name in ("card.py", "semantics.py", "decode.py", "errors.py", "retry.py", "__init__.py"):
+    for name in ("card.py", "semantics.py", "decode.py", "errors.py", "retry.py", "__init__.py", "abstain.py",
+                 "batching.py", "calibration.py", "scan.py", "structured.py", "pool.py"):
         text = (ROOT / "client" / name).read_text(encoding="utf-8")
         for heavy in ("import torch", "from torch", "import transformers", "from transformers",
                       "from kernels", "from worker"):
