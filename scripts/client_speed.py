@@ -1,87 +1,11 @@
 #!/usr/bin/env python3
-"""The client's own CPU cost per `predict`, by stage, for bench.py's request shapes (no pool needed).
-
-    python scripts/client_speed.py --model DIR [--calls 400] [--json FILE]
-
-Stages: `encode` (questions checked, state tokenized as far as the rows keep it, rows built: what runs
-before the request is sent), `encode whole` (the same with the whole state tokenized, as before the
-window), `pack` (rows into the wire's five buffers), `count` (the whole state's token count, which runs
-in a background thread while the pool computes; timed here on its own), `decode` (logits into the SDK's
-answer dicts, the count already there). Medians and p95 in ms after a warm-up; the background count of
-each encode is waited for outside the timed region so it never overlaps the next timed call.
-"""
-from __future__ import annotations
-
-import argparse
-import json
-import statistics
+"""Runs `laya-pool client-speed` from a checkout (thin wrapper: the code is laya_pool.tools.client_speed)."""
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from client.card import ModelCard  # noqa: E402
-from client.decode import decode_answers  # noqa: E402
-from client.semantics import encode_request, serialize_state  # noqa: E402
-from protocol import wire  # noqa: E402
-from scripts.bench import SHAPES, make_request  # noqa: E402
-
-
-def timed(fn: Callable[[], object], calls: int, after: Callable[[object], object] = lambda r: None) -> dict:
-    xs = []
-    for i in range(calls + calls // 4):
-        t = time.perf_counter()
-        r = fn()
-        dt = time.perf_counter() - t
-        after(r)                                  # outside the clock
-        if i >= calls // 4:                       # the first quarter is warm-up
-            xs.append(dt * 1e3)
-    xs.sort()
-    return {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
-
-
-def measure(card: ModelCard, rows: int, length: int, calls: int) -> dict:
-    state, questions = make_request(card, rows, length)
-    enc = encode_request(card, state, questions)
-    rng = np.random.default_rng(0)
-    logits = rng.standard_normal(enc.n_markers).astype(np.float32)
-    act = rng.random((len(enc.rows), card.n_act)).astype(np.float32)
-    text = serialize_state(state)
-    return {
-        "shape": f"{rows}x{length}",
-        "state_tokens": enc.state_stats[0]["state_tokens"],
-        "window_tokens": len(enc.state.ids),
-        "encode": timed(lambda: encode_request(card, state, questions), calls, lambda e: e.state.count()),
-        "encode whole": timed(lambda: encode_request(card, state, questions, window=False), calls),
-        "pack": timed(lambda: wire.pack_rows(enc.rows), calls),
-        "count": timed(lambda: card.encode(text), calls),
-        "decode": timed(lambda: decode_answers(card, enc, logits, act), calls),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a checkpoint directory (only its tokenizer and config are read)")
-    ap.add_argument("--calls", type=int, default=400)
-    ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
-    card = ModelCard.from_dir(args.model, fingerprint="-")
-    results = [measure(card, r, n, args.calls) for r, n in SHAPES]
-    stages = ["encode", "encode whole", "pack", "count", "decode"]
-    print("| shape | state tokens (window) | " + " | ".join(f"{s} p50 / p95 ms" for s in stages) + " |")
-    print("| --- | --- | " + " | ".join("---" for _ in stages) + " |")
-    for r in results:
-        cells = " | ".join(f"{r[s]['p50']:.3f} / {r[s]['p95']:.3f}" for s in stages)
-        print(f"| {r['shape']} | {r['state_tokens']} ({r['window_tokens']}) | {cells} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    return 0
-
+from laya_pool.tools.client_speed import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,7 @@ from client.card import ModelCard
 from client.decode import answer_confidence, decode_answers, entropy_confidence, temp_bucket
 from client.semantics import encode_request
 
-CASES = json.loads((Path(__file__).parent / "cases" / "requests.json").read_text(encoding="utf-8"))["cases"]
+CASES = json.loads((Path(__file__).parents[1] / "tools/cases/requests.json").read_text(encoding="utf-8"))["cases"]
 CASE = {c["name"]: c for c in CASES}
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from client.card import CardError, ModelCard, clamp_temperature, directory_fingerprint
 from client.semantics import QuestionError, encode_request, to_internal
 
-CASES = json.loads((Path(__file__).parent / "cases" / "requests.json").read_text(encoding="utf-8"))["cases"]
+CASES = json.loads((Path(__file__).parents[1] / "tools/cases/requests.json").read_text(encoding="utf-8"))["cases"]
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""The scripts' progress bar (scripts/progress.py): drawn on a terminal only, cleared when done."""
+"""The scripts' progress bar (tools/progress.py): drawn on a terminal only, cleared when done."""
 from __future__ import annotations
 
 import io
 
-from scripts.progress import Progress, bar_text, enabled
+from tools.progress import Progress, bar_text, enabled
 
 
 class _Tty(io.StringIO):

@@ -18,7 +18,7 @@ from worker.upload import UploadError
 from worker.workspace import Capacity, Shape
 
 pytestmark = pytest.mark.gpu
-CASES = Path(__file__).parent / "cases" / "requests.json"
+CASES = Path(__file__).parents[1] / "tools/cases/requests.json"
 CAP = Capacity(max_tokens=16 * 512, max_rows=16, max_markers=1024, row_markers=64)
 
 

@@ -1,0 +1,312 @@
+"""Closed-loop load through a pool: throughput, latency, lost requests, a worker killed mid-run.
+
+Client processes each keep `concurrency / procs` requests in flight over one AsyncClient, sending
+pre-encoded rows (`forward`) so the load generator's own tokenisation never limits the pool.
+`--concurrency 1,4,16,64,256` sweeps (one pool, every level in turn) and draws the curve (`--png`);
+`--mix 1x48:8,4x256:2,16x512:1` sends a mixed load (shapes ROWSxTOKENS drawn with those weights),
+with latency reported per shape too.
+
+    # scaling: a baseline pool first, then the pool under test, ratio of their throughputs
+    python scripts/load.py --model DIR --baseline-devices cuda:0 --devices cuda:0,cuda:1 \\
+        --concurrency 64 --seconds 10 --kill-after 4 --out load.json
+    # a running pool
+    python scripts/load.py --frontend tcp://127.0.0.1:5555 --concurrency 16 --seconds 5
+    # a sweep of a mixed load, batching against none, with the curve
+    python scripts/load.py --model DIR --baseline-args "--max-batch 1" --pool-args "--max-batch 32" \
+        --concurrency 1,4,16,64,256 --mix 1x48:8,4x256:2,16x512:1 --seconds 5 --out sweep.json --png sweep.png
+
+`--kill-after S` SIGKILLs one worker of the pool under test S seconds into its run (the pool must
+run on this host); every request must still be answered. Exits 1 if any request was lost.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import queue
+import shlex
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+from client.pool import AsyncClient, Client, local_pool  # noqa: E402
+from tools.progress import Progress, enabled  # noqa: E402
+
+QUIET = False           # --quiet: no progress bar
+
+
+def _rows(n_rows: int, tokens: int) -> list:
+    ids = (np.arange(tokens, dtype=np.int32) % 900) + 5
+    return [(ids, np.array([1, 3, 5], np.int32), 0) for _ in range(n_rows)]
+
+
+Shape = tuple[int, int, float]        # rows, tokens, weight
+
+
+def parse_mix(text: str) -> list[Shape]:
+    """`"1x48:8,16x512"` -> [(1, 48, 8.0), (16, 512, 1.0)]."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        shape, _, weight = part.partition(":")
+        try:
+            rows, tokens = (int(x) for x in shape.lower().split("x"))
+            w = float(weight) if weight else 1.0
+        except ValueError as e:
+            raise ValueError(f"bad shape {part!r}: expected ROWSxTOKENS[:WEIGHT], e.g. 4x256:2") from e
+        if rows < 1 or tokens < 6 or w <= 0:
+            raise ValueError(f"bad shape {part!r}: rows >= 1, tokens >= 6 (three markers), weight > 0")
+        out.append((rows, tokens, w))
+    if not out:
+        raise ValueError("no shapes")
+    return out
+
+
+def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape], seed: int, out: mp.Queue) -> None:
+    import random
+
+    async def main() -> dict:
+        shapes = [_rows(r, t) for r, t, _ in mix]
+        names = [f"{r}x{t}" for r, t, _ in mix]
+        weights = [w for _, _, w in mix]
+        lat: dict[str, list[float]] = {n: [] for n in names}
+        failed: list[str] = []
+        stop = time.monotonic() + seconds
+        async with AsyncClient(endpoint, timeout=10.0, retries=6) as c:
+            async def loop(k: int) -> None:
+                rng = random.Random(seed * 1000 + k)      # the same draw sequence run after run
+                while time.monotonic() < stop:
+                    i = rng.choices(range(len(shapes)), weights)[0] if len(shapes) > 1 else 0
+                    t0 = time.perf_counter()
+                    try:
+                        await c.forward(shapes[i])
+                        lat[names[i]].append(time.perf_counter() - t0)
+                    except Exception as e:  # a lost request is the result we report, not a crash
+                        failed.append(f"{type(e).__name__}: {e}")
+            await asyncio.gather(*(loop(k) for k in range(inflight)))
+        return {"latencies": lat, "failed": failed}
+    out.put(asyncio.run(main()))
+
+
+def _stats(seconds: list[float]) -> dict:
+    ms = sorted(x * 1e3 for x in seconds)
+    return {"answered": len(ms), "p50_ms": statistics.median(ms) if ms else None,
+            "p95_ms": ms[int(0.95 * (len(ms) - 1))] if ms else None}
+
+
+def _killer(endpoint: str, after: float, done: dict) -> None:
+    time.sleep(after)
+    with Client(endpoint, timeout=5.0, retries=2) as c:
+        workers = [w for w in c.status()["workers"] if w["state"] == "ready" and w.get("pid")]
+    victim = workers[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    done.update(killed=victim["id"], pid=victim["pid"], device=victim["device"], at_s=after)
+    with Client(endpoint, timeout=5.0, retries=2) as c:
+        while time.monotonic() - t_kill < 300:          # the supervisor brings it back with a new pid
+            back = [w for w in c.status()["workers"]
+                    if w["id"] == victim["id"] and w["state"] == "ready" and w.get("pid") != victim["pid"]]
+            if back:
+                done["ready_again_s"] = round(time.monotonic() - t_kill, 2)
+                return
+            time.sleep(0.2)
+
+
+def _collect(q: mp.Queue, n: int, seconds: float, t0: float, label: str) -> list[dict]:
+    """The children's results, with a progress bar over the run's seconds meanwhile (stderr, a TTY only)."""
+    parts: list[dict] = []
+    deadline = time.monotonic() + seconds + 120
+    with Progress(seconds, label, enabled(QUIET)) as bar:
+        while len(parts) < n:
+            try:
+                parts.append(q.get(timeout=0.2))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise
+            bar.set(round(min(seconds, time.perf_counter() - t0), 1))
+    return parts
+
+
+def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, rows: int = 1, tokens: int = 48,
+             kill_after: float | None = None, mix: list[Shape] | None = None) -> dict:
+    """Drive `endpoint` for `seconds` with `concurrency` requests in flight (of `rows` x `tokens`, or drawn
+    from `mix`); returns the measurements."""
+    mix = mix or [(rows, tokens, 1.0)]
+    warm_failed = []
+    with Client(endpoint, timeout=10.0, retries=3) as c:       # one warm call per shape apart, not timed
+        for r, t, _ in mix:
+            try:
+                c.forward(_rows(r, t))
+            except Exception as e:
+                warm_failed.append(f"{type(e).__name__}: {e}")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = max(1, min(procs, concurrency))
+    shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    children = [ctx.Process(target=_client_proc, args=(endpoint, n, seconds, mix, i, q))
+                for i, n in enumerate(shares) if n > 0]
+    t0 = time.perf_counter()
+    for p in children:
+        p.start()
+    killed: dict = {}
+    if kill_after is not None:
+        killer = threading.Thread(target=_killer, args=(endpoint, kill_after, killed), daemon=True)
+        killer.start()
+    parts = _collect(q, len(children), seconds, t0, f"load, {concurrency} in flight")
+    if kill_after is not None:
+        killer.join(300)
+    wall = time.perf_counter() - t0
+    for p in children:
+        p.join(30)
+    per_shape = {f"{r}x{t}": [x for part in parts for x in part["latencies"][f"{r}x{t}"]] for r, t, _ in mix}
+    everything = [x for xs in per_shape.values() for x in xs]
+    failed = warm_failed + [x for part in parts for x in part["failed"]]
+    total = _stats(everything)
+    out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
+           "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
+           "errors": failed[:5], "throughput_rps": total["answered"] / wall, "p50_ms": total["p50_ms"],
+           "p95_ms": total["p95_ms"], "killed": killed or None}
+    if len(mix) > 1:
+        out["mix"] = [[r, t, w] for r, t, w in mix]
+        out["per_shape"] = {k: _stats(v) for k, v in per_shape.items()}
+    return out
+
+
+def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: float | None, extra: str) -> dict:
+    """One pool: a clean measurement at each concurrency, then (with kill_after) a second run at the last one
+    with a worker SIGKILLed.
+
+    The throughput of the clean run is the one scaling ratios use: a run that loses a worker for
+    part of its time measures the restart, not the pool."""
+    def go(pool, concurrency, kill):
+        return run_load(pool.endpoint, concurrency=concurrency, procs=args.procs, seconds=args.seconds,
+                        rows=args.rows, tokens=args.tokens, kill_after=kill, mix=args.mix)
+    with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600,
+                    extra_args=shlex.split(extra)) as pool:
+        runs = [go(pool, n, None) for n in args.concurrency]
+        res = dict(runs[-1], devices=devices, workers_per_device=wpd, pool_args=extra)
+        if len(runs) > 1:
+            res["sweep"] = runs
+        if kill_after is not None:
+            res["with_kill"] = go(pool, args.concurrency[-1], kill_after)
+        return res
+
+
+def plot(report: dict, path: str) -> None:
+    """Throughput and latency against concurrency, one line per pool."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tp, lat) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in ("baseline", "pool"):
+        r = report.get(name)
+        if not r:
+            continue
+        runs = r.get("sweep") or [r]
+        label = f"{name} {r.get('devices', '')} {r.get('pool_args', '')}".strip()
+        xs = [x["concurrency"] for x in runs]
+        tp.plot(xs, [x["throughput_rps"] for x in runs], "o-", label=label)
+        lat.plot(xs, [x["p50_ms"] for x in runs], "o-", label=f"{label} p50")
+        lat.plot(xs, [x["p95_ms"] for x in runs], "o--", label=f"{label} p95", alpha=0.6)
+    for ax, ylabel in ((tp, "requests / s"), (lat, "latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    lat.set_yscale("log")
+    mix = (report.get("pool") or {}).get("mix")
+    fig.suptitle("closed-loop load" + (f", mix {mix}" if mix else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _line(name: str, r: dict) -> str:
+    ms = "  ".join(f"{k} {r[k + '_ms']:7.2f} ms" if r[k + "_ms"] is not None else f"{k} -" for k in ("p50", "p95"))
+    s = (f"{name:44s} {r['concurrency']:4d} in flight {r['throughput_rps']:8.1f} req/s  {ms}  "
+         f"answered {r['answered']}  lost {r['lost']}")
+    if r.get("killed"):
+        k = r["killed"]
+        s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
+    return s
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frontend", help="a running pool (else --model starts pools)")
+    ap.add_argument("--model")
+    ap.add_argument("--devices", default="cpu")
+    ap.add_argument("--workers-per-device", type=int, default=1)
+    ap.add_argument("--baseline-devices", help="run a baseline pool on these devices first and report the ratio")
+    ap.add_argument("--baseline-workers-per-device", type=int, default=1)
+    ap.add_argument("--pool-args", default="", help="extra `laya-pool up` arguments for the pool under test")
+    ap.add_argument("--baseline-args", default="", help="extra `laya-pool up` arguments for the baseline pool")
+    ap.add_argument("--concurrency", default="64", help="requests in flight; a list (1,4,16) sweeps")
+    ap.add_argument("--procs", type=int, default=4, help="client processes sharing the concurrency")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--mix", default=None, help="a mixed load: ROWSxTOKENS[:WEIGHT],... (instead of --rows/--tokens)")
+    ap.add_argument("--kill-after", type=float, default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--png", default=None, help="draw throughput and latency against concurrency here")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a TTY)")
+    args = ap.parse_args()
+    global QUIET
+    QUIET = args.quiet
+    if not args.frontend and not args.model:
+        ap.error("give --frontend or --model")
+    try:
+        args.concurrency = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+        args.mix = parse_mix(args.mix) if args.mix else None
+    except ValueError as e:
+        ap.error(str(e))
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error("--concurrency: positive integers")
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.frontend:
+        runs = [run_load(args.frontend, concurrency=n, procs=args.procs, seconds=args.seconds, rows=args.rows,
+                         tokens=args.tokens, kill_after=args.kill_after if n == args.concurrency[-1] else None,
+                         mix=args.mix) for n in args.concurrency]
+        report["pool"] = dict(runs[-1], sweep=runs) if len(runs) > 1 else runs[0]
+        for r in runs:
+            print(_line("pool", r))
+    else:
+        if args.baseline_devices or args.baseline_args:
+            report["baseline"] = _pool_run(args, args.baseline_devices or args.devices,
+                                           args.baseline_workers_per_device, None, args.baseline_args)
+            for r in report["baseline"].get("sweep") or [report["baseline"]]:
+                print(_line(f"baseline {args.baseline_devices or args.devices} x{args.baseline_workers_per_device} "
+                            f"{args.baseline_args}", r))
+        report["pool"] = _pool_run(args, args.devices, args.workers_per_device, args.kill_after, args.pool_args)
+        for r in report["pool"].get("sweep") or [report["pool"]]:
+            print(_line(f"pool {args.devices} x{args.workers_per_device} {args.pool_args}", r))
+        if "with_kill" in report["pool"]:
+            report["with_kill"] = report["pool"].pop("with_kill")
+            print(_line(f"pool {args.devices} x{args.workers_per_device}, kill", report["with_kill"]))
+        if "baseline" in report:
+            report["ratio"] = report["pool"]["throughput_rps"] / report["baseline"]["throughput_rps"]
+            print(f"throughput ratio pool / baseline (at concurrency {args.concurrency[-1]}): {report['ratio']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.png:
+        plot(report, args.png)
+    runs = [x for r in report.values() if isinstance(r, dict) for x in (r.get("sweep") or [r]) if "lost" in x]
+    lost = sum(x["lost"] for x in runs)
+    if lost:
+        first = next(x["errors"][0] for x in runs if x.get("errors"))
+        print(f"LOST {lost} requests; first error: {first}")
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

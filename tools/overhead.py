@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Where the pool's overhead goes: one small row through a live pool against the same row run in-process.
+
+    python scripts/overhead.py --model DIR [--device cpu] [--samples 1000] [--threads 1] [--transport ipc|tcp]
+                               [--pool-args "..."] [--json FILE]
+
+Starts a pool (one worker on --device), and in this process the same runtime the worker runs. After
+--warmup untimed calls of every kind, --samples timed calls of each, one of each kind in turn (so drift
+and the neighbours' load hit them alike), on the host clock:
+
+- `ping`: client -> broker -> client (the broker answers it itself): the transport and the broker's loop;
+- `forward`: `Client.forward` of one 1x48 row through the pool (client, broker, worker, back);
+- `in-process`: `Runtime.run` of the same batch here (what the pool adds is `forward` minus this);
+- where a forward's time goes, from the reply's timings (the worker's clock is this host's monotonic clock):
+  `up` (the call starts -> the worker's I/O thread wakes with it: client encode and send, broker, two hops),
+  `queue` (-> the compute thread starts its forward: decode, hand-off, validation), `worker` (-> answered by
+  the compute thread), `down` (-> the call returns: reply encode, hand-off to the I/O thread, broker, two
+  hops, client decode);
+- the CPU cost of each protocol step, timed alone here: the client's request frames and its reply parsing,
+  the broker's decode / re-encode of a request and of a reply, the worker's request parsing and validation
+  and its reply encoding.
+
+Prints medians with p95 (ms) and writes --json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from client.pool import Client, local_pool  # noqa: E402
+from protocol import wire  # noqa: E402
+from protocol.wire import Cmd  # noqa: E402
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {"p50": round(statistics.median(s), 4), "p95": round(s[int(0.95 * (len(s) - 1))], 4), "n": len(s)}
+
+
+def clock(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def one_row() -> list[tuple[np.ndarray, np.ndarray, int]]:
+    rng = np.random.default_rng(0)
+    return [(rng.integers(10, 1000, 48).astype(np.int32), np.array([5, 8, 11, 14], np.int32), 0)]
+
+
+def protocol_steps(rows: list, n: int) -> dict[str, dict[str, float]]:
+    """Each protocol step's CPU time alone (what the processes do per message, without the sockets)."""
+    arrays = wire.pack_rows(rows)
+    frames = wire.encode_request(7, arrays, cid="c" * 32)
+    msg = wire.decode(frames)
+    req = wire.parse_request(msg, need_cid=True)
+    to_worker = wire.encode(Cmd.REQUEST, wire.request_header_for_worker(req, 11), *msg.frames)
+    logits, act = np.arange(4, dtype=np.float32), np.array([[0.3, 0.7]], np.float32)
+    reply = wire.encode_reply(11, logits, act, worker="0", fingerprint="f" * 64,
+                              metrics={"mode": "eager", "batched": 1, "queue_ms": 0.1, "worker_ms": 1.0})
+    rmsg = wire.decode(reply)
+
+    def broker_reply() -> None:
+        m = wire.decode(reply)
+        wire.parse_reply(m)
+        header = dict(m.header)
+        header["rid"], header["worker"] = 7, "0"
+        wire.encode(Cmd.REPLY, header, *m.frames)
+
+    steps = {
+        "client: pack rows + request frames": lambda: wire.encode_request(7, wire.pack_rows(rows), cid="c" * 32),
+        "client: decode + parse reply": lambda: wire.parse_reply(wire.decode(reply)),
+        "broker: decode + parse request, re-encode to worker": lambda: wire.encode(
+            Cmd.REQUEST, wire.request_header_for_worker(wire.parse_request(wire.decode(frames), need_cid=True), 11),
+            *msg.frames),
+        "broker: decode + parse reply, re-encode to client": broker_reply,
+        "worker: decode + parse request": lambda: wire.parse_request(wire.decode(to_worker)),
+        "worker: encode reply": lambda: wire.encode_reply(11, logits, act, worker="0", fingerprint="f" * 64,
+                                                          metrics=dict(rmsg.header["metrics"])),
+    }
+    return {name: stats([clock(fn) for _ in range(n)][n // 5:]) for name, fn in steps.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--samples", type=int, default=1000, help="timed calls per kind")
+    ap.add_argument("--warmup", type=int, default=50, help="untimed calls per kind")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads, here and in the worker (on a small shared CPU, more threads measure "
+                         "the neighbours' load more than the pool)")
+    ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    ap.add_argument("--pool-args", default="", help="extra `laya-pool up` arguments")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from worker.batch import Batch
+    from worker.checkpoint import load_checkpoint
+    from worker.runtime import Runtime, RuntimeConfig
+
+    torch.set_num_threads(args.threads)
+    rows = one_row()
+    frontend = None
+    if args.transport == "tcp":
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            frontend = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    on_cuda = args.device.startswith("cuda")
+    rt = Runtime(load_checkpoint(args.model), device=args.device,
+                 config=RuntimeConfig(mode="graph-cached" if on_cuda else "eager"))
+    rt.warmup()
+    batch = Batch.from_rows(rows)
+
+    def in_process() -> None:
+        rt.run(batch)
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    samples: dict[str, list[float]] = {k: [] for k in ("ping", "forward", "in-process", "up", "queue", "worker",
+                                                       "down")}
+    extra = ["--threads", str(args.threads), *shlex.split(args.pool_args)]
+    with local_pool(args.model, args.device, frontend=frontend, extra_args=extra) as pool, \
+            Client(pool.endpoint, timeout=30) as c:
+        def forward() -> None:
+            t = time.monotonic()
+            res = c.forward(rows)
+            end = time.monotonic()
+            m = res.metrics
+            samples["queue"].append(m["queue_ms"])
+            samples["worker"].append(m["worker_ms"])
+            if "received_at" in m:             # workers before this script did not say
+                samples["up"].append((m["received_at"] - t) * 1e3)
+                samples["down"].append((end - m["done_at"]) * 1e3)
+
+        kinds = {"ping": c.ping, "forward": forward, "in-process": in_process}
+        for _ in range(args.warmup):
+            for fn in kinds.values():
+                fn()
+        for k in ("up", "queue", "worker", "down"):
+            del samples[k][:]
+        # One call of each kind in turn (the order rotating), so load from elsewhere on the machine falls on
+        # every kind alike.
+        names = list(kinds)
+        for i in range(args.samples):
+            for k in range(len(names)):
+                kind = names[(i + k) % len(names)]
+                samples[kind].append(clock(kinds[kind]))
+        status = c.status()
+    out: dict[str, Any] = {k: stats(v) for k, v in samples.items() if v}
+    out["added"] = round(out["forward"]["p50"] - out["in-process"]["p50"], 4)
+    out["steps"] = protocol_steps(rows, 2000)
+    out["config"] = {"model": args.model, "device": args.device, "transport": args.transport,
+                     "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
+                     "worker": status["workers"][0]["device"]}
+    print(f"{'':52} {'p50 ms':>8} {'p95 ms':>8}")
+    for k in (k for k in ("ping", "forward", "in-process", "up", "queue", "worker", "down") if k in out):
+        print(f"{k:52} {out[k]['p50']:8.3f} {out[k]['p95']:8.3f}")
+    print(f"{'pool adds (forward - in-process, p50)':52} {out['added']:8.3f}")
+    for k, v in out["steps"].items():
+        print(f"{k:52} {v['p50']:8.4f} {v['p95']:8.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
