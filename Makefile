@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned explicitly: an unpinned torch pulls a multi-GB CUDA build onto CPU-only machines.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[server,test]'
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -1,6 +1,6 @@
 """The supervisor (`laya-pool up`): the broker and the worker processes, restarts and a graceful stop.
 
-- starts the broker (`python -m broker.broker`) and one worker per device slot (`python -m worker.server`),
+- starts the broker (`-m broker.broker`) and one worker per device slot (`-m worker.server`),
   each GPU worker with CUDA_VISIBLE_DEVICES set to its GPU, CPU workers pinned to disjoint cores;
 - restarts a worker that exits: at once when it drained for a restart (exit 75), with exponential
   backoff after a crash (any other non-zero exit or a signal), never after a configuration error
@@ -34,7 +34,8 @@ from protocol import contract
 from protocol.contract import WorkerState
 
 log = logging.getLogger("laya-pool.supervisor")
-ROOT = Path(__file__).resolve().parents[1]
+# Where this package lies (a checkout's root, or site-packages): the children import it from there.
+HOME = Path(sys.modules[__name__.split(".")[0]].__file__).resolve().parents[1]
 BACKOFF_START = 0.5
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0     # a worker up this long has its backoff reset
@@ -150,7 +151,8 @@ class Supervisor:
             self.tmp = rundir.make_private()
             cfg.backend = f"ipc://{self.tmp}/backend"
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if HOME.name not in ("site-packages", "dist-packages"):     # a checkout goes first; an install is found
+            env["PYTHONPATH"] = str(HOME) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.env = env
         common = ["--heartbeat-ms", str(cfg.heartbeat_ms), "--liveness", str(cfg.liveness)]
         common += ["--keys", cfg.keys] if cfg.keys else []

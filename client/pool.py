@@ -1047,10 +1047,12 @@ def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_pe
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None) -> subprocess.Popen:
-    """`cmd` in its own session with this checkout first on PYTHONPATH, its output appended to `log_path`."""
+    """`cmd` in its own session, a checkout first on PYTHONPATH, its output appended to `log_path`."""
     full_env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    # Where this package lies (a checkout's root, or site-packages, where the child finds it by itself).
+    home = Path(sys.modules[__name__.split(".")[0]].__file__).resolve().parents[1]
+    if home.name not in ("site-packages", "dist-packages"):
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(home), full_env.get("PYTHONPATH")]))
     full_env.update(env or {})
     with open(log_path, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)

@@ -206,21 +206,21 @@ def test_async_client(ipc_pool, expected):
 
 
 def test_a_state_window_that_disagrees_is_sent_again_whole(ipc_pool, expected, monkeypatch, caplog):
-    import client.semantics
+    from client import semantics
 
     state, qs = CASES[-1]
     with ipc_pool.client(timeout=30) as c:
         _close(expected[-1], c.predict(state, qs))
         # Injected fault: a window whose tokens are not the state's (reversed). The client must notice when
         # the whole state's tokens arrive and answer from those.
-        tokenize_state = client.semantics.tokenize_state
+        tokenize_state = semantics.tokenize_state
 
         def wrong_window(*args):
             tokens = tokenize_state(*args)
             if not tokens.complete:
                 tokens.ids = tokens.ids[::-1]
             return tokens
-        monkeypatch.setattr(client.semantics, "tokenize_state", wrong_window)
+        monkeypatch.setattr(semantics, "tokenize_state", wrong_window)
         with caplog.at_level("WARNING", logger="laya-pool.client"):
             _close(expected[-1], c.predict(state, qs))
     assert "state window disagreed" in caplog.text

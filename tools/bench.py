@@ -210,15 +210,18 @@ def run_child(args, report: dict) -> None:
     Capturing a model we do not own can fail in ways that poison the CUDA context (a device-side
     assert), so it runs apart and a failure costs only its own row.
     """
+    import os
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, __file__, "--model", str(args.model), "--device", args.device, "--only", SDK_GRAPH,
-               "--out", tmp, "--warmup", str(args.warmup), "--samples", str(args.samples)]
+        cmd = [sys.executable, "-m", __spec__.name, "--model", str(args.model), "--device", args.device,
+               "--only", SDK_GRAPH, "--out", tmp, "--warmup", str(args.warmup), "--samples", str(args.samples)]
         if args.quick:
             cmd.append("--quick")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # the child imports this package from where this process found it (a checkout or an install)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             report.setdefault("failed", {})[SDK_GRAPH] = proc.stderr.strip().splitlines()[-1:] or ["no output"]
             print(f"{SDK_GRAPH}: failed: {report['failed'][SDK_GRAPH]}", flush=True)

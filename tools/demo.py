@@ -7,6 +7,7 @@ decisions through the Client with their answers and per-call latency, and a clea
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -56,9 +57,17 @@ def _answer_line(qid, a) -> str:
     return f"{qid}: {a['noul']:.3f}  (confidence {a['confidence']:.3f})"
 
 
+def _default_model() -> Path:
+    """checkpoints/tiny in a checkout (`make demo`); installed, the user's cache directory, never site-packages."""
+    if (ROOT / "pyproject.toml").is_file():
+        return ROOT / "checkpoints" / "tiny"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "laya-pool" / "checkpoints" / "tiny"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(ROOT / "checkpoints" / "tiny"))
+    p.add_argument("--model", default=str(_default_model()), help="written there first if missing (%(default)s)")
     p.add_argument("--devices", default=None)
     p.add_argument("--calls", type=int, default=50, help="timed calls per decision after the first")
     a = p.parse_args(argv)

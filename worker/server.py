@@ -1,6 +1,6 @@
 """The worker process: one device, one model, served to the broker over ZeroMQ.
 
-    python -m worker.server --model DIR --device cpu|cuda:N --backend tcp://127.0.0.1:PORT --id ID [--mode eager]
+    python -m worker.server --model DIR --device cpu|cuda:N --backend ENDPOINT --id ID [--mode eager]
 
 Two threads:
 - the I/O thread (the main thread, `Worker`) owns the DEALER socket to the broker: it registers (READY),

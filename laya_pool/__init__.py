@@ -1,0 +1,65 @@
+"""laya-pool: a multi-process GPU worker pool serving Laya decision models, and its client.
+
+    from laya_pool import Client, AsyncClient, local_pool
+
+Everything a decision loop needs is importable from here: the clients, `local_pool`, the model card and every
+error a pool call raises. The names are loaded on first use, so `import laya_pool` costs nothing and a broker
+or worker process (which imports this package as its parent) loads no client code it does not use.
+
+Layout: the rooms (protocol, client, kernels, worker, broker, tools) are installed as `laya_pool.<room>`. In the
+repository they stay at the top level beside this directory (the design's layout); there this package finds
+them through its `__path__`, so a checkout imports them under the same names as an installed wheel.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+ROOMS = ("protocol", "client", "kernels", "worker", "broker", "tools")
+
+# public name -> the module under this package that defines it
+_EXPORTS = {
+    "Client": "client.pool", "AsyncClient": "client.pool", "local_pool": "client.pool", "LocalPool": "client.pool",
+    "RetryPolicy": "client.retry", "ModelCard": "client.card",
+    # every error a pool call raises is a PoolError; each also keeps the type a caller may already catch
+    "PoolError": "client.errors", "RequestFailed": "client.errors", "PoolUnavailable": "client.errors",
+    "MalformedReply": "client.errors", "BadModelCard": "client.errors",
+    "CardError": "client.card", "QuestionError": "client.semantics", "ProtocolError": "protocol.wire",
+}
+__all__ = [
+    "AsyncClient", "BadModelCard", "CardError", "Client", "LocalPool", "MalformedReply", "ModelCard", "PoolError",
+    "PoolUnavailable", "ProtocolError", "QuestionError", "RequestFailed", "RetryPolicy", "local_pool",
+]
+
+if TYPE_CHECKING:       # what type checkers see (py.typed); at run time __getattr__ loads the same names
+    from .client.card import CardError, ModelCard
+    from .client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
+    from .client.pool import AsyncClient, Client, LocalPool, local_pool
+    from .client.retry import RetryPolicy
+    from .client.semantics import QuestionError
+    from .protocol.wire import ProtocolError
+
+
+def _find_rooms_in_checkout() -> None:
+    # Installed, the rooms are subdirectories of this package. In the repository they sit one level up.
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if not os.path.isdir(os.path.join(here, "protocol")) and os.path.isfile(os.path.join(root, "protocol", "wire.py")):
+        __path__.append(root)
+
+
+_find_rooms_in_checkout()
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,77 @@
+"""`laya-pool` (also `python -m laya_pool`): the pool's commands and the tools, one program.
+
+    laya-pool up | status | drain | restart-worker | predict | keys | broker ...     (broker/cli.py)
+    laya-pool make-checkpoint | bench | load | compare-workers | demo ...            (tools/)
+
+The pool's commands are the broker room's CLI; the tools (tools/) use every room, so this dispatcher, which
+belongs to no room, is where both meet. A tool is loaded only when it is asked for: `laya-pool status` on a
+client-only install loads neither torch nor the tools.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+# command -> (module under tools/, what it does)
+TOOLS = {
+    "make-checkpoint": ("make_checkpoint", "write a seeded checkpoint in the SDK's layout (--out DIR --preset tiny)"),
+    "demo": ("demo", "a pool on this machine, a few decisions with their latency, a clean stop"),
+    "bench": ("bench", "warm latency per shape and configuration, the SDK in the same run"),
+    "load": ("load", "closed-loop throughput, concurrency sweeps, a worker killed under load"),
+    "compare-workers": ("compare_workers", "the frozen cases through every worker and mode, against the reference"),
+    "check-cache-gpu": ("check_cache_gpu", "graph-cache policies on a real GPU"),
+    "overhead": ("overhead", "where the pool's time goes, stage by stage"),
+    "broker-rate": ("broker_rate", "the broker's messages per second"),
+    "client-speed": ("client_speed", "client encode/decode speed"),
+}
+# Modules only the server extra brings (laya-pool[server]): a command that needs one says so instead of a traceback.
+SERVER_ONLY = ("torch", "safetensors", "psutil", "prometheus_client", "cuda", "triton")
+# The pool's own commands that start workers (which need the server extra) on this machine.
+NEEDS_SERVER = {"up": ("torch", "safetensors", "psutil", "prometheus_client")}
+
+
+def _needs_server(command: str, missing: list[str]) -> int:
+    print(f"laya-pool {command} needs the server install ({', '.join(missing)} missing): "
+          "pip install 'laya-pool[server]'", file=sys.stderr)
+    return 2
+
+
+def run_tool(command: str, args: list[str]) -> int:
+    module_name = TOOLS[command][0]
+    try:
+        tool = importlib.import_module(f"{__package__}.tools.{module_name}")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in SERVER_ONLY:
+            return _needs_server(command, [e.name or "?"])
+        raise
+    sys.argv = [f"laya-pool {command}", *args]      # argparse's prog, and the tools that read sys.argv
+    return tool.main() or 0
+
+
+def _print_tools() -> None:
+    print("\ntools (laya-pool TOOL --help):")
+    for command, (_, what) in TOOLS.items():
+        print(f"  {command:17} {what}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in TOOLS:
+        return run_tool(args[0], args[1:])
+    missing = [m for m in NEEDS_SERVER.get(args[0] if args else "", ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        return _needs_server(args[0], missing)
+    from .broker.cli import main as pool_main
+    if not args or args[0] in ("-h", "--help"):
+        try:
+            pool_main(["--help"])
+        except SystemExit:
+            pass
+        _print_tools()
+        return 0 if args else 2
+    return pool_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
