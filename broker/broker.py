@@ -33,15 +33,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from laya_pool.protocol import contract, logs, wire
+from laya_pool.protocol.contract import Leave, Reason, WorkerState
+from laya_pool.protocol.wire import Cmd
 
-from broker import operator, security
-from broker.metering import Meter
-from broker.monitor import LogLimiter, SocketWatch
-from broker.overload import DrainRate, retry_after
-from broker.replies import ReplyCache, frames_bytes
-from protocol import contract, logs, wire
-from protocol.contract import Leave, Reason, WorkerState
-from protocol.wire import Cmd
+from . import operator, security
+from .metering import Meter
+from .monitor import LogLimiter, SocketWatch
+from .overload import DrainRate, retry_after
+from .replies import ReplyCache, frames_bytes
 
 log = logging.getLogger("laya-pool.broker")
 
@@ -967,7 +967,7 @@ def _natural(s: str) -> tuple:
 
 # ------------------------------------------------------------------------------------------------ process
 
-# The broker's policy flags, defined once: `python -m broker.broker`, `laya-pool broker` and `laya-pool up`
+# The broker's policy flags, defined once: `python -m laya_pool.broker.broker`, `laya-pool broker` and `laya-pool up`
 # (which hands them to the broker it starts) all take these. (flag, BrokerConfig field, type, help)
 POLICY_FLAGS = (
     ("--queue-size", "queue_size", int, "requests waiting for a worker before the pool answers busy"),
@@ -1008,7 +1008,7 @@ def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> No
 
 
 def policy_argv(a: argparse.Namespace) -> list[str]:
-    """The policy flags of a parsed command line, as arguments for `python -m broker.broker`."""
+    """The policy flags of a parsed command line, as arguments for `python -m laya_pool.broker.broker`."""
     return [arg for flag, name, _, _ in POLICY_FLAGS for arg in (flag, str(getattr(a, name)))]
 
 
@@ -1044,7 +1044,7 @@ def serve(cfg: BrokerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m broker.broker", description="the laya-pool broker")
+    p = argparse.ArgumentParser(prog="python -m laya_pool.broker.broker", description="the laya-pool broker")
     add_arguments(p)
     p.add_argument("--log-level", default=None, help="default: $LAYA_POOL_LOG or INFO")
     p.add_argument("--log-format", default=None, help="text or json (default: $LAYA_POOL_LOG_FORMAT or text)")

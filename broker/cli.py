@@ -27,8 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from protocol import contract, logs
-from protocol.contract import WorkerState
+from laya_pool.protocol import contract, logs
+from laya_pool.protocol.contract import WorkerState
 
 log = logging.getLogger("laya-pool.cli")
 
@@ -65,8 +65,9 @@ class UsageError(Exception):
 def _client(a: argparse.Namespace, **kw: Any):
     """A client for an operator command: with the pool's operator secret when this user has it, and under
     CURVE the operator key pair when the key directory holds one (broker.operator)."""
-    from broker.operator import read_secret
-    from client.pool import Client
+    from laya_pool.client.pool import Client
+
+    from .operator import read_secret
     if a.keys and not Path(a.keys).is_dir():
         raise UsageError(f"--keys: {a.keys} is not a directory (laya-pool keys --out DIR makes one)")
     role = "operator" if a.keys and (Path(a.keys) / "operator.key_secret").is_file() else "client"
@@ -107,22 +108,22 @@ def _checkpoint_dir(flag: str, path: str) -> Path:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from broker.supervisor import Supervisor, SupervisorConfig
+    from .supervisor import Supervisor, SupervisorConfig
 
     devices = _devices(a.devices)
-    from broker.security import SecurityError, check_endpoints
+    from .security import SecurityError, check_endpoints
     try:
         check_endpoints(a.frontend, a.backend or "ipc://", a.keys, a.insecure_backend)
     except SecurityError as e:
         raise UsageError(str(e)) from e
     if a.http is not None:
-        from broker.ops_http import refusal
+        from .ops_http import refusal
         if (why := refusal(a.http, a.keys)) is not None:
             raise UsageError(why)
     if a.keys and not Path(a.keys).is_dir():
         raise UsageError(f"--keys: {a.keys} is not a directory (laya-pool keys --out DIR makes one)")
     model = _checkpoint_dir("--model", a.model)
-    from broker.broker import policy_argv
+    from .broker import policy_argv
     broker_args = policy_argv(a) + (["--insecure-backend"] if a.insecure_backend else [])
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
     for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch", "compute_timeout"):
@@ -186,7 +187,7 @@ def cmd_drain(a: argparse.Namespace) -> int:
 
 
 def cmd_restart_worker(a: argparse.Namespace) -> int:
-    from client.pool import PoolError
+    from laya_pool.client.pool import PoolError
     with _client(a) as c:
         before = _find(c.status(), a.id)
         if before is None:
@@ -212,8 +213,9 @@ def cmd_restart_worker(a: argparse.Namespace) -> int:
 def cmd_reload(a: argparse.Namespace) -> int:
     """Ask the pool to roll onto another checkpoint (the supervisor does it, broker.supervisor.Reload) and
     follow it in the status until every worker serves the new model."""
-    from broker import reload as rl
-    from client.pool import PoolError
+    from laya_pool.client.pool import PoolError
+
+    from . import reload as rl
 
     model = _checkpoint_dir("--model", a.model)
     try:
@@ -270,7 +272,7 @@ def _json_arg(flag: str, value: str) -> Any:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    from client.pool import RequestFailed
+    from laya_pool.client.pool import RequestFailed
     questions = _json_arg("--questions", a.questions)
     if a.state_json is not None:
         state = _json_arg("--state-json", a.state_json)
@@ -293,7 +295,7 @@ def cmd_predict(a: argparse.Namespace) -> int:
 
 
 def cmd_keys(a: argparse.Namespace) -> int:
-    from broker.security import SecurityError, generate
+    from .security import SecurityError, generate
     try:
         keys = generate(a.out, overwrite=a.force)
     except SecurityError as e:
@@ -304,7 +306,7 @@ def cmd_keys(a: argparse.Namespace) -> int:
 
 
 def cmd_broker(a: argparse.Namespace) -> int:
-    from broker.broker import config_from_args, serve
+    from .broker import config_from_args, serve
     return serve(config_from_args(a))
 
 
@@ -394,7 +396,7 @@ def _common() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from broker.broker import add_arguments
+    from .broker import add_arguments
     common = _common()
     p = _Parser(prog="laya-pool", description="a multi-process worker pool serving Laya models",
                 epilog=_epilog(), formatter_class=_Help, parents=[common])
@@ -426,7 +428,7 @@ def _check_endpoint_types(p: argparse.ArgumentParser) -> None:
 
 
 def _add_up(up: argparse.ArgumentParser) -> None:
-    from broker.broker import add_arguments
+    from .broker import add_arguments
     up.add_argument("--model", required=True, help="checkpoint directory (scripts/make_checkpoint.py makes a tiny one)")
     up.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
     up.add_argument("--workers-per-device", type=_positive(int), default=1, help="worker processes per device")
@@ -549,8 +551,8 @@ def _add_operator_commands(command: Any) -> None:
 
 def exit_code(e: BaseException) -> int:
     """The exit code for an error a command let through (see EXIT_CODES)."""
-    from client.pool import PoolError, PoolUnavailable, RequestFailed
-    from protocol.contract import Reason
+    from laya_pool.client.pool import PoolError, PoolUnavailable, RequestFailed
+    from laya_pool.protocol.contract import Reason
     if isinstance(e, UsageError):
         return EXIT_USAGE
     if isinstance(e, PoolUnavailable):
@@ -590,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _expected(e: BaseException) -> bool:
-    from client.pool import PoolError
+    from laya_pool.client.pool import PoolError
     return isinstance(e, (UsageError, PoolError, OSError))
 
 

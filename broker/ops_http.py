@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from broker.observe import PoolObserver
+from .observe import PoolObserver
 
 log = logging.getLogger("laya-pool.http")
 

@@ -10,7 +10,7 @@ all, with no worker or a stalled one, is worth a look every few seconds: a worke
 """
 from __future__ import annotations
 
-from protocol.contract import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
+from laya_pool.protocol.contract import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 
 
 class DrainRate:

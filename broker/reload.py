@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.contract import WorkerState
+from laya_pool.protocol.contract import WorkerState
 
 _CONNECTED = (WorkerState.READY, WorkerState.MISMATCH, WorkerState.DRAINING)
 

@@ -26,8 +26,7 @@ from typing import Any
 
 import zmq
 import zmq.auth
-
-from protocol import wire
+from laya_pool.protocol import wire
 
 
 class SecurityError(RuntimeError):

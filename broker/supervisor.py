@@ -1,6 +1,6 @@
 """The supervisor (`laya-pool up`): the broker and the worker processes, restarts and a graceful stop.
 
-- starts the broker (`-m broker.broker`) and one worker per device slot (`-m worker.server`),
+- starts the broker (`-m laya_pool.broker.broker`) and one worker per device slot (`-m laya_pool.worker.server`),
   each GPU worker with CUDA_VISIBLE_DEVICES set to its GPU, CPU workers pinned to disjoint cores;
 - restarts a worker that exits: at once when it drained for a restart (exit 75), with exponential
   backoff after a crash (any other non-zero exit or a signal), never after a configuration error
@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker import rundir
-from protocol import contract
-from protocol.contract import WorkerState
+from laya_pool.protocol import contract
+from laya_pool.protocol.contract import WorkerState
+
+from . import rundir
 
 log = logging.getLogger("laya-pool.supervisor")
 # Where this package lies (a checkout's root, or site-packages): the children import it from there.
@@ -179,7 +180,7 @@ class Supervisor:
             fingerprint = ["--fingerprint", contract.fingerprint(cfg.model)]
         except OSError:
             fingerprint = []       # an unreadable checkpoint: the workers report exactly what is wrong
-        return Child("broker", [sys.executable, "-m", "broker.broker", "--frontend", cfg.frontend,
+        return Child("broker", [sys.executable, "-m", "laya_pool.broker.broker", "--frontend", cfg.frontend,
                                 "--backend", cfg.backend, *common, *fingerprint, *cfg.broker_args], self.env)
 
     def _worker_child(self, wid: str, device: str, cpus: list[int] | None, common: list[str]) -> Child:
@@ -187,7 +188,7 @@ class Supervisor:
         env = dict(self.env)
         if device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
-        argv = [sys.executable, "-m", "worker.server", "--model", cfg.model, "--device", device,
+        argv = [sys.executable, "-m", "laya_pool.worker.server", "--model", cfg.model, "--device", device,
                 "--backend", cfg.backend, "--id", wid, *common]
         if cfg.credit is not None:
             argv += ["--credit", str(cfg.credit)]
@@ -272,7 +273,7 @@ class Supervisor:
         self.last_poll = now
         try:
             if self.status_client is None:
-                from client.pool import Client
+                from laya_pool.client.pool import Client
                 self.status_client = Client(self.cfg.frontend, timeout=1.0, retries=0, keys=self.cfg.keys)
             st = self.status_client.status()
         except Exception:  # noqa: BLE001 - the broker may be starting or restarting
@@ -432,8 +433,8 @@ class Supervisor:
 
     def _serve_http(self) -> bool:
         """Bind --http before any child starts: a taken port fails `up` at once instead of a pool without metrics."""
-        from broker.observe import PoolObserver
-        from broker.ops_http import MetricsServer
+        from .observe import PoolObserver
+        from .ops_http import MetricsServer
         self.observer = PoolObserver(self._observed)
         try:
             self.http = MetricsServer(self.cfg.http, self.observer)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.card import CardError, ModelCard, clamp_temperature
-from client.decode import decode_answers, temp_bucket
-from client.semantics import EncodedRequest, QuestionError, check_question, encode_request, to_internal
-from client.structured import DecisionResult, SchemaError
+from .card import CardError, ModelCard, clamp_temperature
+from .decode import decode_answers, temp_bucket
+from .semantics import EncodedRequest, QuestionError, check_question, encode_request, to_internal
+from .structured import DecisionResult, SchemaError
 
 __all__ = [
     "CardError", "ModelCard", "clamp_temperature",
@@ -24,6 +24,6 @@ _POOL_NAMES = ("Client", "AsyncClient")
 def __getattr__(name: str) -> Any:
     # The ZeroMQ client lives in client.pool; loaded on first use so `import client` stays light.
     if name in _POOL_NAMES:
-        from client import pool
+        from . import pool
         return getattr(pool, name)
     raise AttributeError(f"module 'client' has no attribute {name!r}")

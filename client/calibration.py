@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from client.card import TEMP_MAX, TEMP_MIN, clamp_temperature, temperature_rejected
+from .card import TEMP_MAX, TEMP_MIN, clamp_temperature, temperature_rejected
 
 CALIBRATION_VERSION = 2
 _N_QTYPES = 3

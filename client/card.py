@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from laya_pool.protocol.contract import fingerprint
 from tokenizers import Tokenizer
 
-from client.state import WindowPolicy
-from protocol.contract import fingerprint
+from .state import WindowPolicy
 
 # The SDK refuses to apply a temperature outside this range (laya.common.TEMP_MIN / TEMP_MAX).
 TEMP_MIN = 0.5

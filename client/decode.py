@@ -12,11 +12,11 @@ import warnings
 from typing import Any
 
 import numpy as np
+from laya_pool.protocol.contract import QType
 
-from client.calibration import Calibration, apply_binning
-from client.card import TEMP_MAX, TEMP_MIN, ModelCard, clamp_temperature, temperature_rejected
-from client.semantics import EncodedRequest, render_criterion
-from protocol.contract import QType
+from .calibration import Calibration, apply_binning
+from .card import TEMP_MAX, TEMP_MIN, ModelCard, clamp_temperature, temperature_rejected
+from .semantics import EncodedRequest, render_criterion
 
 MODEL_NAME = "laya-rl-agent"
 

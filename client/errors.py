@@ -4,8 +4,9 @@ Here, apart from the socket code, so the retry policy and the tests can use them
 """
 from __future__ import annotations
 
-from client.card import CardError
-from protocol.wire import ProtocolError
+from laya_pool.protocol.wire import ProtocolError
+
+from .card import CardError
 
 
 class PoolError(RuntimeError):

@@ -1,6 +1,6 @@
 """Talking to a laya-pool: `Client` (blocking), `AsyncClient` (asyncio) and `local_pool` (a pool for a `with`).
 
-    from client import Client
+    from laya_pool import Client
     c = Client("tcp://127.0.0.1:5555")
     c.predict("the printer on floor 3 is broken", {"team": {...}})   # the SDK's Agent.predict() dict
 
@@ -45,12 +45,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zmq
+from laya_pool.protocol import contract, wire
+from laya_pool.protocol.contract import Reason, WorkerState
+from laya_pool.protocol.wire import Cmd
 from zmq.utils.monitor import recv_monitor_message
 
-from client import batching, scan
-from client.abstain import apply_confidence_gate, check_min_confidence
-from client.card import CardError
-from client.errors import (
+from . import batching, scan
+from .abstain import apply_confidence_gate, check_min_confidence
+from .card import CardError
+from .errors import (
     BadModelCard,
     MalformedReply,
     PoolBusy,
@@ -61,12 +64,9 @@ from client.errors import (
     PoolUnreachable,
     RequestFailed,
 )
-from client.retry import Action, Attempts, RetryPolicy, Step, reply_error
-from client.state import in_background
-from client.watch import EVENTS, ConnectionWatch
-from protocol import contract, wire
-from protocol.contract import Reason, WorkerState
-from protocol.wire import Cmd
+from .retry import Action, Attempts, RetryPolicy, Step, reply_error
+from .state import in_background
+from .watch import EVENTS, ConnectionWatch
 
 __all__ = ["Client", "AsyncClient", "ForwardResult", "LocalPool", "local_pool", "PoolError", "RequestFailed",
            "PoolUnavailable", "PoolBusy", "PoolNoWorker", "PoolUnreachable", "PoolTimeout", "MalformedReply",
@@ -362,7 +362,7 @@ class _Base:
     def _predict_long_plan(self, state: Any, questions: dict[Any, Any], window: int | None, stride: int | None,
                            aggregate: str, batch_size: int | None, lang: str | None, timeout: float | None,
                            retries: int | None, worker: str | None, mode: str | None) -> Plan[dict[str, Any]]:
-        from client import semantics, text
+        from . import semantics, text
 
         if state is None:
             raise TypeError("state must not be None; pass a string, dict, or list")
@@ -402,7 +402,7 @@ class _Base:
     def _decide_plan(self, state: Any, schema: Any, questions: Any, return_details: bool, min_confidence: Any,
                      lang: str | None, max_len: int | None, head_max_len: int | None, timeout: float | None,
                      retries: int | None, worker: str | None, mode: str | None) -> Plan[Any]:
-        from client.structured import Decision
+        from .structured import Decision
 
         decision = Decision.plan(schema, questions, min_confidence, return_details)
         result = yield from self._predict_plan(state, decision.questions, timeout, retries, max_len, head_max_len,
@@ -413,7 +413,7 @@ class _Base:
                            min_confidence: Any, batch_size: int | None, lang: str | None, max_len: int | None,
                            head_max_len: int | None, timeout: float | None, retries: int | None,
                            worker: str | None, mode: str | None) -> Plan[list[Any]]:
-        from client.structured import Decision
+        from .structured import Decision
 
         decision = Decision.plan(schema, questions, min_confidence, return_details, batch=states)
         results = yield from self._predict_batch_plan(list(states), decision.questions, lang, max_len, head_max_len,
@@ -425,7 +425,7 @@ class _Base:
         `temperature` inherits the checkpoint's); the first time for a card, a calibration file is checked
         against its config."""
         if self._lang_resolved is None or self._lang_resolved[0] is not card:
-            from client.decode import resolve_lang_temperatures
+            from .decode import resolve_lang_temperatures
             if self._calibration is not None:
                 self._calibration.check_fits(card.config)
             self._lang_resolved = (card, resolve_lang_temperatures(self._lang_raw,
@@ -437,12 +437,12 @@ class _Base:
         if lang_temperatures is not None:
             import warnings
 
-            from client.decode import resolve_lang_temperatures
+            from .decode import resolve_lang_temperatures
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")        # the clamping warnings come with the card's own values
                 resolve_lang_temperatures(lang_temperatures, [1.0, 1.0, 1.0])
         if calibration is not None:
-            from client.calibration import load_calibration
+            from .calibration import load_calibration
             calibration = load_calibration(calibration)
         self._lang_raw, self._lang_resolved, self._calibration = lang_temperatures, None, calibration
 
@@ -505,7 +505,7 @@ class _Base:
         return wire.body_of(msg)
 
     def _set_card(self, card: dict[str, Any]) -> Any:
-        from client.card import ModelCard
+        from .card import ModelCard
 
         if not isinstance(card, dict):
             raise wire.ProtocolError("body", f"a model card is a map, got {type(card).__name__}")
@@ -515,13 +515,13 @@ class _Base:
     @staticmethod
     def _encode(card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None,
                 window: bool = True) -> Any:
-        from client.semantics import encode_request
+        from .semantics import encode_request
         return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len, window=window)
 
     @staticmethod
     def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray, lang: str | None = None,
                 lang_temperatures: dict[str, Any] | None = None, calibration: Any = None) -> dict[str, Any]:
-        from client.decode import decode_answers
+        from .decode import decode_answers
         return decode_answers(card, encoded, flat, act, lang, lang_temperatures, calibration)
 
 
@@ -1021,7 +1021,7 @@ def local_pool(model_dir: str | os.PathLike, devices: str = "cpu", *, workers_pe
     tmp = Path(tempfile.mkdtemp(prefix="laya-pool-"))
     os.chmod(tmp, 0o700)
     frontend = frontend or f"ipc://{tmp}/frontend"
-    cmd = [sys.executable, "-m", "broker.cli", "up", "--model", str(model_dir), "--devices", devices,
+    cmd = [sys.executable, "-m", "laya_pool", "up", "--model", str(model_dir), "--devices", devices,
            "--workers-per-device", str(workers_per_device), "--frontend", frontend, "--backend", f"ipc://{tmp}/backend"]
     for flag, value in (("--heartbeat-ms", heartbeat_ms), ("--liveness", liveness), ("--keys", keys)):
         if value is not None:

@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from client.errors import PoolBusy, PoolNoWorker, PoolTimeout, PoolUnavailable, PoolUnreachable
-from protocol import contract, wire
-from protocol.contract import Reason
+from laya_pool.protocol import contract, wire
+from laya_pool.protocol.contract import Reason
+
+from .errors import PoolBusy, PoolNoWorker, PoolTimeout, PoolUnavailable, PoolUnreachable
 
 MARGIN_S = 0.25          # the budget a request carries ends this much (at most) before the call's deadline ...
 MARGIN_SHARE = 0.2       # ... and at most this share of the call's timeout

@@ -17,8 +17,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from client.card import ModelCard
-from client.semantics import build_head
+from .card import ModelCard
+from .semantics import build_head
 
 # How far the default window may be cut before the caller is warned (the scan then costs that many
 # times more forward passes than `max_len` suggests), and how much that cut may multiply the window

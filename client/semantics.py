@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from laya_pool.protocol.contract import QTYPES
 
-from client import text
-from client.card import ModelCard
-from client.state import StateTokens, WindowPolicy, tokenize_state
-from protocol.contract import QTYPES
+from . import text
+from .card import ModelCard
+from .state import StateTokens, WindowPolicy, tokenize_state
 
 OPTION_TOKEN_CAP = 48          # tokens of one option's text (after its [MASK])
 _MIN_OPTION_BUDGET = 16        # below this many head tokens left for the instruction, options get capped

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.abstain import answer_confidence_value, apply_confidence_gate, check_min_confidence
+from .abstain import answer_confidence_value, apply_confidence_gate, check_min_confidence
 
 MAX_PROPERTIES = 32
 MAX_OPTIONS = 32

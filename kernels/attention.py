@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.launch import launch
+from .launch import launch
 
 try:
     import triton

@@ -18,18 +18,18 @@ import os
 
 import torch
 
-from kernels import rows as rk
-from kernels.arch import Arch
-from kernels.attention import attention
-from kernels.gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual
-from kernels.reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
+from . import rows as rk
+from .arch import Arch
+from .attention import attention
+from .gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual
+from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
 __all__ = ["FastModel", "supports"]
 
 
 def supports(arch: Arch, device: torch.device, dtype: torch.dtype) -> str | None:
     """None if the fast path runs this model here, else why not (the caller falls back to the reference)."""
-    from kernels.gemm import triton
+    from .gemm import triton
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's CPU interpreter: tests only
     if triton is None or (device.type != "cuda" and not interpreted):
         return "the fast path needs CUDA and Triton"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.launch import launch, sms
+from .launch import launch, sms
 
 try:
     import triton

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.arch import Arch
-from kernels.linear import linear
+from .arch import Arch
+from .linear import linear
 
 __all__ = ["ReferenceModel", "ABSENT_LOGIT", "HEAD_NORM_EPS", "load_weights", "weight_bytes"]
 

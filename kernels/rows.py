@@ -17,7 +17,7 @@ write bf16 where the next op is a GEMM.
 """
 from __future__ import annotations
 
-from kernels.launch import launch
+from .launch import launch
 
 try:
     import triton

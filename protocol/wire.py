@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from protocol.contract import MODES
+from .contract import MODES
 
 PROTOCOL = b"LAYA1"
 

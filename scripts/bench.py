@@ -5,7 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from laya_pool.tools.bench import main  # noqa: E402
+# make_request too: ../shared/device/peer_vs_project.py imports it from here (`from bench import make_request`).
+from laya_pool.tools.bench import main, make_request  # noqa: E402, F401
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,15 +11,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
+from laya_pool.worker.runtime import Runtime, RuntimeConfig  # noqa: E402
 from test_runtime_gpu import CAP, frozen_batches  # noqa: E402
-
-from worker.checkpoint import load_checkpoint  # noqa: E402
-from worker.runtime import Runtime, RuntimeConfig  # noqa: E402
 
 
 def diagnose(rts):
     """Is the context itself broken (torch fails too), or only the call that failed?"""
-    from worker.cudart import PinnedBuffer, memcpy_async, stream_synchronize
+    from laya_pool.worker.cudart import PinnedBuffer, memcpy_async, stream_synchronize
     try:
         torch.cuda.synchronize()
         print("torch synchronize ok; torch copy", torch.ones(4, device="cuda").sum().item(), flush=True)
@@ -37,8 +36,8 @@ def diagnose(rts):
 
 def watch_pos():
     """DEBUG_POS=1: after every eager embed, check the positions it wrote (and what it read) on the host."""
-    import kernels.fast as fast
-    import kernels.rows as rows
+    import laya_pool.kernels.fast as fast
+    import laya_pool.kernels.rows as rows
     real = rows.embed
 
     def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id, eps):
@@ -55,7 +54,7 @@ def watch_pos():
 
 def narrow_rope():
     """DEBUG_NARROW_ROPE=1: RoPE tiles never wider than half a head (the tiling before 2026-12-03's session 5)."""
-    import kernels.gemm as g
+    import laya_pool.kernels.gemm as g
     real = g.pick_tiles
 
     def pick(m, n_out, k, epi, sms=132):

@@ -7,11 +7,10 @@ import traceback
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from worker.batch import Batch  # noqa: E402
-from worker.checkpoint import load_checkpoint  # noqa: E402
-from worker.runtime import Runtime, RuntimeConfig  # noqa: E402
-from worker.workspace import Capacity  # noqa: E402
+from laya_pool.worker.batch import Batch  # noqa: E402
+from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
+from laya_pool.worker.runtime import Runtime, RuntimeConfig  # noqa: E402
+from laya_pool.worker.workspace import Capacity  # noqa: E402
 
 ck = load_checkpoint(sys.argv[1])
 mode = sys.argv[2] if len(sys.argv) > 2 else "eager"

@@ -14,10 +14,10 @@ for step in $steps; do
     bench)
       [ -d /tmp/large ] || python3 scripts/make_checkpoint.py --out /tmp/large --preset large --seed 0
       FE=tcp://127.0.0.1:5599
-      python3 -m broker.cli up --model /tmp/large --devices cuda:0 --frontend $FE > "$OUT/pool.log" 2>&1 &
+      python3 -m laya_pool up --model /tmp/large --devices cuda:0 --frontend $FE > "$OUT/pool.log" 2>&1 &
       POOL=$!
       for i in $(seq 120); do
-        python3 -m broker.cli status --frontend $FE --json 2>/dev/null | grep -q '"state": "ready"' && break; sleep 1
+        python3 -m laya_pool status --frontend $FE --json 2>/dev/null | grep -q '"state": "ready"' && break; sleep 1
       done
       python3 scripts/bench.py --model /tmp/large --device cuda --frontend $FE --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tail -32
       kill -TERM $POOL; wait $POOL; echo "pool exit code $?" ;;

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kernels import rows as rk  # noqa: E402
-from kernels.gemm import Act, Epi, Tiles, gemm, pick_tiles, residual  # noqa: E402
+from laya_pool.kernels import rows as rk  # noqa: E402
+from laya_pool.kernels.gemm import Act, Epi, Tiles, gemm, pick_tiles, residual  # noqa: E402
 
 ALT = [Tiles(64, 16, 64, 4, 4), Tiles(64, 32, 128, 4, 4), Tiles(64, 64, 64, 4, 3), Tiles(64, 128, 64, 4, 3),
        Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3), Tiles(128, 128, 128, 8, 2), Tiles(128, 256, 64, 8, 3)]
@@ -265,7 +265,7 @@ def _sdpa_ref(qkv, starts, lens, H, D, window, scale):
 
 
 def step_attention(arch, report):
-    from kernels.attention import attention
+    from laya_pool.kernels.attention import attention
     torch.manual_seed(1)
     dev = "cuda"
     H, D, W = arch.heads, arch.head_dim, arch.half_window
@@ -326,9 +326,9 @@ def _family(name: str) -> str:
 
 
 def step_model(model_dir, report):
-    from kernels.fast import FastModel
-    from kernels.reference import ReferenceModel
-    from worker.checkpoint import load_checkpoint
+    from laya_pool.kernels.fast import FastModel
+    from laya_pool.kernels.reference import ReferenceModel
+    from laya_pool.worker.checkpoint import load_checkpoint
     ck = load_checkpoint(model_dir)
     fast = FastModel(ck.arch, ck.tensors, device="cuda")
     ref = ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16)
@@ -388,7 +388,7 @@ def main() -> int:
     ap.add_argument("--steps", default="gemm,attention,model")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
-    from worker.checkpoint import load_checkpoint
+    from laya_pool.worker.checkpoint import load_checkpoint
     arch = load_checkpoint(args.model).arch
     report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "torch": torch.__version__}

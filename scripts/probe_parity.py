@@ -23,12 +23,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kernels import rows as rk  # noqa: E402
-from kernels.attention import attention  # noqa: E402
-from kernels.fast import FastModel  # noqa: E402
-from kernels.gemm import Epi, gemm  # noqa: E402
-from kernels.reference import ReferenceModel, _rotate_half  # noqa: E402
-from worker.checkpoint import load_checkpoint  # noqa: E402
+from laya_pool.kernels import rows as rk  # noqa: E402
+from laya_pool.kernels.attention import attention  # noqa: E402
+from laya_pool.kernels.fast import FastModel  # noqa: E402
+from laya_pool.kernels.gemm import Epi, gemm  # noqa: E402
+from laya_pool.kernels.reference import ReferenceModel, _rotate_half  # noqa: E402
+from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
 
 
 def batch(lens, k=8, seed=0, vocab=1000):

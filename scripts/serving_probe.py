@@ -21,11 +21,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protocol import wire  # noqa: E402
-from worker.batch import Batch  # noqa: E402
-from worker.checkpoint import load_checkpoint  # noqa: E402
-from worker.compute import Compute, Queued  # noqa: E402
-from worker.runtime import DEFAULT_MERGED, DEFAULT_WARMUP, Runtime, RuntimeConfig, parse_shapes  # noqa: E402
+from laya_pool.protocol import wire  # noqa: E402
+from laya_pool.worker.batch import Batch  # noqa: E402
+from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
+from laya_pool.worker.compute import Compute, Queued  # noqa: E402
+from laya_pool.worker.runtime import DEFAULT_MERGED, DEFAULT_WARMUP, Runtime, RuntimeConfig, parse_shapes  # noqa: E402
 
 
 def requests(n: int, rows: int, tokens: int, markers: int, vocab: int) -> list[Queued]:

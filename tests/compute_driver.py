@@ -11,10 +11,9 @@ import time
 from typing import Any
 
 import numpy as np
-
-from protocol import wire
-from worker.batch import Batch
-from worker.compute import Compute, FaultHooks, Queued
+from laya_pool.protocol import wire
+from laya_pool.worker.batch import Batch
+from laya_pool.worker.compute import Compute, FaultHooks, Queued
 
 COUNTS = ("received", "ok", "request_errors", "internal_errors", "upload_errors", "dropped", "protocol_errors",
           "handed_back", "registrations", "merged_runs", "merged_requests")

@@ -6,9 +6,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 from conftest import SUBPROCESS_ENV, wait_until
-
-from client.pool import Client
-from protocol import wire
+from laya_pool.client.pool import Client
+from laya_pool.protocol import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
@@ -23,7 +22,7 @@ def _request(rid: int, n_tokens: int, cid: str | None) -> list:
 
 def test_queue_bytes_are_bounded_and_cid_is_required(tmp_path):
     fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
-    broker = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    broker = subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--queue-max-bytes", "6000", "--queue-timeout", "30"], env=ENV, cwd=ROOT)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 from conftest import make_rows, wait_until
-
-from client.pool import AsyncClient, Client, local_pool
+from laya_pool.client.pool import AsyncClient, Client, local_pool
 
 pytestmark = pytest.mark.timeout(180)
 CLIENTS = 6

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import pytest
-
-from broker.broker import Broker, BrokerConfig, Job
-from broker.replies import ReplyCache
-from protocol import wire
-from protocol.contract import WorkerState
+from laya_pool.broker.broker import Broker, BrokerConfig, Job
+from laya_pool.broker.replies import ReplyCache
+from laya_pool.protocol import wire
+from laya_pool.protocol.contract import WorkerState
 
 # ------------------------------------------------------------------------------------------------ ReplyCache
 
@@ -111,8 +110,7 @@ def test_requeue_goes_to_the_front_until_its_chances_are_spent(broker, lost, tim
 
 def test_a_lost_job_fails_as_workers_lost_after_max_attempts(broker, tmp_path):
     import zmq
-
-    from broker.broker import WorkerInfo
+    from laya_pool.broker.broker import WorkerInfo
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
     client.setsockopt(zmq.IDENTITY, b"client")

@@ -6,8 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_ckpt
-
-from worker.checkpoint import CheckpointError, load_checkpoint
+from laya_pool.worker.checkpoint import CheckpointError, load_checkpoint
 
 QUESTIONS = {
     "team": {"type": "choice", "instructions": "Which team handles this ticket?",

@@ -1,6 +1,6 @@
 """`laya-pool` as a user meets it: one line and a documented exit code for every mistake, never a traceback.
 
-Each case runs `python -m broker.cli ...` as a subprocess (all at once, so the file takes about a second
+Each case runs `python -m laya_pool ...` as a subprocess (all at once, so the file takes about a second
 of wall time), and the parser's own rules (help text and environment variable for every option) are
 checked in-process.
 """
@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, free_port
-
-from broker import cli
+from laya_pool.broker import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
 
 
 def _spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "broker.cli", *args], cwd=ROOT, text=True,
+    return subprocess.Popen([sys.executable, "-m", "laya_pool", *args], cwd=ROOT, text=True,
                             env={**SUBPROCESS_ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -127,7 +126,7 @@ def test_log_format_json_is_one_object_per_line(tmp_path):
     p = _spawn("broker", "--frontend", fe, "--backend", be, "--log-format", "json",
                env={"LAYA_POOL_RUNTIME_DIR": str(tmp_path / "run")})
     try:
-        from client.pool import Client
+        from laya_pool.client.pool import Client
         with Client(fe, timeout=10, retries=1) as c:
             c.status()
     finally:

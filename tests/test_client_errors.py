@@ -10,12 +10,11 @@ from collections.abc import Callable
 
 import pytest
 import zmq
-
-from client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
-from client.pool import AsyncClient, Client
-from protocol import wire
-from protocol.contract import Reason
-from protocol.wire import Cmd
+from laya_pool.client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
+from laya_pool.client.pool import AsyncClient, Client
+from laya_pool.protocol import wire
+from laya_pool.protocol.contract import Reason
+from laya_pool.protocol.wire import Cmd
 
 
 class _FakePool:

@@ -4,10 +4,9 @@ markers) than the pool takes, which the client learns with the model card."""
 from __future__ import annotations
 
 import pytest
-
-from client.pool import Client, RequestFailed, local_pool
-from client.semantics import QuestionError
-from protocol.contract import Reason
+from laya_pool.client.pool import Client, RequestFailed, local_pool
+from laya_pool.client.semantics import QuestionError
+from laya_pool.protocol.contract import Reason
 
 pytestmark = pytest.mark.timeout(120)
 NOUL = {"type": "noul", "instructions": "Is this urgent?"}

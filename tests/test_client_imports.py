@@ -10,10 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = """
 import json, sys
-import client
-from client import ModelCard, decode_answers, encode_request
-import client.card, client.decode, client.semantics
-import client.abstain, client.batching, client.calibration, client.scan, client.structured
+import laya_pool.client
+from laya_pool.client import ModelCard, decode_answers, encode_request
+import laya_pool.client.card, laya_pool.client.decode, laya_pool.client.semantics
+import laya_pool.client.abstain, laya_pool.client.batching, laya_pool.client.calibration, laya_pool.client.scan
+import laya_pool.client.structured
 card = ModelCard.from_dir(sys.argv[1], fingerprint="probe")
 enc = encode_request(card, "a state", {"u": {"type": "noul", "instructions": "ok?"}})
 import numpy as np

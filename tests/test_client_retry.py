@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import pytest
-
-from client.errors import PoolBusy, PoolError, PoolNoWorker, PoolTimeout, PoolUnavailable, PoolUnreachable
-from client.retry import Action, Attempts, RetryPolicy, Step, reply_error
-from protocol import wire
-from protocol.contract import Reason
+from laya_pool.client.errors import PoolBusy, PoolError, PoolNoWorker, PoolTimeout, PoolUnavailable, PoolUnreachable
+from laya_pool.client.retry import Action, Attempts, RetryPolicy, Step, reply_error
+from laya_pool.protocol import wire
+from laya_pool.protocol.contract import Reason
 
 OK, RETRY, FINAL = wire.STATUS_OK, wire.STATUS_RETRYABLE, wire.STATUS_FINAL
 S, W, RET, RAISE = Action.SEND, Action.WAIT, Action.RETURN, Action.RAISE

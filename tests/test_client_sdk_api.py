@@ -20,12 +20,11 @@ from typing import Literal, Optional
 import numpy as np
 import pytest
 from conftest import assert_answers_close
-
-from client import abstain, batching, scan, structured
-from client.card import ModelCard
-from client.decode import resolve_lang_temperatures
-from client.pool import AsyncClient, local_pool
-from client.semantics import to_internal
+from laya_pool.client import abstain, batching, scan, structured
+from laya_pool.client.card import ModelCard
+from laya_pool.client.decode import resolve_lang_temperatures
+from laya_pool.client.pool import AsyncClient, local_pool
+from laya_pool.client.semantics import to_internal
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -248,8 +247,7 @@ def test_calibration_files_read_as_sdk():
     from types import SimpleNamespace
 
     from laya.calibrate import apply_calibration_payload
-
-    from client.calibration import load_calibration
+    from laya_pool.client.calibration import load_calibration
 
     def sdk(payload):
         agent = SimpleNamespace(model_id_or_path=None, subfolder=None, cfg=None)
@@ -337,7 +335,7 @@ def run_async(pool, method: str, *args, **kwargs):
 
 def count_requests(client, monkeypatch) -> list[int]:
     """Spy on the client's pool calls: the rows of every request it sends."""
-    from protocol.wire import Cmd
+    from laya_pool.protocol.wire import Cmd
     sent: list[int] = []
     call = client.call
 
@@ -551,8 +549,8 @@ def _most_in_flight(pool) -> int:
 
 
 def test_async_batch_requests_are_in_flight_together_within_a_bound(pool, monkeypatch):
-    import client.pool
+    import laya_pool.client.pool
     requests = math.ceil(len(STATES) / (MAX_ROWS // len(QUESTIONS)))
     assert _most_in_flight(pool) == requests == 4
-    monkeypatch.setattr(client.pool, "BATCH_IN_FLIGHT", 2)
+    monkeypatch.setattr(laya_pool.client.pool, "BATCH_IN_FLIGHT", 2)
     assert _most_in_flight(pool) == 2

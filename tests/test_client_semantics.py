@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from client.card import CardError, ModelCard, clamp_temperature, directory_fingerprint
-from client.semantics import QuestionError, encode_request, to_internal
+from laya_pool.client.card import CardError, ModelCard, clamp_temperature, directory_fingerprint
+from laya_pool.client.semantics import QuestionError, encode_request, to_internal
 
 CASES = json.loads((Path(__file__).parents[1] / "tools/cases/requests.json").read_text(encoding="utf-8"))["cases"]
 
@@ -80,7 +79,7 @@ def test_card_matches_sdk_load(card, sdk_agent):
 
 
 def test_card_from_pool_card_equals_from_dir(card, tiny_ckpt):
-    from worker.checkpoint import load_checkpoint
+    from laya_pool.worker.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(tiny_ckpt, with_tensors=False)
     pooled = ModelCard.from_card(ckpt.card())

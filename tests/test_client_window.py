@@ -14,11 +14,10 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from laya_pool.client.card import ModelCard
+from laya_pool.client.semantics import encode_request
+from laya_pool.client.state import WindowPolicy, tokenize_state
 from test_client_semantics import assert_same_rows
-
-from client.card import ModelCard
-from client.semantics import encode_request
-from client.state import WindowPolicy, tokenize_state
 
 PIECES = ["ticket", "refund", "a", "the", "it's", "we'll", "I'm", "x" * 40, "supercalifragilistic" * 8,
           "Grüße", "Zürich", "東京注文返金緊急", "Привет", "مرحبا", "🙂", "👩‍💻", "🇩🇪", "e\u0301", "€100", "42",

@@ -36,7 +36,7 @@ def _perturbed(src: Path, dst: Path, tensor: str) -> Path:
 
 
 def _wait(client, pred, timeout=120.0):
-    from client.pool import PoolError
+    from laya_pool.client.pool import PoolError
 
     def reached():
         st = client.status()
@@ -45,13 +45,14 @@ def _wait(client, pred, timeout=120.0):
 
 
 def test_planted_difference_is_named(tiny_ckpt, tmp_path):
-    from client.pool import Client
+    from laya_pool.client.pool import Client
     bad = _perturbed(tiny_ckpt, tmp_path / "bad", "encoder.layers.2.mlp.Wo.weight")
     fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    procs = [subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)]
     try:
-        worker = [sys.executable, "-m", "worker.server", "--backend", be, "--device", "cpu", "--heartbeat-ms", "300",
+        worker = [sys.executable, "-m", "laya_pool.worker.server", "--backend", be, "--device", "cpu", "--heartbeat-ms",
+                  "300",
                   "--threads", "1"]
         procs.append(subprocess.Popen(worker + ["--model", str(tiny_ckpt), "--id", "good0"], env=ENV, cwd=ROOT))
         with Client(fe, timeout=3.0, retries=1) as c:
@@ -88,15 +89,16 @@ def test_gpu_pool_workers_agree_in_every_mode(tiny_ckpt, tmp_path):
 def test_pool_pinned_to_its_model_keeps_a_stray_worker_out(tiny_ckpt, tmp_path):
     """`laya-pool up` pins the broker to its checkpoint's fingerprint: a worker of another model that
     registers while no right worker is ready cannot redefine what the pool serves."""
-    from client.card import directory_fingerprint
-    from client.pool import Client
+    from laya_pool.client.card import directory_fingerprint
+    from laya_pool.client.pool import Client
     stray = _perturbed(tiny_ckpt, tmp_path / "stray", "scorer.1.weight")
     fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    procs = [subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300", "--fingerprint", directory_fingerprint(tiny_ckpt)],
                               env=ENV, cwd=ROOT)]
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "worker.server", "--backend", be, "--device", "cpu",
+        procs.append(subprocess.Popen([sys.executable, "-m", "laya_pool.worker.server", "--backend", be, "--device",
+                                       "cpu",
                                        "--heartbeat-ms", "300", "--threads", "1", "--model", str(stray),
                                        "--id", "stray"], env=ENV, cwd=ROOT))
         with Client(fe, timeout=3.0, retries=1) as c:

@@ -6,8 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-
-from protocol import contract
+from laya_pool.protocol import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOL_MD = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
@@ -56,8 +55,8 @@ def test_no_reason_is_spelled_out_as_a_string():
 
 
 def test_one_fingerprint_for_directory_card_and_checkpoint(tiny_ckpt):
-    from client.card import directory_fingerprint
-    from worker.checkpoint import load_checkpoint
+    from laya_pool.client.card import directory_fingerprint
+    from laya_pool.worker.checkpoint import load_checkpoint
 
     fp = contract.fingerprint(tiny_ckpt)
     assert len(fp) == 64 and directory_fingerprint(tiny_ckpt) == fp

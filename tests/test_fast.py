@@ -11,11 +11,10 @@ import os
 import numpy as np
 import pytest
 import torch
-
-from kernels.arch import parse_arch
-from kernels.gemm import Epi, pick_tiles
-from kernels.reference import ReferenceModel
-from worker.checkpoint import load_checkpoint
+from laya_pool.kernels.arch import parse_arch
+from laya_pool.kernels.gemm import Epi, pick_tiles
+from laya_pool.kernels.reference import ReferenceModel
+from laya_pool.worker.checkpoint import load_checkpoint
 
 
 def _has_triton() -> bool:
@@ -59,7 +58,7 @@ def test_small_m_gets_enough_programs_to_stream_weights():
 def test_k_chunks_are_whole_tiles_and_a_function_of_k_alone(preset):
     """What the split residual GEMM's invariance rests on: two chunks whose edge is a whole K tile at every tiling the
     GEMM may pick, the same for every M (k_chunk takes no M), and split tiles that only narrow N."""
-    from kernels.gemm import k_chunk, split_tiles
+    from laya_pool.kernels.gemm import k_chunk, split_tiles
     d, ff = PRESET_SHAPES[preset]
     for k in (d, ff, 4 * d):
         c = k_chunk(k)
@@ -74,7 +73,7 @@ def test_k_chunks_are_whole_tiles_and_a_function_of_k_alone(preset):
 
 @pytest.fixture(scope="module")
 def models(tiny_ckpt):
-    from kernels.fast import FastModel
+    from laya_pool.kernels.fast import FastModel
     ck = load_checkpoint(tiny_ckpt)
     return (ck, FastModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float16),
             ReferenceModel(ck.arch, ck.tensors, dtype=torch.float16, gemm="vendor"),
@@ -146,8 +145,8 @@ def test_split_residual_gemm_equals_the_unsplit_one_bit_for_bit():
     """A residual GEMM with K in chunks gives the same bits whether its chunks run in their own programs and the
     next LayerNorm adds them up (small M), or one program adds them in turn (large M); with biases as the
     decision head rounds them too."""
-    from kernels import rows as rk
-    from kernels.gemm import Tiles, residual
+    from laya_pool.kernels import rows as rk
+    from laya_pool.kernels.gemm import Tiles, residual
     g = torch.Generator().manual_seed(3)
     m, k, n = 48, 320, 64              # chunks of 192 and 128: the second one's last K tile is half past K
     a = torch.randn(m, k, generator=g).half()
@@ -175,9 +174,9 @@ def test_split_residual_gemm_equals_the_unsplit_one_bit_for_bit():
 def test_a_forward_with_split_gemms_answers_the_bits_of_one_without(models, monkeypatch):
     """The whole fast forward, residual GEMMs in K chunks: split into programs (and finished by the row kernels)
     or not split at all, the same logits and act probabilities."""
-    import kernels.fast as fast_mod
-    import kernels.gemm as gemm_mod
-    from kernels.fast import FastModel
+    import laya_pool.kernels.fast as fast_mod
+    import laya_pool.kernels.gemm as gemm_mod
+    from laya_pool.kernels.fast import FastModel
     ck = models[0]
     monkeypatch.setattr(gemm_mod, "k_chunk", lambda k: -(-k // 256) * 128 if k > 128 else 0)   # tiny K: 192, 512
     monkeypatch.setattr(fast_mod, "k_chunk", gemm_mod.k_chunk)
@@ -192,7 +191,7 @@ def test_a_forward_with_split_gemms_answers_the_bits_of_one_without(models, monk
 
 
 def test_unsupported_configurations_say_why():
-    from kernels.fast import supports
+    from laya_pool.kernels.fast import supports
     arch = load_checkpoint_arch()
     why = supports(arch, torch.device("cpu"), torch.float32)
     assert why is not None and ("bf16" in why or "Triton" in why), why
@@ -210,8 +209,8 @@ def load_checkpoint_arch():
 def test_rope_epilogue_tiles_within_and_across_heads(bn):
     """The QKV GEMM's RoPE epilogue, its N tile inside one head's half (bn <= D/2) or spanning several heads: every
     query and key column rotated by its token's position, value columns untouched."""
-    from kernels.gemm import Tiles, gemm
-    from kernels.reference import _rope_tables, _rotate_half
+    from laya_pool.kernels.gemm import Tiles, gemm
+    from laya_pool.kernels.reference import _rope_tables, _rotate_half
     g = torch.Generator().manual_seed(5)
     heads, d, m, k = 3, 32, 40, 64
     a = torch.randn(m, k, generator=g).half()

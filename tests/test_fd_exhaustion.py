@@ -13,8 +13,7 @@ import sys
 
 import pytest
 from conftest import ROOT, SUBPROCESS_ENV, free_port, wait_until
-
-from client.pool import Client
+from laya_pool.client.pool import Client
 
 pytestmark = pytest.mark.timeout(60)
 FD_LIMIT = 64          # enough for the broker's own sockets and pipes, not for 100 more connections
@@ -27,7 +26,7 @@ def test_fd_exhaustion_logs_one_clear_line_and_the_broker_recovers(tmp_path):
     log = tmp_path / "broker.log"
     with open(log, "w") as out:
         broker = subprocess.Popen(
-            [sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be],
+            [sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be],
             env=SUBPROCESS_ENV, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT)))
     conns: list[socket.socket] = []

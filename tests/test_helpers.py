@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import make_rows, wait_until
-
-from worker.batch import Batch, Limits, validate
+from laya_pool.worker.batch import Batch, Limits, validate
 
 
 def test_wait_until_returns_the_first_truthy_value_and_fails_with_the_message():

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import numpy as np
 from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
-
-from client.pool import Client
+from laya_pool.client.pool import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
@@ -15,9 +14,10 @@ ENV = SUBPROCESS_ENV
 
 def test_hung_worker_is_declared_dead_and_its_request_runs_elsewhere(tiny_ckpt, tmp_path):
     fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    procs = [subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300", "--job-timeout", "3"], env=ENV, cwd=ROOT)]
-    worker = [sys.executable, "-m", "worker.server", "--model", str(tiny_ckpt), "--device", "cpu", "--backend", be,
+    worker = [sys.executable, "-m", "laya_pool.worker.server", "--model", str(tiny_ckpt), "--device", "cpu",
+              "--backend", be,
               "--heartbeat-ms", "300", "--threads", "1"]
     try:
         procs.append(subprocess.Popen(worker + ["--id", "hangs"], env=dict(ENV, LAYA_WORKER_HANG_ROWS="3"), cwd=ROOT))

@@ -78,7 +78,7 @@ def test_every_room_is_packaged():
 
 _PROBE = """
 import json, sys
-import broker.broker, broker.replies, protocol.wire, protocol.contract
+import laya_pool.broker.broker, laya_pool.broker.replies, laya_pool.protocol.wire, laya_pool.protocol.contract
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "worker", "kernels", "client"))))
 """
 

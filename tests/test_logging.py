@@ -6,8 +6,7 @@ import json
 import logging
 
 from conftest import make_rows
-
-from protocol import logs, wire
+from laya_pool.protocol import logs, wire
 
 
 def test_the_worker_sees_the_clients_request_id():

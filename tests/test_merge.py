@@ -10,13 +10,12 @@ import asyncio
 import numpy as np
 import pytest
 from conftest import make_rows
-
-from client.pool import AsyncClient, RequestFailed, local_pool
-from worker.batch import Batch
-from worker.checkpoint import load_checkpoint
-from worker.merge import Group
-from worker.runtime import Runtime
-from worker.workspace import Capacity
+from laya_pool.client.pool import AsyncClient, RequestFailed, local_pool
+from laya_pool.worker.batch import Batch
+from laya_pool.worker.checkpoint import load_checkpoint
+from laya_pool.worker.merge import Group
+from laya_pool.worker.runtime import Runtime
+from laya_pool.worker.workspace import Capacity
 
 pytestmark = pytest.mark.timeout(240)
 

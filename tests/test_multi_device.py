@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 from conftest import SUBPROCESS_ENV, free_port, make_rows, stop_all, wait_until
-
-from broker.supervisor import Supervisor, SupervisorConfig
-from worker.placement import cuda_local_device as _cuda_local_device
+from laya_pool.broker.supervisor import Supervisor, SupervisorConfig
+from laya_pool.worker.placement import cuda_local_device as _cuda_local_device
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
@@ -43,13 +42,13 @@ def test_worker_maps_its_one_visible_gpu(monkeypatch):
 
 
 def test_remote_style_workers_join_over_tcp_and_agree(tiny_ckpt):
-    from client.pool import Client, PoolError
+    from laya_pool.client.pool import Client, PoolError
     fe, be = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    procs = [subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300", "--insecure-backend"], env=ENV, cwd=ROOT)]
     try:
         for wid in ("hostA-0", "hostB-0"):
-            procs.append(subprocess.Popen([sys.executable, "-m", "worker.server", "--model", str(tiny_ckpt),
+            procs.append(subprocess.Popen([sys.executable, "-m", "laya_pool.worker.server", "--model", str(tiny_ckpt),
                                            "--device", "cpu", "--backend", be, "--id", wid, "--threads", "1",
                                            "--heartbeat-ms", "300"], env=ENV, cwd=ROOT))
         with Client(fe, timeout=5.0, retries=2) as c:

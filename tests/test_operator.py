@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, make_rows, wait_until
-
-from broker import operator
-from client.pool import Client, RequestFailed, local_pool
-from protocol.contract import Reason
+from laya_pool.broker import operator
+from laya_pool.client.pool import Client, RequestFailed, local_pool
+from laya_pool.protocol.contract import Reason
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
@@ -53,7 +52,7 @@ def test_only_the_operator_may_drain_or_restart_and_restarts_are_limited(tiny_ck
                     op.drain("1", restart=True)
                 assert e.value.reason == Reason.RATE_LIMITED and "try again in" in str(e.value)
             # The operator's CLI reads the secret by itself.
-            r = subprocess.run([sys.executable, "-m", "broker.cli", "drain", "1", "--wait", "--frontend",
+            r = subprocess.run([sys.executable, "-m", "laya_pool", "drain", "1", "--wait", "--frontend",
                                 pool.endpoint], env=SUBPROCESS_ENV, cwd=ROOT, capture_output=True, text=True,
                                timeout=60)
             assert r.returncode == 0, r.stderr

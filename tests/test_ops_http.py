@@ -16,10 +16,9 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, wait_until
+from laya_pool.broker import operator
+from laya_pool.client.pool import Client, PoolUnavailable, RequestFailed, local_pool
 from prometheus_client.parser import text_string_to_metric_families
-
-from broker import operator
-from client.pool import Client, PoolUnavailable, RequestFailed, local_pool
 
 pytestmark = pytest.mark.timeout(180)
 OK = ("laya_pool_requests_total", (("outcome", "ok"), ("reason", "")))
@@ -139,7 +138,7 @@ def test_ready_is_503_while_the_only_worker_is_drained(pool):
 
 
 def test_http_beyond_loopback_needs_keys(tiny_ckpt):
-    out = subprocess.run([sys.executable, "-m", "broker.cli", "up", "--model", str(tiny_ckpt), "--http",
+    out = subprocess.run([sys.executable, "-m", "laya_pool", "up", "--model", str(tiny_ckpt), "--http",
                           f"0.0.0.0:{free_port()}"], cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2

@@ -13,15 +13,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from compute_driver import Driven, queued, rows
-
-from worker.batch import Batch
-from worker.checkpoint import load_checkpoint
-from worker.compute import FaultHooks
-from worker.graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
-from worker.merge import Group
-from worker.runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, bucket_of, merged_buckets, parse_shapes
-from worker.slots import SlotError, SlotLedger, SlotState
-from worker.workspace import Capacity, Shape
+from laya_pool.worker.batch import Batch
+from laya_pool.worker.checkpoint import load_checkpoint
+from laya_pool.worker.compute import FaultHooks
+from laya_pool.worker.graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
+from laya_pool.worker.merge import Group
+from laya_pool.worker.runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, bucket_of, merged_buckets, parse_shapes
+from laya_pool.worker.slots import SlotError, SlotLedger, SlotState
+from laya_pool.worker.workspace import Capacity, Shape
 
 CAP = Capacity(max_tokens=4096, max_rows=64, max_markers=1024, row_markers=32)
 
@@ -262,7 +261,7 @@ class _DeviceEvent:
 def test_landing_watch_reports_in_launch_order_and_hands_errors_over():
     import queue as stdqueue
 
-    from worker.landing import Landed, LandingWatch
+    from laya_pool.worker.landing import Landed, LandingWatch
     posted: stdqueue.Queue = stdqueue.Queue()
     watch = LandingWatch(posted.put)
     jobs = [SimpleNamespace(event=_DeviceEvent(fail=i == 1), landed=None, error=None) for i in range(3)]

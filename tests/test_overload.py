@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
-
-from broker.overload import DrainRate, retry_after
-from client.pool import (
+from laya_pool.broker.overload import DrainRate, retry_after
+from laya_pool.client.pool import (
     AsyncClient,
     Client,
     PoolBusy,
@@ -26,7 +25,7 @@ from client.pool import (
     PoolUnreachable,
     local_pool,
 )
-from protocol.contract import CONNECT_TIMEOUT_S, RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Reason
+from laya_pool.protocol.contract import CONNECT_TIMEOUT_S, RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Reason
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = make_rows(7, 2)
@@ -83,7 +82,7 @@ def test_nothing_listening_is_said_within_5_s_by_both_clients():
 def bare_broker(tmp_path):
     """A broker with no worker: `--queue-size 1`."""
     fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
-    p = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    p = subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                           "--queue-size", "1"], env=SUBPROCESS_ENV, cwd=ROOT)
     try:
         with Client(fe, timeout=30, connect_timeout=30) as c:

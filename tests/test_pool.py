@@ -23,10 +23,9 @@ import numpy as np
 import pytest
 import zmq
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
-
-from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
-from protocol import contract, wire
-from protocol.wire import Cmd
+from laya_pool.client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
+from laya_pool.protocol import contract, wire
+from laya_pool.protocol.wire import Cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 HB_MS, LIVENESS = 250, 4
@@ -123,15 +122,14 @@ def expected(sdk_agent):
 @pytest.fixture(scope="module")
 def runtime(tiny_ckpt):
     import torch
-
-    from worker.checkpoint import load_checkpoint
-    from worker.runtime import Runtime
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime
     torch.set_num_threads(1)
     return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
 
 
 def _reference(runtime, rows):
-    from worker.batch import Batch
+    from laya_pool.worker.batch import Batch
     r = runtime.run(Batch.from_rows(rows))
     return r.logits, r.act
 
@@ -190,7 +188,7 @@ def test_forward_equals_runtime_on_every_worker(tcp_pool, runtime, tiny_ckpt):
             c.forward(rows, mode="graph-cached")
         assert e.value.field == "mode"
         card = c.describe()
-        from client.card import directory_fingerprint
+        from laya_pool.client.card import directory_fingerprint
         assert card["fingerprint"] == directory_fingerprint(tiny_ckpt) == tcp_pool.status()["broker"]["fingerprint"]
         assert {"agent_config", "tokenizer_json", "tokenizer_config", "vocab_size"} <= set(card)
 
@@ -206,7 +204,7 @@ def test_async_client(ipc_pool, expected):
 
 
 def test_a_state_window_that_disagrees_is_sent_again_whole(ipc_pool, expected, monkeypatch, caplog):
-    from client import semantics
+    from laya_pool.client import semantics
 
     state, qs = CASES[-1]
     with ipc_pool.client(timeout=30) as c:
@@ -445,7 +443,7 @@ def test_a_silent_worker_is_declared_dead_and_rejoins(tcp_pool, runtime):
 
 
 def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "broker.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "laya_pool", *args], capture_output=True, text=True,
                           timeout=timeout, env=SUBPROCESS_ENV, cwd=str(ROOT))
 
 
@@ -539,7 +537,8 @@ def test_cli_status_and_predict(tcp_pool, expected):
 # ------------------------------------------------------------------------------------------------ broker alone
 
 def _broker(*args):
-    return subprocess.Popen([sys.executable, "-m", "broker.broker", *args], env=SUBPROCESS_ENV, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "laya_pool.broker.broker", *args], env=SUBPROCESS_ENV,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -627,7 +626,8 @@ def test_up_fails_fast_on_what_cannot_work(tmp_path, tiny_ckpt):
 
 
 def test_worker_exit_codes(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "worker.server", "--model", str(tmp_path / "missing"), "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "laya_pool.worker.server", "--model", str(tmp_path / "missing"),
+                        "--device", "cpu",
                         "--backend", f"ipc://{tmp_path}/be", "--id", "x"], env=SUBPROCESS_ENV,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == contract.EXIT_CONFIG and "missing" in r.stderr

@@ -12,9 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
-
-from broker import operator
-from client.pool import Client, PoolUnavailable, local_pool
+from laya_pool.broker import operator
+from laya_pool.client.pool import Client, PoolUnavailable, local_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _up(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "broker.cli", "up", *args], env=env or SUBPROCESS_ENV, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "laya_pool", "up", *args], env=env or SUBPROCESS_ENV, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
@@ -41,12 +40,12 @@ def test_a_second_up_on_a_used_frontend_fails_without_claiming_the_pool(tiny_ckp
             assert len(c.forward(make_rows(0, 2)).logits) == 2
     # ipc: ZeroMQ would unlink a live socket file and bind over it; the broker refuses instead.
     fe = f"ipc://{tmp_path}/fe"
-    first = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend",
+    first = subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend",
                               f"ipc://{tmp_path}/be"], env=SUBPROCESS_ENV, cwd=ROOT)
     try:
         with Client(fe, timeout=30.0, connect_timeout=30.0) as c:   # waits for the broker to bind
             pid = c.status()["broker"]["pid"]
-            r = subprocess.run([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend",
+            r = subprocess.run([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend",
                                 f"ipc://{tmp_path}/be2"], env=SUBPROCESS_ENV, cwd=ROOT, capture_output=True,
                                text=True, timeout=60)
             assert r.returncode == 78 and "in use by another running process" in r.stderr, r.stderr

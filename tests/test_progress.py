@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from tools.progress import Progress, bar_text, enabled
+from laya_pool.tools.progress import Progress, bar_text, enabled
 
 
 class _Tty(io.StringIO):

@@ -13,9 +13,8 @@ import time
 
 import pytest
 import torch
-
-from kernels.reference import ABSENT_LOGIT, ReferenceModel
-from worker.checkpoint import load_checkpoint
+from laya_pool.kernels.reference import ABSENT_LOGIT, ReferenceModel
+from laya_pool.worker.checkpoint import load_checkpoint
 
 TAP_NRMS = 1e-5
 LOGIT_TOL = 1e-4

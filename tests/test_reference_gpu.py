@@ -20,11 +20,10 @@ import warnings
 import pytest
 import torch
 from conftest import make_ckpt
+from laya_pool.kernels.fast import FastModel
+from laya_pool.kernels.reference import ABSENT_LOGIT, ReferenceModel
+from laya_pool.worker.checkpoint import load_checkpoint
 from test_reference import REQUESTS, encode, flat_rows, make_requests, pack
-
-from kernels.fast import FastModel
-from kernels.reference import ABSENT_LOGIT, ReferenceModel
-from worker.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.gpu
 

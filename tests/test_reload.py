@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, make_ckpt, wait_until
-
-from client.pool import Client, PoolUnavailable, local_pool
-from protocol import contract
+from laya_pool.client.pool import Client, PoolUnavailable, local_pool
+from laya_pool.protocol import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
@@ -50,7 +49,7 @@ def _sdk_answers(ckpt: Path) -> list[dict]:
 
 
 def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "broker.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "laya_pool", *args], capture_output=True, text=True,
                           timeout=timeout, env=SUBPROCESS_ENV, cwd=str(ROOT))
 
 
@@ -155,7 +154,7 @@ def _st(fp: str, *workers: tuple[str, str, str, int, int], reload_id: str | None
 
 
 def test_reading_a_reload_from_the_status():
-    from broker import reload as rl
+    from laya_pool.broker import reload as rl
     A, B = "a" * 64, "b" * 64
     start = _st(A, ("0", "ready", A, 10, 1), ("1", "ready", A, 11, 1))
     before = {w["id"]: w for w in start["workers"]}
@@ -173,8 +172,8 @@ def test_reading_a_reload_from_the_status():
 
 
 def test_the_broker_serves_the_new_model_once_half_the_ready_workers_have_it(tmp_path):
-    from broker.broker import Broker, BrokerConfig, WorkerInfo
-    from protocol.contract import WorkerState
+    from laya_pool.broker.broker import Broker, BrokerConfig, WorkerInfo
+    from laya_pool.protocol.contract import WorkerState
     A, B = "a" * 64, "b" * 64
     b = Broker(BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be", fingerprint=A,
                             operator_secret=False))

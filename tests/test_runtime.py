@@ -3,12 +3,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_rows
-
-from worker.batch import Batch, Limits, RequestError, validate
-from worker.checkpoint import load_checkpoint
-from worker.graphs import CachePolicy, GraphCache, GraphEntry
-from worker.runtime import Runtime
-from worker.workspace import Capacity, Shape
+from laya_pool.worker.batch import Batch, Limits, RequestError, validate
+from laya_pool.worker.checkpoint import load_checkpoint
+from laya_pool.worker.graphs import CachePolicy, GraphCache, GraphEntry
+from laya_pool.worker.runtime import Runtime
+from laya_pool.worker.workspace import Capacity, Shape
 
 LIMITS = Limits(vocab_size=100, max_len=32, max_tokens=64, max_rows=4, max_markers=16)
 
@@ -98,7 +97,7 @@ def test_bad_request_leaves_runtime_serving(runtime):
 
 def test_runtime_matches_direct_reference_and_shapes(runtime):
     """The staging path (pack, views, readback) returns exactly what the forward computes on the rows."""
-    from kernels.reference import ReferenceModel
+    from laya_pool.kernels.reference import ReferenceModel
     vocab = runtime.checkpoint.arch.vocab_size
     rows = _rows(3, 4, vocab)
     got = runtime.run(Batch.from_rows(rows))
@@ -206,7 +205,7 @@ def test_eviction_reports_returned_bytes():
 
 
 def test_warmup_shapes_parse_and_refuse_garbage():
-    from worker.runtime import DEFAULT_WARMUP, parse_shapes
+    from laya_pool.worker.runtime import DEFAULT_WARMUP, parse_shapes
     shapes = parse_shapes(DEFAULT_WARMUP)
     assert Shape(16, 512, 16) in shapes and all(s.row_len % 64 == 0 for s in shapes)
     assert parse_shapes(" 2x128x4 ,") == (Shape(2, 128, 4),)

@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from worker.batch import Batch
-from worker.checkpoint import load_checkpoint
-from worker.graphs import CachePolicy
-from worker.runtime import Runtime, RuntimeConfig
-from worker.upload import UploadError
-from worker.workspace import Capacity, Shape
+from laya_pool.worker.batch import Batch
+from laya_pool.worker.checkpoint import load_checkpoint
+from laya_pool.worker.graphs import CachePolicy
+from laya_pool.worker.runtime import Runtime, RuntimeConfig
+from laya_pool.worker.upload import UploadError
+from laya_pool.worker.workspace import Capacity, Shape
 
 pytestmark = pytest.mark.gpu
 CASES = Path(__file__).parents[1] / "tools/cases/requests.json"
@@ -28,8 +27,8 @@ def ckpt(tiny_ckpt):
 
 
 def frozen_batches(tiny_ckpt) -> list[Batch]:
-    from client.card import ModelCard
-    from client.semantics import encode_request
+    from laya_pool.client.card import ModelCard
+    from laya_pool.client.semantics import encode_request
     card = ModelCard.from_dir(tiny_ckpt)
     cases = json.loads(CASES.read_text())["cases"]
     out = [Batch.from_rows(encode_request(card, c["state"], c["questions"]).rows) for c in cases]
@@ -68,7 +67,7 @@ def test_modes_are_byte_identical(ckpt, tiny_ckpt, dtype):
 def test_merged_requests_answer_byte_identically(ckpt, tiny_ckpt):
     """What makes a worker's dynamic batching safe on CUDA: a request merged with others answers exactly
     what it answers alone, in every mode (worker/merge.py)."""
-    from worker.merge import Group
+    from laya_pool.worker.merge import Group
     batches = [b for b in frozen_batches(tiny_ckpt) if b.rows <= 4 and b.tokens <= 1024]
     rng = np.random.default_rng(7)
     for mode in ("eager", "graph-cached"):

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import zmq
 from conftest import SUBPROCESS_ENV, free_port, wait_until
-
-from broker.security import generate
-from client.pool import Client
-from protocol import wire
+from laya_pool.broker.security import generate
+from laya_pool.client.pool import Client
+from laya_pool.protocol import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
@@ -27,7 +26,7 @@ def test_client_key_cannot_register_a_worker(tmp_path):
     generate(keys)
     assert (keys / "authorized-workers" / "worker.key").is_file() and (keys / "worker.key_secret").is_file()
     fe, be = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    broker = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    broker = subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--keys", str(keys), "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)
     ctx = zmq.Context()
     try:

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import zmq
 from conftest import SUBPROCESS_ENV, free_port, wait_until
-
-from broker.security import generate
-from client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed
-from protocol import wire
-from protocol.contract import Reason
+from laya_pool.broker.security import generate
+from laya_pool.client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed
+from laya_pool.protocol import wire
+from laya_pool.protocol.contract import Reason
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -30,7 +29,7 @@ def _ready(wid: str, pid: int) -> list:
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "broker.cli", *args], env=SUBPROCESS_ENV, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "laya_pool", *args], env=SUBPROCESS_ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -43,7 +42,7 @@ def test_a_tcp_worker_endpoint_needs_keys_even_on_loopback(tmp_path, tiny_ckpt):
     # Asked for explicitly, it runs, and says so in the log.
     log = tmp_path / "broker.log"
     with open(log, "w") as out:
-        p = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", f"ipc://{tmp_path}/fe3",
+        p = subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", f"ipc://{tmp_path}/fe3",
                               "--backend", be, "--insecure-backend"], env=SUBPROCESS_ENV, cwd=ROOT, stdout=out,
                              stderr=subprocess.STDOUT)
     try:
@@ -59,7 +58,7 @@ def test_without_the_worker_key_no_registration_or_takeover_and_only_the_operato
     fe, be = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / "broker.log"
     with open(log, "w") as out:
-        broker = subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+        broker = subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                    "--keys", str(keys), "--heartbeat-ms", "300", "--liveness", "100"],
                                   env=SUBPROCESS_ENV, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     ctx = zmq.Context()
@@ -131,7 +130,7 @@ def test_without_the_worker_key_no_registration_or_takeover_and_only_the_operato
 
 
 def test_connection_watch_rules():
-    from client.watch import ConnectionWatch
+    from laya_pool.client.watch import ConnectionWatch
     w = ConnectionWatch()
     assert not w.feed(zmq.EVENT_HANDSHAKE_SUCCEEDED), "the first connection is not a reconnection"
     assert not w.feed(zmq.EVENT_DISCONNECTED)

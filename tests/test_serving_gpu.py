@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from compute_driver import Driven, queued, rows
-
-from worker.batch import Batch
-from worker.checkpoint import load_checkpoint
-from worker.runtime import DEFAULT_MERGED, DEFAULT_WARMUP, Runtime, RuntimeConfig, parse_shapes
-from worker.workspace import Capacity, Shape
+from laya_pool.worker.batch import Batch
+from laya_pool.worker.checkpoint import load_checkpoint
+from laya_pool.worker.runtime import DEFAULT_MERGED, DEFAULT_WARMUP, Runtime, RuntimeConfig, parse_shapes
+from laya_pool.worker.workspace import Capacity, Shape
 
 pytestmark = pytest.mark.gpu
 CAP = Capacity(max_tokens=4096, max_rows=32, max_markers=1024, row_markers=16)

@@ -13,9 +13,8 @@ import psutil
 import pytest
 import zmq
 from conftest import make_rows, wait_until
-
-from client.pool import Client, local_pool
-from protocol import wire
+from laya_pool.client.pool import Client, local_pool
+from laya_pool.protocol import wire
 
 pytestmark = pytest.mark.timeout(180)
 N_UNREAD = 8000

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
-
-from client.pool import Client, PoolError, local_pool
+from laya_pool.client.pool import Client, PoolError, local_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV
@@ -24,9 +23,10 @@ WATCHDOG_S = 2.0
 def test_the_watchdog_finds_a_hung_device_and_its_requests_run_elsewhere(tiny_ckpt, tmp_path):
     fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
     # The broker's job deadline stays at its default (300 s): only the worker's watchdog can be quick here.
-    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "broker", "--frontend", fe, "--backend", be,
+    procs = [subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300"], env=ENV, cwd=ROOT)]
-    worker = [sys.executable, "-m", "worker.server", "--model", str(tiny_ckpt), "--device", "cpu", "--backend", be,
+    worker = [sys.executable, "-m", "laya_pool.worker.server", "--model", str(tiny_ckpt), "--device", "cpu",
+              "--backend", be,
               "--heartbeat-ms", "300", "--threads", "1", "--compute-timeout", str(WATCHDOG_S)]
     try:
         procs.append(subprocess.Popen(worker + ["--id", "hangs"], env=dict(ENV, LAYA_WORKER_HANG_ROWS="3"), cwd=ROOT))

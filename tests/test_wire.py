@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from protocol import wire
-from protocol.wire import Cmd, ProtocolError
+from laya_pool.protocol import wire
+from laya_pool.protocol.wire import Cmd, ProtocolError
 
 ROWS = [(np.array([1, 5, 9, 2], np.int32), np.array([1, 3], np.int32), 0),
         (np.array([7, 8, 9], np.int32), np.array([0], np.int32), 2)]

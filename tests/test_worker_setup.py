@@ -6,10 +6,9 @@ import sys
 
 import pytest
 from conftest import ROOT, SUBPROCESS_ENV
-
-from protocol import contract
-from worker.compute import FaultHooks
-from worker.server import WorkerConfig, build_parser
+from laya_pool.protocol import contract
+from laya_pool.worker.compute import FaultHooks
+from laya_pool.worker.server import WorkerConfig, build_parser
 
 CPU = [("cpu", None, None, None, ("eager", 1, 2)),
        ("cpu", None, 4, None, ("eager", 4, 8)),
@@ -40,7 +39,7 @@ def test_fault_hooks_from_env(env, want):
 
 
 def _worker(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.server", "--device", "cpu", "--id", "x", *args],
+    return subprocess.run([sys.executable, "-m", "laya_pool.worker.server", "--device", "cpu", "--id", "x", *args],
                           env=SUBPROCESS_ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from tools.progress import Progress, enabled  # noqa: E402
+from .progress import Progress, enabled  # noqa: E402
 
 SDK_GRAPH = "sdk forward cuda-graph"
 SHAPES = [(1, 48), (1, 128), (4, 256), (16, 512)]
@@ -33,7 +33,7 @@ WORDS = ("ticket customer refund invoice urgent billing account password reset l
 
 def make_request(card, rows: int, length: int) -> tuple[str, dict]:
     """A predict() call whose encoding has `rows` rows of (at most, and as near as possible) `length` tokens."""
-    from client.semantics import encode_request
+    from laya_pool.client.semantics import encode_request
 
     questions = {}
     for i in range(rows):
@@ -98,12 +98,12 @@ def sdk_graph_forward(agent, enc, device):
 
 def build_configs(args, card, requests) -> dict[str, Callable[[int], Callable[[], object]]]:
     """name -> (shape index -> a zero-argument call). Each factory is built once per configuration."""
-    from client.decode import decode_answers
-    from client.semantics import encode_request
-    from worker.batch import Batch
-    from worker.checkpoint import load_checkpoint
-    from worker.runtime import Runtime, RuntimeConfig
-    from worker.workspace import Capacity
+    from laya_pool.client.decode import decode_answers
+    from laya_pool.client.semantics import encode_request
+    from laya_pool.worker.batch import Batch
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime, RuntimeConfig
+    from laya_pool.worker.workspace import Capacity
 
     ck = load_checkpoint(args.model)
     cap = Capacity(max_tokens=16 * 512, max_rows=16, max_markers=1024, row_markers=64)
@@ -141,7 +141,7 @@ def build_configs(args, card, requests) -> dict[str, Callable[[int], Callable[[]
     elif cuda:
         configs.pop(SDK_GRAPH, None)     # measured in a child process: see run_child
     if args.frontend:
-        from client.pool import Client
+        from laya_pool.client.pool import Client
         client = Client(args.frontend)
         configs["pool client.predict"] = lambda i: (lambda: client.predict(*requests[i]))
     return configs
@@ -149,8 +149,7 @@ def build_configs(args, card, requests) -> dict[str, Callable[[int], Callable[[]
 
 def run(args) -> dict:
     import torch
-
-    from client.card import ModelCard
+    from laya_pool.client.card import ModelCard
 
     card = ModelCard.from_dir(args.model)
     shapes = SHAPES[:2] if args.quick else SHAPES

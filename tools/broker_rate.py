@@ -38,9 +38,8 @@ def _load(endpoint: str, kind: str, window: int, warmup: float, seconds: float, 
 
     import numpy as np
     import zmq
-
-    from protocol import wire
-    from protocol.wire import Cmd
+    from laya_pool.protocol import wire
+    from laya_pool.protocol.wire import Cmd
 
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -125,7 +124,7 @@ def run_kind(endpoint: str, kind: str, procs: int, window: int, seconds: float, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from client.pool import Client, local_pool
+    from laya_pool.client.pool import Client, local_pool
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="the checkpoint for the pool this starts (not with --frontend)")

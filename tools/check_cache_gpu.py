@@ -28,7 +28,7 @@ ROW_SHAPES = [(1, 40, 2), (2, 100, 3), (4, 200, 4), (8, 300, 6), (16, 500, 8), (
 
 
 def batch_for(kind: int, seed: int):
-    from worker.batch import Batch
+    from laya_pool.worker.batch import Batch
     rows, length, k = ROW_SHAPES[kind]
     rng = np.random.default_rng(seed)
     return Batch.from_rows([(rng.integers(5, 1000, length).astype(np.int32),
@@ -67,14 +67,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("check_cache_gpu: no CUDA device")
         return 2
-    from worker.checkpoint import load_checkpoint
-    from worker.graphs import CachePolicy
-    from worker.runtime import Runtime, RuntimeConfig
-    from worker.workspace import Capacity
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.graphs import CachePolicy
+    from laya_pool.worker.runtime import Runtime, RuntimeConfig
+    from laya_pool.worker.workspace import Capacity
 
     model = args.model
     if model is None:
-        from tools.make_checkpoint import make_checkpoint
+        from .make_checkpoint import make_checkpoint
         model = make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny", 0)
     ck = load_checkpoint(model)
     cap = Capacity(max_tokens=16 * 512, max_rows=16, max_markers=1024, row_markers=16)

@@ -24,11 +24,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from client.card import ModelCard  # noqa: E402
-from client.decode import decode_answers  # noqa: E402
-from client.semantics import encode_request, serialize_state  # noqa: E402
-from protocol import wire  # noqa: E402
-from tools.bench import SHAPES, make_request  # noqa: E402
+from laya_pool.client.card import ModelCard  # noqa: E402
+from laya_pool.client.decode import decode_answers  # noqa: E402
+from laya_pool.client.semantics import encode_request, serialize_state  # noqa: E402
+from laya_pool.protocol import wire  # noqa: E402
+
+from .bench import SHAPES, make_request  # noqa: E402
 
 
 def timed(fn: Callable[[], object], calls: int, after: Callable[[object], object] = lambda r: None) -> dict:

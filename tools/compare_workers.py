@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-from protocol.contract import MODES  # noqa: E402
-from tools.progress import Progress, enabled  # noqa: E402
+from laya_pool.protocol.contract import MODES  # noqa: E402
+
+from .progress import Progress, enabled  # noqa: E402
 
 # Stated tolerances against the fp32 reference, per worker dtype: probabilities, and taps by nRMS.
 TOL = {"fp32": {"dp": 1e-4, "nrms": 1e-4}, "bf16": {"dp": 0.06, "nrms": 0.05}}
@@ -35,7 +36,7 @@ TAP_ORDER = ["embeddings"]
 
 
 def frozen_cases(card) -> list[tuple[str, list]]:
-    from client.semantics import encode_request
+    from laya_pool.client.semantics import encode_request
     cases = json.loads((ROOT / "tools" / "cases" / "requests.json").read_text())["cases"]
     out = [(c["name"], encode_request(card, c["state"], c["questions"]).rows) for c in cases]
     rng = np.random.default_rng(0)
@@ -72,9 +73,8 @@ class Reference:
 
     def __init__(self, model_dir: str):
         import torch
-
-        from kernels.reference import ReferenceModel
-        from worker.checkpoint import load_checkpoint
+        from laya_pool.kernels.reference import ReferenceModel
+        from laya_pool.worker.checkpoint import load_checkpoint
         ck = load_checkpoint(model_dir)
         self.ours = ReferenceModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float32)
         self.sdk = None
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.frontend and not args.model:
         ap.error("give --frontend, --model, or both")
-    from client.pool import Client, RequestFailed, local_pool
+    from laya_pool.client.pool import Client, RequestFailed, local_pool
 
     with contextlib.ExitStack() as stack:
         if not args.frontend:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from client.pool import local_pool  # noqa: E402
+from laya_pool.client.pool import local_pool  # noqa: E402
 
 DECISIONS = [
     ("The printer on floor 3 is jammed again and the quarterly report is due in an hour.",
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     model = Path(a.model)
     if not (model / "model.safetensors").exists():
-        from tools.make_checkpoint import make_checkpoint
+        from .make_checkpoint import make_checkpoint
         print(f"writing a tiny checkpoint to {model}")
         make_checkpoint(model, "tiny", 0)
     devices = a.devices or _devices()
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rows(c, state, questions):
-    from client.semantics import encode_request
+    from laya_pool.client.semantics import encode_request
     return encode_request(c.card(), state, questions).rows
 
 

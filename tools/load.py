@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from laya_pool.client.pool import AsyncClient, Client, local_pool  # noqa: E402
 
-
-from client.pool import AsyncClient, Client, local_pool  # noqa: E402
-from tools.progress import Progress, enabled  # noqa: E402
+from .progress import Progress, enabled  # noqa: E402
 
 QUIET = False           # --quiet: no progress bar
 

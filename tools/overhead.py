@@ -38,9 +38,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from client.pool import Client, local_pool  # noqa: E402
-from protocol import wire  # noqa: E402
-from protocol.wire import Cmd  # noqa: E402
+from laya_pool.client.pool import Client, local_pool  # noqa: E402
+from laya_pool.protocol import wire  # noqa: E402
+from laya_pool.protocol.wire import Cmd  # noqa: E402
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -107,10 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-
-    from worker.batch import Batch
-    from worker.checkpoint import load_checkpoint
-    from worker.runtime import Runtime, RuntimeConfig
+    from laya_pool.worker.batch import Batch
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime, RuntimeConfig
 
     torch.set_num_threads(args.threads)
     rows = one_row()

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from protocol import wire
-from protocol.contract import QType
+from laya_pool.protocol import wire
+from laya_pool.protocol.contract import QType
 
 MAX_QTYPE = int(max(QType))
 _QTYPE_TEXT = ", ".join(str(int(q)) for q in QType if q < MAX_QTYPE) + f" or {MAX_QTYPE}"   # "0, 1 or 2"

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from kernels.arch import Arch, ConfigError, parse_arch
-from protocol.contract import FINGERPRINT_FILES, fingerprint
+from laya_pool.kernels.arch import Arch, ConfigError, parse_arch
+from laya_pool.protocol.contract import FINGERPRINT_FILES, fingerprint
 
 # Every file the fingerprint covers must be there, and nothing else is needed.
 REQUIRED_FILES = FINGERPRINT_FILES

@@ -32,11 +32,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import wire
-from protocol.contract import Reason
-from worker.batch import Batch, RequestError
-from worker.landing import Landed, LandingWatch
-from worker.merge import Group
+from laya_pool.protocol import wire
+from laya_pool.protocol.contract import Reason
+
+from .batch import Batch, RequestError
+from .landing import Landed, LandingWatch
+from .merge import Group
 
 log = logging.getLogger("laya-pool.worker")
 
@@ -312,7 +313,7 @@ class Compute:
     def start(self, members: list[Queued], group: Group) -> Flight | None:
         """Launch the group's forward; its replies come from `complete`. A launch that fails is answered here
         (None)."""
-        from worker.upload import UploadError  # imports the CUDA runtime bindings: not before main() has
+        from .upload import UploadError  # imports the CUDA runtime bindings: not before main() has
 
         if self.fatal is not None:       # an earlier member broke the device: hand the rest to another worker
             for q in members:

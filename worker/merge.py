@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from worker.batch import Batch
+from .batch import Batch
 
 if TYPE_CHECKING:                      # the workspace module pulls in torch; the worker's I/O side need not
-    from worker.workspace import Capacity
+    from .workspace import Capacity
 
 
 @dataclass

@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from kernels.fast import FastModel, supports
-from kernels.reference import ReferenceModel
-from protocol.contract import MODES
+from laya_pool.kernels.fast import FastModel, supports
+from laya_pool.kernels.reference import ReferenceModel
+from laya_pool.protocol.contract import MODES
 
 from .batch import Batch, Limits, RequestError, validate
 from .checkpoint import Checkpoint

@@ -1,6 +1,6 @@
 """The worker process: one device, one model, served to the broker over ZeroMQ.
 
-    python -m worker.server --model DIR --device cpu|cuda:N --backend ENDPOINT --id ID [--mode eager]
+    python -m laya_pool.worker.server --model DIR --device cpu|cuda:N --backend ENDPOINT --id ID [--mode eager]
 
 Two threads:
 - the I/O thread (the main thread, `Worker`) owns the DEALER socket to the broker: it registers (READY),
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from laya_pool.protocol import contract, logs, wire
+from laya_pool.protocol.contract import Leave, Reason
+from laya_pool.protocol.wire import Cmd
 
-from protocol import contract, logs, wire
-from protocol.contract import Leave, Reason
-from protocol.wire import Cmd
-from worker import placement
-from worker.compute import Compute, FaultHooks, Queued
+from . import placement
+from .compute import Compute, FaultHooks, Queued
 
 log = logging.getLogger("laya-pool.worker")
 _STARTED = time.monotonic()      # start-to-READY is measured from here (interpreter start-up is ~50 ms before it)
@@ -342,7 +342,7 @@ class Worker:
 
 def build_parser() -> argparse.ArgumentParser:
     d = WorkerConfig("", "", "")
-    p = argparse.ArgumentParser(prog="python -m worker.server", description="a laya-pool worker process")
+    p = argparse.ArgumentParser(prog="python -m laya_pool.worker.server", description="a laya-pool worker process")
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--device", default=d.device, help="cpu or cuda:N")
     p.add_argument("--backend", required=True, help="the broker's worker endpoint")
@@ -432,9 +432,9 @@ def _open_context(torch: Any, torch_device: str) -> threading.Thread | None:
 def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: dict[str, float],
                    context: threading.Thread | None = None) -> tuple[Any, float]:
     """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms); `phases` gets ms per step."""
-    from worker.checkpoint import CheckpointError, load_checkpoint
-    from worker.runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
-    from worker.workspace import Capacity
+    from .checkpoint import CheckpointError, load_checkpoint
+    from .runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
+    from .workspace import Capacity
 
     log.info("worker %s: loading %s", cfg.id, cfg.model)
     t = time.perf_counter()
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from worker.runtime import DEFAULT_WARMUP, parse_shapes
+        from .runtime import DEFAULT_WARMUP, parse_shapes
     except Exception as e:  # noqa: BLE001
         log.error("cannot import the runtime: %s", e)
         return contract.EXIT_FATAL
