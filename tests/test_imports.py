@@ -3,7 +3,12 @@
 protocol and kernels import nothing of ours; the client imports only the protocol; the worker uses the
 kernels and the protocol, never the client or the broker; the broker core speaks only the protocol, and the
 operator tools beside it (cli, supervisor) reach a pool through the client's public `client.pool`. No broker
-module imports the worker, the kernels or torch: workers are processes started by module name.
+module imports the worker, the kernels or torch: workers are processes started by module name. The tools
+(tools/: bench, load, ...) may use every room; no room imports them.
+
+Every room is installed as `laya_pool.<room>`, and every module must be loaded under that one name: a room
+imported by its bare name (`from client.pool import ...`) would be a second copy, whose exception classes
+the first copy's `except` clauses do not catch. A room imports itself relatively (`from .card import ...`).
 
 Every import statement counts, a lazy one inside a function included (ast, not a run), so a rule cannot be
 dodged by importing late.
@@ -16,10 +21,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:          # Python 3.10
+    import tomli as tomllib
+
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"protocol", "client", "kernels", "worker", "broker", "scripts"}
+PACKAGE = "laya_pool"
+OURS = {"protocol", "client", "kernels", "worker", "broker", "tools", "scripts"}
 
 ALLOWED = {           # room -> the packages of ours its modules may import
     "protocol": {"protocol"},
@@ -27,13 +38,15 @@ ALLOWED = {           # room -> the packages of ours its modules may import
     "client": {"client", "protocol"},
     "worker": {"worker", "kernels", "protocol"},
     "broker": {"broker", "protocol"},
+    "tools": {"protocol", "client", "kernels", "worker", "broker", "tools"},
 }
 # The operator tools may use the client library, and only its public pool module.
 EXCEPTIONS = {"broker/cli.py": {"client.pool"}, "broker/supervisor.py": {"client.pool"}}
 NEVER = {"broker": {"torch"}, "protocol": {"torch", "zmq.asyncio"}, "client": {"torch", "transformers", "laya"}}
 
 
-def _imports(path: Path) -> set[str]:
+def _raw_imports(path: Path) -> set[str]:
+    """The modules a file imports, as written (a relative import as its room's name under laya_pool)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -41,8 +54,13 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module)
         elif isinstance(node, ast.ImportFrom):
-            out.add(path.parent.name)         # a relative import stays inside its own room
+            out.add(f"{PACKAGE}.{path.parent.name}")         # a relative import stays inside its own room
     return out
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules a file imports, ours named by room (`laya_pool.client.pool` -> `client.pool`)."""
+    return {n.removeprefix(f"{PACKAGE}.") for n in _raw_imports(path) if n != PACKAGE}
 
 
 def _modules(room: str) -> list[Path]:
@@ -70,16 +88,33 @@ def test_the_rule_sees_a_lazy_import(tmp_path):
     assert {"worker.runtime", "torch"} <= _imports(f)
 
 
-def test_every_room_is_packaged():
-    text = (ROOT / "pyproject.toml").read_text()
-    packages = json.loads(text.split("packages = ", 1)[1].split("\n", 1)[0])
-    assert set(packages) == set(ALLOWED)
+def test_no_room_is_imported_by_its_bare_name():
+    # every Python file of the repository: rooms, tools, tests, scripts
+    files = [p for p in ROOT.rglob("*.py") if not {".venv", "build"} & set(p.relative_to(ROOT).parts)]
+    bare = [f"{p.relative_to(ROOT)} imports {name}" for p in files for name in _raw_imports(p)
+            if name.split(".")[0] in OURS - {"scripts"}]
+    assert len(files) > 80 and bare == []
+
+
+def test_the_bare_name_rule_sees_a_bare_import(tmp_path):
+    f = tmp_path / "client" / "m.py"
+    f.parent.mkdir()
+    f.write_text("from client.card import ModelCard\nfrom .card import CardError\n"
+                 "from laya_pool.protocol import wire\n")
+    assert _raw_imports(f) == {"client.card", "laya_pool.client", "laya_pool.protocol"}
+
+
+def test_every_room_is_packaged_under_laya_pool():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(config["packages"]) == {PACKAGE} | {f"{PACKAGE}.{room}" for room in ALLOWED}
+    assert config["package-dir"] == {f"{PACKAGE}.{room}": room for room in ALLOWED}
 
 
 _PROBE = """
 import json, sys
 import laya_pool.broker.broker, laya_pool.broker.replies, laya_pool.protocol.wire, laya_pool.protocol.contract
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "worker", "kernels", "client"))))
+print(json.dumps(sorted(m for m in sys.modules
+                        if m.split(".")[0] == "torch" or m.split(".")[1:2] in (["worker"], ["kernels"], ["client"]))))
 """
 
 
