@@ -164,3 +164,41 @@ def test_the_closure_sees_torch_behind_an_extra():
         pytest.skip("this safetensors declares no torch extra")
     assert "torch" in closure(["safetensors[torch]"]) and "torch" not in closure(["safetensors"])
 
+
+
+_NO_TORCH = """
+import importlib.util, sys
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "torch" else find_spec(name, *a)   # a client install
+from laya_pool.__main__ import main
+sys.exit(main(["up", "--model", "unused"]))
+"""
+
+
+def test_up_on_a_client_install_names_the_server_extra():
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "laya-pool[server]" in r.stderr and "torch" in r.stderr, r.stderr
+
+
+def test_every_error_a_client_can_meet_is_importable_from_laya_pool():
+    import ast
+    import importlib
+    import inspect
+
+    import laya_pool
+    errors = set()
+    for room in ("client", "protocol"):
+        for path in sorted((ROOT / room).glob("*.py")):
+            module = importlib.import_module(f"laya_pool.{room}.{path.stem}")
+            errors |= {name for name, obj in vars(module).items() if inspect.isclass(obj)
+                       and issubclass(obj, BaseException) and obj.__module__ == module.__name__}
+    assert {"PoolError", "RequestFailed", "PoolUnavailable", "QuestionError", "ProtocolError"} <= errors
+    assert errors <= set(laya_pool.__all__), f"add to laya_pool/__init__.py: {sorted(errors - set(laya_pool.__all__))}"
+    # each public name is the defining module's object, and type checkers see the same names (TYPE_CHECKING block)
+    for name in laya_pool.__all__:
+        module = importlib.import_module(f"laya_pool.{laya_pool._EXPORTS[name]}")
+        assert getattr(laya_pool, name) is getattr(module, name)
+    init = ast.parse((ROOT / "laya_pool" / "__init__.py").read_text())
+    typed = {a.asname or a.name for node in ast.walk(init) if isinstance(node, ast.ImportFrom) and node.level
+             for a in node.names}
+    assert typed == set(laya_pool.__all__) == set(laya_pool._EXPORTS)
