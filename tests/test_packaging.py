@@ -93,18 +93,21 @@ def test_the_installed_package_runs_outside_the_checkout(venv, tmp_path):
 import json, sys
 import laya_pool
 from laya_pool import AsyncClient, Client, local_pool, PoolError, RequestFailed, PoolUnavailable
-import laya_pool.client.errors, laya_pool.broker.broker
+import laya_pool.client.errors, laya_pool.broker.broker, laya_pool.broker.cli
 assert laya_pool.client.errors.PoolError is PoolError and issubclass(RequestFailed, PoolError)
+laya_pool.broker.cli.build_parser()
 mods = sorted(m for m in sys.modules if m.split(".")[0] in ("protocol", "client", "kernels", "worker", "broker"))
 print(json.dumps({"file": laya_pool.__file__, "path": list(laya_pool.__path__), "bare": mods,
-                  "torch": "torch" in sys.modules}))
+                  "server_only": [m for m in ("torch", "psutil", "prometheus_client", "safetensors", "cuda", "triton")
+                                  if m in sys.modules]}))
 """
     out = subprocess.run([str(env / "bin" / "python"), "-c", probe], cwd=tmp_path, check=True, capture_output=True,
                          text=True, timeout=120)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     site = str(_site_packages(env))
     assert got["file"].startswith(site) and got["path"] == [str(Path(site) / "laya_pool")]
-    assert got["bare"] == [] and not got["torch"]
+    # the client, a broker alone and the operator CLI run on the base install
+    assert got["bare"] == [] and got["server_only"] == []
 
 
 def test_the_tools_run_from_the_installed_program(venv, tmp_path):
