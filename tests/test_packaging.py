@@ -196,7 +196,8 @@ def test_every_error_a_client_can_meet_is_importable_from_laya_pool():
             errors |= {name for name, obj in vars(module).items() if inspect.isclass(obj)
                        and issubclass(obj, BaseException) and obj.__module__ == module.__name__}
     assert {"PoolError", "RequestFailed", "PoolUnavailable", "QuestionError", "ProtocolError"} <= errors
-    assert errors <= set(laya_pool.__all__), f"add to laya_pool/__init__.py: {sorted(errors - set(laya_pool.__all__))}"
+    assert errors <= set(laya_pool.__all__), (
+        f"add {sorted(errors - set(laya_pool.__all__))} to laya_pool/__init__.py: __all__, _EXPORTS, TYPE_CHECKING")
     # each public name is the defining module's object, and type checkers see the same names (TYPE_CHECKING block)
     for name in laya_pool.__all__:
         module = importlib.import_module(f"laya_pool.{laya_pool._EXPORTS[name]}")
