@@ -24,20 +24,34 @@ _EXPORTS = {
     "RetryPolicy": "client.retry", "ModelCard": "client.card",
     # every error a pool call raises is a PoolError; each also keeps the type a caller may already catch
     "PoolError": "client.errors", "RequestFailed": "client.errors", "PoolUnavailable": "client.errors",
-    "MalformedReply": "client.errors", "BadModelCard": "client.errors",
+    "MalformedReply": "client.errors", "BadModelCard": "client.errors", "PoolBusy": "client.errors",
+    "PoolNoWorker": "client.errors", "PoolTimeout": "client.errors", "PoolUnreachable": "client.errors",
+    "SchemaError": "client.structured", "DecisionResult": "client.structured",
     "CardError": "client.card", "QuestionError": "client.semantics", "ProtocolError": "protocol.wire",
 }
 __all__ = [
-    "AsyncClient", "BadModelCard", "CardError", "Client", "LocalPool", "MalformedReply", "ModelCard", "PoolError",
-    "PoolUnavailable", "ProtocolError", "QuestionError", "RequestFailed", "RetryPolicy", "local_pool",
+    "AsyncClient", "BadModelCard", "CardError", "Client", "DecisionResult", "LocalPool", "MalformedReply", "ModelCard",
+    "PoolBusy", "PoolError", "PoolNoWorker", "PoolTimeout", "PoolUnavailable", "PoolUnreachable", "ProtocolError",
+    "QuestionError", "RequestFailed", "RetryPolicy", "SchemaError", "local_pool",
 ]
 
 if TYPE_CHECKING:       # what type checkers see (py.typed); at run time __getattr__ loads the same names
     from .client.card import CardError, ModelCard
-    from .client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
+    from .client.errors import (
+        BadModelCard,
+        MalformedReply,
+        PoolBusy,
+        PoolError,
+        PoolNoWorker,
+        PoolTimeout,
+        PoolUnavailable,
+        PoolUnreachable,
+        RequestFailed,
+    )
     from .client.pool import AsyncClient, Client, LocalPool, local_pool
     from .client.retry import RetryPolicy
     from .client.semantics import QuestionError
+    from .client.structured import DecisionResult, SchemaError
     from .protocol.wire import ProtocolError
 
 
