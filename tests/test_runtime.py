@@ -211,3 +211,14 @@ def test_warmup_shapes_parse_and_refuse_garbage():
     assert parse_shapes(" 2x128x4 ,") == (Shape(2, 128, 4),)
     with pytest.raises(ValueError, match="bad shape '4x2'"):
         parse_shapes("1x64x2,4x2")
+
+
+def test_sticky_cuda_errors_are_told_from_a_failed_copy():
+    """A copy that fails because an earlier kernel poisoned the context (a sticky error) makes the worker leave; a
+    copy that fails on its own (a bad pointer: the injected upload fault) does not. The codes are the runtime's own."""
+    rt = pytest.importorskip("cuda.bindings.runtime")
+    from laya_pool.worker.cudart import is_sticky
+    for name in ("cudaErrorInvalidAddressSpace", "cudaErrorIllegalAddress", "cudaErrorLaunchFailure"):
+        assert is_sticky(int(getattr(rt.cudaError_t, name))), name
+    for name in ("cudaErrorInvalidValue", "cudaErrorMemoryAllocation", "cudaErrorNotReady"):
+        assert not is_sticky(int(getattr(rt.cudaError_t, name))), name

@@ -322,6 +322,15 @@ class Compute:
         try:
             return self._launch(members, group)
         except UploadError as e:
+            if e.sticky:
+                # The copy failed because the context is poisoned (an earlier kernel faulted): nothing more can run
+                # here. Hand the group back and leave; the supervisor starts a fresh worker.
+                self.counts["internal_errors"] += 1
+                log.error("worker %s: %s: the device context is broken, leaving", self.id, e)
+                for q in members:
+                    self.reply(self._handed_back(q, "the device context broke"))
+                self.fatal = f"upload on a broken context: {e}"
+                return None
             # The group drained before raising, so the staging is safe to reuse: keep serving, and let
             # the broker run these requests elsewhere.
             self.counts["upload_errors"] += 1

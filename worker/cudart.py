@@ -25,6 +25,18 @@ class CudaError(RuntimeError):
         super().__init__(f"{call} failed: {name} ({text.decode() if isinstance(text, bytes) else text})")
 
 
+# Errors that leave the context unusable: every later call in this process fails with them (CUDA's "sticky" errors,
+# a kernel's fault or the hardware's). A worker that meets one must leave, not retry.
+STICKY = ("cudaErrorIllegalAddress", "cudaErrorLaunchTimeout", "cudaErrorAssert", "cudaErrorHardwareStackError",
+          "cudaErrorIllegalInstruction", "cudaErrorMisalignedAddress", "cudaErrorInvalidAddressSpace",
+          "cudaErrorInvalidPc", "cudaErrorLaunchFailure", "cudaErrorECCUncorrectable")
+
+
+def is_sticky(code: int) -> bool:
+    """Whether a CUDA runtime error code poisons the context (see STICKY)."""
+    return any(int(getattr(_rt.cudaError_t, name, -1)) == int(code) for name in STICKY)
+
+
 def check(call: str, result):
     """Unwrap a cuda-python result tuple, raising `CudaError` unless it succeeded."""
     err, *rest = result if isinstance(result, tuple) else (result,)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .cudart import CudaError, memcpy_async, stream_synchronize
+from .cudart import CudaError, is_sticky, memcpy_async, stream_synchronize
 from .workspace import Workspace
 
 # A device address no allocation can have: a copy to it fails inside the real cudaMemcpyAsync.
@@ -18,7 +18,12 @@ _INVALID_DEVICE_POINTER = 0x8
 
 
 class UploadError(RuntimeError):
-    """A copy of the group could not be submitted; the group was drained first."""
+    """A copy of the group could not be submitted; the group was drained first. `sticky`: the CUDA error poisons the
+    context (an earlier kernel faulted), so nothing more can run in this process."""
+
+    def __init__(self, message: str, sticky: bool = False):
+        super().__init__(message)
+        self.sticky = sticky
 
 
 class UploadGroup:
@@ -50,5 +55,5 @@ class UploadGroup:
                 self.drains += 1
             self.last_drained_after = done
             raise UploadError(f"upload failed after {done} of {len(spans)} copies were submitted "
-                              f"(drained before the staging is reused): {e}") from e
+                              f"(drained before the staging is reused): {e}", is_sticky(e.code)) from e
         self.submitted += done
