@@ -73,7 +73,9 @@ def test_overlap_on_equals_off_and_merged_equals_alone(ckpt, mode):
             got = d.run(items(), gap_s=gap_s)
             bad = [i for i in range(len(batches)) if not same(got[i], alone[i])]
             assert not bad, (mode, overlap, gap_s, bad[:5])
-            assert d.counts["merged_runs"] > 0, "nothing merged: the test would not show merged == alone"
+            # All queued at once must merge; a stream may find the device done before the next request arrives (the
+            # fast forward on the H200 did, 2026-12-03), and then the feed shows overlap == alone only.
+            assert gap_s or d.counts["merged_runs"] > 0, "nothing merged: the test would not show merged == alone"
         assert max(depth) == (2 if overlap else 1), (mode, overlap, max(depth))
         print(f"\n{mode}, overlap {'on' if overlap else 'off'}: {len(batches)} requests x 2 feeds byte-identical to "
               f"alone; {rt.slots.launched} groups launched, deepest {max(depth)}; cache {rt.cache.counters}")
