@@ -63,8 +63,41 @@ def narrow_rope():
     g.pick_tiles = pick
 
 
+LAUNCHES: list = []
+
+
+def watch_launches():
+    """DEBUG_LAUNCHES=1: say every Triton compile and module load (and whether a capture was under way), and keep
+    the last launches to print when a run fails: names the kernel whose launch fails inside a capture."""
+    from collections import deque
+
+    from triton import knobs
+    last = deque(maxlen=12)
+    LAUNCHES.append(last)
+
+    def capturing() -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def compiled(*args, **kwargs):
+        key = args[0] if args else kwargs.get("key")
+        print(f"[triton] compiled {str(key)[:120]} capturing={capturing()}", flush=True)
+
+    def loading(module, function, name, metadata_group, hash_):
+        print(f"[triton] loading {name} capturing={capturing()}", flush=True)
+
+    def enter(meta):
+        data = getattr(meta, "data", {}) or {}
+        last.append((data.get("name"), capturing()))
+
+    knobs.runtime.jit_post_compile_hook = compiled
+    knobs.runtime.kernel_load_start_hook = loading
+    knobs.runtime.launch_enter_hook = enter
+
+
 if os.environ.get("DEBUG_POS") == "1":
     watch_pos()
+if os.environ.get("DEBUG_LAUNCHES") == "1":
+    watch_launches()
 if os.environ.get("DEBUG_NARROW_ROPE") == "1":
     narrow_rope()
 ck = load_checkpoint(sys.argv[1])
@@ -86,6 +119,8 @@ for i, b in enumerate(batches):
             print(f"FAILED batch {i} ({b.rows} rows, longest {b.max_row_len}) in {m}: {type(e).__name__} {e}",
                   flush=True)
             traceback.print_exc()
+            for last in LAUNCHES:
+                print("last launches (kernel, capturing):", list(last), flush=True)
             for name, r in rts.items():
                 st = r.stats()
                 print(name, "capture error:", st.get("last_capture_error"), "| cache", st.get("cache"), flush=True)

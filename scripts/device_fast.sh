@@ -17,14 +17,14 @@ for step in ${*:-probe tests}; do
            timeout 100 python3 scripts/debug_order.py /tmp/tiny 2>&1 | grep -vE "Warning|warn" | tail -22 ;;
     parity) timeout ${PARITY_TIMEOUT:-200} python3 scripts/probe_parity.py --model /tmp/large --out "$OUT" 2>&1 \
              | tee "$OUT/parity.log" | grep -v Warning ;;
-    cold) # debug_order.py on the fast path from a cold Triton cache; launch-blocking with a sync after every run
-          # names the failing step (docs/PERF.md, "the cold-cache fault")
+    cold) # debug_order.py on the fast path from a cold Triton cache; launch-blocking with a sync after every run names
+          # the failing step; DEBUG_LAUNCHES logs compiles/loads (inside a capture or not) and the last launches
+          # (docs/PERF.md, "the cold-cache fault")
           [ -d /tmp/tiny ] || python3 scripts/make_checkpoint.py --out /tmp/tiny --preset tiny --seed 0 | tail -1
-          for v in LAYA_X=1 CUDA_MODULE_LOADING=EAGER; do
-            rm -rf /tmp/tc; echo "== cold cache, $v"
-            env TRITON_CACHE_DIR=/tmp/tc LAYA_FORWARD=fast CUDA_LAUNCH_BLOCKING=1 DEBUG_SYNC=1 $v timeout 150 \
-              python3 scripts/debug_order.py ${COLD_MODEL:-/tmp/tiny} 2>&1 | grep -vE "Warning|warn|True$" | tail -12
-          done ;;
+          rm -rf /tmp/tc; echo "== cold cache"
+          env TRITON_CACHE_DIR=/tmp/tc LAYA_FORWARD=fast CUDA_LAUNCH_BLOCKING=1 DEBUG_SYNC=1 DEBUG_LAUNCHES=1 timeout 150 \
+            python3 scripts/debug_order.py ${COLD_MODEL:-/tmp/tiny} 2>&1 | grep -vE "Warning|warn|True$" \
+            | tee "$OUT/cold.log" | grep -E "capturing=True|last launches|capture error|FAILED|fails" | head -40 ;;
     peer) bash scripts/device_peer.sh ;;
     profile) timeout 200 python3 devtools/profile_forward.py /tmp/large 2>&1 | tail -30 ;;
   esac
