@@ -64,6 +64,8 @@ def narrow_rope():
 
 
 LAUNCHES: list = []
+GEMM: list = []
+COUNTS: list = []
 
 
 def watch_launches():
@@ -88,10 +90,99 @@ def watch_launches():
     def enter(meta):
         data = getattr(meta, "data", {}) or {}
         last.append((data.get("name"), capturing()))
+        if capturing() and COUNTS:
+            COUNTS[0]["in_capture"] += 1
+
+    def leave(meta):
+        # DEBUG_EXEC=1 (with CUDA_LAUNCH_BLOCKING=1): a device-wide sync after every launch outside a capture names
+        # the kernel whose *execution* faults, with the GEMM's launch parameters
+        if os.environ.get("DEBUG_EXEC") != "1" or capturing():
+            return
+        try:
+            torch.cuda.synchronize()
+        except Exception as e:
+            print("EXECUTION FAULT after", list(last)[-3:], "gemm", GEMM[-1:], repr(e)[:160], flush=True)
+            raise
 
     knobs.runtime.jit_post_compile_hook = compiled
     knobs.runtime.kernel_load_start_hook = loading
     knobs.runtime.launch_enter_hook = enter
+    knobs.runtime.launch_exit_hook = leave
+    import laya_pool.kernels.gemm as g
+    real = g._launch
+
+    def launch(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, split_stride):
+        t = tiles or g.pick_tiles(a.shape[0], w.shape[0], a.shape[1], epi, g.sms(a.device))
+        GEMM.append((str(epi), tuple(a.shape), tuple(w.shape), t, tma, chunk, split_stride, capturing()))
+        del GEMM[:-4]
+        return real(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, split_stride)
+    g._launch = launch
+
+    from laya_pool.worker.runtime import Runtime
+    forward = Runtime._forward
+
+    def traced(self, shape, taps=None, slot=0):
+        try:
+            return forward(self, shape, taps, slot)
+        except Exception:
+            import traceback
+            print(f"FORWARD RAISED (capturing={capturing()}) shape {shape}; last gemms {GEMM}", flush=True)
+            traceback.print_exc()
+            raise
+    Runtime._forward = traced
+    watch_capture_phases()
+
+
+def watch_capture_phases():
+    """Say which phase of torch.cuda.graph's enter/exit first reports an error, and how many Triton launches
+    the capture saw (a device-wide sync around each phase outside the capture)."""
+    import torch.cuda.graphs as tg
+    counts = {"in_capture": 0}
+
+    def check(phase):
+        if torch.cuda.is_current_stream_capturing():
+            return
+        try:
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"PHASE {phase}: sync fails: {repr(e)[:120]}", flush=True)
+
+    class Gc:
+        def __getattr__(self, name):
+            import gc as real_gc
+            return getattr(real_gc, name)
+
+        def collect(self, *a):
+            import gc as real_gc
+            check("before gc.collect")
+            if os.environ.get("DEBUG_NO_COLLECT") == "1":       # does a finalizer run here break the capture?
+                return 0
+            n = real_gc.collect(*a)
+            check(f"after gc.collect ({n} objects)")
+            return n
+    tg.gc = Gc()
+    for name in ("capture_begin", "capture_end"):
+        real = getattr(tg.CUDAGraph, name)
+
+        def wrapped(self, *a, _real=real, _name=name, **k):
+            check(f"before {_name}")
+            try:
+                out = _real(self, *a, **k)
+            except Exception as e:
+                print(f"PHASE {_name} raised {repr(e)[:120]}; Triton launches in capture so far "
+                      f"{counts['in_capture']}", flush=True)
+                raise
+            check(f"after {_name}")
+            return out
+        setattr(tg.CUDAGraph, name, wrapped)
+    real_empty = torch.cuda.empty_cache
+
+    def empty():
+        check("before empty_cache")
+        real_empty()
+        check("after empty_cache")
+    torch.cuda.empty_cache = empty
+    COUNTS.append(counts)
 
 
 if os.environ.get("DEBUG_POS") == "1":
