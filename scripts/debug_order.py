@@ -78,7 +78,16 @@ def watch_launches():
     LAUNCHES.append(last)
 
     def capturing() -> bool:
-        return torch.cuda.is_current_stream_capturing()
+        # On a faulted context this query raises too: say so (with the launches before it) instead of
+        # losing the hook's own report (the fifth and sixth sessions' hooks printed nothing for that reason)
+        try:
+            return torch.cuda.is_current_stream_capturing()
+        except Exception as e:
+            print("CONTEXT FAULTED (seen by a launch hook) after", list(last)[-4:], "gemm", GEMM[-1:],
+                  repr(e)[:100], flush=True)
+            if ALLOCS:
+                print("forward's allocations (shape, dtype, start, end):", ALLOCS[-14:], flush=True)
+            raise
 
     def compiled(*args, **kwargs):
         key = args[0] if args else kwargs.get("key")
@@ -96,6 +105,8 @@ def watch_launches():
     def leave(meta):
         # DEBUG_EXEC=1 (with CUDA_LAUNCH_BLOCKING=1): a device-wide sync after every launch outside a capture names
         # the kernel whose *execution* faults, with the GEMM's launch parameters
+        if os.environ.get("DEBUG_POSWATCH") == "1" and not capturing():
+            check_positions(last)
         if os.environ.get("DEBUG_EXEC") != "1" or capturing():
             return
         try:
@@ -113,7 +124,11 @@ def watch_launches():
 
     def launch(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, split_stride):
         t = tiles or g.pick_tiles(a.shape[0], w.shape[0], a.shape[1], epi, g.sms(a.device))
-        GEMM.append((str(epi), tuple(a.shape), tuple(w.shape), t, tma, chunk, split_stride, capturing()))
+        ptrs = {"a": a.data_ptr(), "out": out.data_ptr(), "out_end": out.data_ptr() + out.untyped_storage().nbytes()}
+        if rope is not None:
+            ptrs["pos"] = rope[0].data_ptr()
+        GEMM.append((str(epi), tuple(a.shape), tuple(w.shape), tuple(out.shape), out.stride(), t, tma, chunk,
+                     split_stride, capturing(), ptrs))
         del GEMM[:-4]
         return real(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, split_stride)
     g._launch = launch
@@ -126,11 +141,67 @@ def watch_launches():
             return forward(self, shape, taps, slot)
         except Exception:
             import traceback
-            print(f"FORWARD RAISED (capturing={capturing()}) shape {shape}; last gemms {GEMM}", flush=True)
+            print(f"FORWARD RAISED shape {shape}; last gemms {GEMM}", flush=True)
             traceback.print_exc()
             raise
     Runtime._forward = traced
     watch_capture_phases()
+
+
+ALLOCS: list = []
+WATCH: dict = {}
+
+
+def watch_positions():
+    """DEBUG_POSWATCH=1: after every kernel outside a capture, compare the current forward's token positions with
+    what its embed wrote; the first kernel that changes them is named with the forward's allocations (the
+    sanitizer saw the RoPE epilogue read garbage positions: who writes over them?)."""
+    import laya_pool.kernels.fast as fast
+    real_embed = fast.rk.embed
+
+    def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id, eps):
+        real_embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id, eps)
+        WATCH.clear()
+        if torch.cuda.is_current_stream_capturing():
+            return
+        torch.cuda.synchronize()
+        WATCH.update(pos=pos, expect=pos.cpu().clone(), kernels=0)
+    fast.rk.embed = embed
+
+    class Recorder:
+        """fast.py's `torch`: every `empty` of a forward recorded with its address range."""
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *a, **k):
+            t = torch.empty(*a, **k)
+            ALLOCS.append((tuple(t.shape), str(t.dtype).replace("torch.", ""), hex(t.data_ptr()),
+                           hex(t.data_ptr() + t.numel() * t.element_size())))
+            del ALLOCS[:-40]
+            return t
+    fast.torch = Recorder()
+
+
+def check_positions(last) -> None:
+    if "pos" not in WATCH:
+        return
+    WATCH["kernels"] += 1
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:
+        print(f"EXECUTION FAULT in kernel {WATCH['kernels']} of the forward: {list(last)[-3:]}; last gemm "
+              f"{GEMM[-1:]}; pos at {hex(WATCH['pos'].data_ptr())}; {repr(e)[:100]}", flush=True)
+        print("forward's allocations (shape, dtype, start, end):", ALLOCS[-14:], flush=True)
+        raise
+    now = WATCH["pos"].cpu()
+    if not torch.equal(now, WATCH["expect"]):
+        bad = (now != WATCH["expect"]).nonzero().flatten()
+        print(f"POSITIONS OVERWRITTEN by kernel {WATCH['kernels']} of the forward, {list(last)[-1:]}: "
+              f"{bad.numel()} of {now.numel()} changed (first at {bad[:4].tolist()}: "
+              f"{now[bad[:4]].tolist()} were {WATCH['expect'][bad[:4]].tolist()}); pos at "
+              f"{hex(WATCH['pos'].data_ptr())}; last launches {list(last)[-4:]}; last gemm {GEMM[-1:]}", flush=True)
+        print("forward's allocations (shape, dtype, start, end):", ALLOCS[-14:], flush=True)
+        WATCH.clear()
 
 
 def watch_capture_phases():
@@ -187,6 +258,8 @@ def watch_capture_phases():
 
 if os.environ.get("DEBUG_POS") == "1":
     watch_pos()
+if os.environ.get("DEBUG_POSWATCH") == "1":
+    watch_positions()
 if os.environ.get("DEBUG_LAUNCHES") == "1":
     watch_launches()
 if os.environ.get("DEBUG_NARROW_ROPE") == "1":

@@ -21,11 +21,11 @@ for step in ${*:-probe tests}; do
           # the failing step; DEBUG_LAUNCHES logs compiles/loads (inside a capture or not) and the last launches
           # (docs/PERF.md, "the cold-cache fault")
           [ -d /tmp/tiny ] || python3 scripts/make_checkpoint.py --out /tmp/tiny --preset tiny --seed 0 | tail -1
-          rm -rf /tmp/tc; echo "== cold cache"
+          [ "${COLD_KEEP:-0}" = 1 ] || rm -rf /tmp/tc; echo "== Triton cache: $(ls /tmp/tc 2>/dev/null | wc -l) entries"
           env TRITON_CACHE_DIR=/tmp/tc LAYA_FORWARD=fast CUDA_LAUNCH_BLOCKING=1 DEBUG_SYNC=1 DEBUG_LAUNCHES=1 \
             DEBUG_EXEC=${DEBUG_EXEC:-1} timeout 150 python3 scripts/debug_order.py ${COLD_MODEL:-/tmp/tiny} 2>&1 \
             | grep -vE "Warning|warn" | tee "$OUT/cold${COLD_TAG:-}.log" \
-            | grep -E "capturing=True|last launches|capture error|FAILED|fails|RAISED|FAULT|PHASE|File .*kernels" | head -40 ;;
+            | grep -E "capturing=True|last launches|capture error|FAILED|fails|RAISED|FAULT|PHASE|OVERWRITTEN|allocations|File .*kernels" | head -40 ;;
     peer) bash scripts/device_peer.sh ;;
     profile) timeout 200 python3 devtools/profile_forward.py /tmp/large 2>&1 | tail -30 ;;
   esac
