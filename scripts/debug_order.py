@@ -258,6 +258,10 @@ def watch_capture_phases():
 
 if os.environ.get("DEBUG_POS") == "1":
     watch_pos()
+if os.environ.get("DEBUG_STALE") == "1":
+    # the warm-up before a capture over the live mirror again (the behaviour before the fix of 2026-12-03, session 7)
+    from laya_pool.worker.workspace import Workspace
+    Workspace.blank_views = lambda self, shape: self.views(shape, 0)
 if os.environ.get("DEBUG_POSWATCH") == "1":
     watch_positions()
 if os.environ.get("DEBUG_LAUNCHES") == "1":

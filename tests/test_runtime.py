@@ -222,3 +222,30 @@ def test_sticky_cuda_errors_are_told_from_a_failed_copy():
         assert is_sticky(int(getattr(rt.cudaError_t, name))), name
     for name in ("cudaErrorInvalidValue", "cudaErrorMemoryAllocation", "cudaErrorNotReady"):
         assert not is_sticky(int(getattr(rt.cudaError_t, name))), name
+
+
+def _forward_may_read(views, shape: Shape) -> bool:
+    """The fast forward's input contract for `shape` (kernels/fast.py): every row inside the shape's tokens,
+    no row longer than the shape's row length, every marker inside its row."""
+    _, start, length, _, markers = (v.numpy() for v in views)
+    inside = (length <= shape.row_len).all() and (start + length <= shape.rows * shape.row_len).all()
+    return bool(inside and (markers < np.maximum(length, 1)[:, None]).all())
+
+
+def test_a_capture_warms_up_on_a_mirror_with_no_request():
+    """The warm-up forward before a capture reads blank views: the live mirror holds the last group laid out
+    for its own shape, whose rows reach past a smaller shape's tokens (the cold-cache fault of docs/PERF.md)."""
+    from laya_pool.worker.workspace import Workspace
+    ws = Workspace(Capacity(max_tokens=256, max_rows=8, max_markers=64, row_markers=8), 4, torch.device("cpu"))
+    long = Batch.from_rows(make_rows(3, n=4, length=60, markers=(2, 6)))
+    ws.pack(long, Shape(4, 64, 8))
+    small = Shape(2, 16, 2)
+    assert not _forward_may_read(ws.views(small), small)       # what the warm-up used to read
+    blank, live = ws.blank_views(small), ws.views(small)
+    assert _forward_may_read(blank, small)
+    base_blank, base_live = blank[0].data_ptr(), live[0].data_ptr()
+    for b, v in zip(blank, live):
+        # the same layout, so the same kernel specializations as a capture over the live mirror
+        assert b.shape == v.shape and b.stride() == v.stride() and b.dtype == v.dtype
+        assert b.data_ptr() - base_blank == v.data_ptr() - base_live
+    assert ws.blank_views(small)[1].data_ptr() == blank[1].data_ptr()      # allocated once

@@ -243,7 +243,9 @@ class Runtime:
     def _capture(self, shape: Shape) -> GraphEntry:
         s = self.stream
         with torch.cuda.stream(s):
-            self._forward(shape)          # warm-up on the capture stream: lazy handles, workspaces
+            # Warm-up on the capture stream (lazy handles, workspaces), over a mirror with no request in it: the
+            # real one holds the last group, laid out for its own shape (docs/PERF.md, "the cold-cache fault").
+            self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
         torch.cuda.synchronize(self.device)
         if self.before_capture is not None:
             # Another thread's CUDA call during a (global-mode) capture breaks it: the landing watch must be done
@@ -307,7 +309,8 @@ class Runtime:
         say(1, n, "eager forward")
         t = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            self._forward(Shape(1, ROW_LEN_STEP, 2))
+            shape = Shape(1, ROW_LEN_STEP, 2)
+            self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
         self.stream.synchronize()
         out["eager"] = (time.perf_counter() - t) * 1e3
         if fixed:

@@ -82,6 +82,7 @@ class Workspace:
         self.dev_slots = [{f: m[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS} for m in mirrors]
         self.dev = self.dev_slots[0]
         self._starts = np.zeros(c.max_rows + 1, np.int64)
+        self._blank: dict[str, torch.Tensor] | None = None
 
     # Slot 0's host side under the names a one-slot workspace had (scripts and tests use them).
     @property
@@ -133,7 +134,23 @@ class Workspace:
     def views(self, shape: Shape, slot: int = 0) -> tuple[torch.Tensor, ...]:
         """Device tensors the forward reads for `shape`: always the same addresses for the same shape (on CUDA
         every slot uploads into the one mirror; on the CPU each slot is read in place)."""
-        d, rows, k = self.dev_slots[slot % len(self.dev_slots)], shape.rows, shape.row_markers
+        return self._cut(self.dev_slots[slot % len(self.dev_slots)], shape)
+
+    def blank_views(self, shape: Shape) -> tuple[torch.Tensor, ...]:
+        """Views of `shape` into a mirror that holds no request (every row empty, no markers), laid out like the
+        real one (same offsets, so the same alignment and strides: the kernels a forward over it compiles are the
+        ones a capture over the real mirror launches). What a forward runs on when no request was packed for its
+        shape: the real mirror holds the last group's fields, laid out for *that* group's shape, and its row
+        starts and lengths can reach past this shape's tokens (a forward over them writes out of its buffers)."""
+        if self._blank is None:
+            m = torch.zeros(self.in_elems, dtype=torch.int32, device=self.dev_in.device)
+            self._blank = {f: m[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS}
+            self._blank["markers"].fill_(-1)
+        return self._cut(self._blank, shape)
+
+    @staticmethod
+    def _cut(d: dict[str, torch.Tensor], shape: Shape) -> tuple[torch.Tensor, ...]:
+        rows, k = shape.rows, shape.row_markers
         return (d["ids"], d["row_start"][:rows], d["row_len"][:rows], d["qtype"][:rows],
                 d["markers"][: rows * k].view(rows, k))
 
