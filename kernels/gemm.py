@@ -297,7 +297,7 @@ def k_chunk(k: int) -> int:
     alone, never of M or of the device, so every worker and every batch reduces the same chunks in the same order.
     Two chunks: enough programs at small M (1024 columns in tiles of 16, twice), and the unsplit kernel runs both
     chains in one loop, so large M pays only a second accumulator."""
-    if k < 1024:
+    if k < 1024 or os.environ.get("LAYA_K_CHUNKS") == "0":     # 0: one chain (the SDK's cuBLAS order; parity runs)
         return 0
     return -(-k // 256) * 128          # half of K, rounded up to whole K tiles of 128
 
