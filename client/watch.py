@@ -21,7 +21,10 @@ _REFUSED = {
                                          "pool does not use",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the pool refused this client's CURVE key: ask the operator to add its public "
                                      "key to the key directory's authorized/ folder",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the connection's handshake failed (is the endpoint a laya-pool broker?)",
+    # A keyless client refused by a CURVE pool sees this or the PROTOCOL event, whichever end breaks off first
+    # (a race: tests/test_security_roles.py saw both), so the advice names both causes.
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the connection's handshake failed: the pool expects CURVE keys (pass "
+                                          "keys=DIR from `laya-pool keys`), or the endpoint is not a laya-pool broker",
 }
 
 

@@ -3,7 +3,8 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 # make_request too: ../shared/device/peer_vs_project.py imports it from here (`from bench import make_request`).
 from laya_pool.tools.bench import main, make_request  # noqa: E402, F401

@@ -27,6 +27,12 @@ for step in ${*:-probe tests}; do
             | grep -vE "Warning|warn" | tee "$OUT/cold${COLD_TAG:-}.log" \
             | grep -E "capturing=True|last launches|capture error|FAILED|fails|RAISED|FAULT|PHASE|OVERWRITTEN|allocations|File .*kernels" | head -40 ;;
     peer) bash scripts/device_peer.sh ;;
+    overhead) # the pool's overhead at 1x48, split by part (up, queue, launch, device wait, wake, down)
+          timeout ${OVERHEAD_TIMEOUT:-200} python3 scripts/overhead.py --model /tmp/large --device cuda --samples 200 \
+            --json "$OUT/overhead.json" 2>&1 | grep -vE "Warning|warn" | tail -18 ;;
+    serving) # the compute loop at saturation, in-process: requests/s and the GPU's busy share, overlap off and on
+          timeout ${SERVING_TIMEOUT:-150} python3 scripts/serving_probe.py --model /tmp/large --device cuda \
+            --requests 4000 2>&1 | grep -vE "Warning|warn" | tail -14 ;;
     profile) timeout 200 python3 devtools/profile_forward.py /tmp/large 2>&1 | tail -30 ;;
   esac
 done

@@ -9,7 +9,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 from laya_pool.client.card import ModelCard  # noqa: E402

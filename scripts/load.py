@@ -3,7 +3,8 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from laya_pool.tools.load import main  # noqa: E402
 

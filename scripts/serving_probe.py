@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from laya_pool.protocol import wire  # noqa: E402
 from laya_pool.worker.batch import Batch  # noqa: E402

@@ -27,12 +27,28 @@ def _cuda() -> bool:
 # this when a kernel is defined, so it is set here, before any test module imports kernels/.
 if not _cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(ROOT))
+# The root is on the path for `laya_pool` where it is not installed (the device), and only last: the rooms are
+# top-level directories there (kernels/, worker/, ...), and ahead of site-packages they shadow installed packages
+# of the same names (transformers imports the PyPI package `kernels`; `python -m pytest` puts the root first).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(ROOT)] + [str(ROOT)]
 # Operator secrets (broker.operator) of the pools tests start go to a private directory, not the user's.
 os.environ.setdefault("LAYA_POOL_RUNTIME_DIR", tempfile.mkdtemp(prefix="laya-pool-test-run-"))
-# For the broker and worker processes tests start: this checkout first, then whatever PYTHONPATH held
-# (on the device, that is where pyzmq and laya are carried).
-SUBPROCESS_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def _installed() -> bool:
+    from importlib import metadata
+    try:
+        metadata.distribution("laya-pool")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+# For the broker and worker processes tests start: this checkout where laya_pool is not installed (ahead of
+# site-packages there, so nothing installed may share a room's name), then whatever PYTHONPATH held (on the
+# device, that is where pyzmq and laya are carried).
+_CHECKOUT = None if _installed() else str(ROOT)
+SUBPROCESS_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_CHECKOUT, os.environ.get("PYTHONPATH")])))
 
 
 def stop_all(procs: list) -> None:

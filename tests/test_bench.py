@@ -1,18 +1,18 @@
 """bench.py in its reduced CPU form: the protocol runs, the SDK is measured in the same run, outputs are written."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import SUBPROCESS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_bench_writes_json_png_and_table(tiny_ckpt, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(tiny_ckpt), "--quick",
                            "--warmup", "1", "--samples", "3", "--device", "cpu", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["latency_ms"]) >= {"ours eager", "sdk predict"}

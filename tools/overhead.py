@@ -37,6 +37,13 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# What is timed: three kinds of call, then the parts of one pooled forward, in the order a request meets them
+# (the worker stamps each on this host's monotonic clock: compute.py `_answer`).
+PARTS = ("ping", "forward", "in-process", "up", "queue", "worker", "launch", "device wait", "wake", "down")
+PART_NOTES = {"up": " (client -> worker's I/O thread)", "queue": " (-> compute thread, admit)",
+              "worker": " (received -> reply built)", "launch": " (merge, pack, upload, launch)",
+              "device wait": " (launched -> readback landed)", "wake": " (landed -> answers cut, reply built)",
+              "down": " (reply -> client)"}
 
 from laya_pool.client.pool import Client, local_pool  # noqa: E402
 from laya_pool.protocol import wire  # noqa: E402
@@ -130,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if on_cuda:
             torch.cuda.synchronize()
 
-    samples: dict[str, list[float]] = {k: [] for k in ("ping", "forward", "in-process", "up", "queue", "worker",
-                                                       "down")}
+    samples: dict[str, list[float]] = {k: [] for k in PARTS}
     extra = ["--threads", str(args.threads), *shlex.split(args.pool_args)]
     with local_pool(args.model, args.device, frontend=frontend, extra_args=extra) as pool, \
             Client(pool.endpoint, timeout=30) as c:
@@ -145,12 +151,16 @@ def main(argv: list[str] | None = None) -> int:
             if "received_at" in m:             # workers before this script did not say
                 samples["up"].append((m["received_at"] - t) * 1e3)
                 samples["down"].append((end - m["done_at"]) * 1e3)
+            if "landed_at" in m:
+                samples["launch"].append((m["launched_at"] - m["started_at"]) * 1e3)
+                samples["device wait"].append((m["landed_at"] - m["launched_at"]) * 1e3)
+                samples["wake"].append((m["done_at"] - m["landed_at"]) * 1e3)
 
         kinds = {"ping": c.ping, "forward": forward, "in-process": in_process}
         for _ in range(args.warmup):
             for fn in kinds.values():
                 fn()
-        for k in ("up", "queue", "worker", "down"):
+        for k in PARTS[3:]:
             del samples[k][:]
         # One call of each kind in turn (the order rotating), so load from elsewhere on the machine falls on
         # every kind alike.
@@ -167,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                      "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
                      "worker": status["workers"][0]["device"]}
     print(f"{'':52} {'p50 ms':>8} {'p95 ms':>8}")
-    for k in (k for k in ("ping", "forward", "in-process", "up", "queue", "worker", "down") if k in out):
-        print(f"{k:52} {out[k]['p50']:8.3f} {out[k]['p95']:8.3f}")
+    for k in (k for k in PARTS if k in out):
+        print(f"{k + PART_NOTES.get(k, ''):52} {out[k]['p50']:8.3f} {out[k]['p95']:8.3f}")
     print(f"{'pool adds (forward - in-process, p50)':52} {out['added']:8.3f}")
     for k, v in out["steps"].items():
         print(f"{k:52} {v['p50']:8.4f} {v['p95']:8.4f}")

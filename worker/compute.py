@@ -69,6 +69,7 @@ class Flight:
     group: Group
     job: Any              # runtime.Launched
     started: float        # time.monotonic() just before the launch
+    launched: float = 0.0 # time.monotonic() once the launch returned (the device has its work)
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,7 @@ class Compute:
                                "-row request")
         # Every member passed `check` in admit and the group fits the workspace: no second validation.
         job = self.rt.launch(group.merged(), mode=first.mode, taps=first.taps, checked=True)
-        return Flight(members, group, job, started)
+        return Flight(members, group, job, started, time.monotonic())
 
     def _answer(self, flight: Flight) -> list[list[Any]]:
         """Wait for the group and build every member's reply (inside the caller's guard)."""
@@ -390,10 +391,12 @@ class Compute:
         members, t0 = flight.members, flight.started
         replies = []
         for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
-            # received_at / done_at: this host's monotonic clock, so a client on the same host can place the
-            # worker's part of a round trip (scripts/overhead.py); meaningless across hosts.
+            # received_at ... done_at: this host's monotonic clock, so a client on the same host can place the
+            # worker's part of a round trip, hand-offs included (scripts/overhead.py); meaningless across hosts.
             metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - q.received) * 1e3,
-                           worker_ms=(done - q.received) * 1e3, received_at=q.received, done_at=done)
+                           worker_ms=(done - q.received) * 1e3, received_at=q.received, started_at=t0,
+                           launched_at=flight.launched, landed_at=getattr(flight.job, "landed_at", None) or done,
+                           done_at=done)
             replies.append(wire.encode_reply(q.req.rid, logits, act, worker=self.id, fingerprint=self.fingerprint,
                                              metrics=metrics, taps=res.taps))
         return replies

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,7 @@ class LandingWatch:
             job = flight.job
             try:
                 job.event.wait()
+                job.landed_at = time.monotonic()
             except Exception as e:  # noqa: BLE001 - handed to the compute thread, which answers for it
                 job.error = e
             finally:

@@ -122,6 +122,7 @@ class Launched:
     event: Any | None                          # the slot's done event (None on the CPU: done inside launch)
     landed: Any = None                         # a threading.Event when a LandingWatch waits on `event` instead
     error: BaseException | None = None         # what the watch's wait raised
+    landed_at: float | None = None             # time.monotonic() when the wait for `event` returned
 
     def done(self) -> bool:
         """True once the readback landed in the slot (never blocks)."""
@@ -441,6 +442,7 @@ class Runtime:
                     raise job.error
             elif job.event is not None:
                 job.event.wait()
+                job.landed_at = time.monotonic()
             t4 = time.perf_counter()
             return self._answers(job, t4)
         finally:
