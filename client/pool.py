@@ -160,8 +160,22 @@ class _Await:
 @dataclass(frozen=True)
 class _Many:
     """A plan's step: several requests (each a plan of its own); its answer is their results, in order.
-    The asyncio driver runs them concurrently, the blocking driver one after another."""
+    Both drivers keep up to `BATCH_IN_FLIGHT` of their calls on the wire together (the pool merges them)."""
     plans: list[Generator[Any, Any, Any]]
+
+
+@dataclass
+class _InFlight:
+    """One of the blocking driver's `_Many` plans while its pool call is out (`Client._run_all`)."""
+    index: int                  # the plan's place in the results
+    plan: Generator[Any, Any, Any]
+    started: float              # when the plan began: its calls share one deadline
+    frames: list[Any]
+    attempts: Attempts
+    on_sent: Callable[[], None] | None
+    step: Step = Step(Action.WAIT)
+    due: float = 0.0            # when `step` is due: a wait's end (then `woke`) or a backoff's (then `step`)
+    backing_off: bool = False
 
 
 Plan = Generator["_Call | _Card | _Await | _Many", Any, T]
@@ -653,12 +667,114 @@ class Client(_Base):
                     elif isinstance(step, _Await):
                         step = plan.send(step.future.result())
                     elif isinstance(step, _Many):
-                        step = plan.send([self._run(p) for p in step.plans])
+                        step = plan.send(self._run_all(step.plans))
                     else:
                         step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent,
                                                    started=started))
             except StopIteration as done:
                 return done.value
+
+    # -- several plans' calls on the wire together (a predict_batch larger than one request) ----------------
+    def _run_all(self, plans: list[Plan[Any]]) -> list[Any]:
+        """The plans with up to `BATCH_IN_FLIGHT` of their calls out at once over this one socket, results in
+        order: each plan runs until it asks for a pool call, and every call's attempts advance on their own
+        (client/retry.py) as its reply, its timeout or the connection's events come. The first failure is raised;
+        replies still owed to the other calls are dropped as stale when they come. Another thread's call on this
+        client may take (and drop) one of these replies meanwhile: that call then re-sends, as after a timeout."""
+        if len(plans) < 2:
+            return [self._run(p) for p in plans]
+        if os.getpid() != self._pid:
+            raise PoolError("a Client cannot be used across fork(); create one in the child")
+        results: list[Any] = [None] * len(plans)
+        queued = list(enumerate(plans))[::-1]
+        flights: dict[int, _InFlight] = {}      # by request id
+        while queued or flights:
+            while queued and len(flights) < BATCH_IN_FLIGHT:
+                i, plan = queued.pop()
+                self._advance(i, plan, time.monotonic(), None, flights, results)
+            if flights:
+                self._progress(flights, results)
+        return results
+
+    def _advance(self, i: int, plan: Plan[Any], started: float, answer: Any, flights: dict[int, _InFlight],
+                 results: list[Any]) -> None:
+        """Run plan `i` (sending it `answer`; None: start it) until it asks for a pool call, which goes out, or ends."""
+        try:
+            step = next(plan) if answer is None else plan.send(answer)
+            while not isinstance(step, _Call):
+                if isinstance(step, _Card):
+                    step = plan.send(self.card(timeout=self._left(step.timeout, started), refresh=step.refresh))
+                elif isinstance(step, _Await):
+                    step = plan.send(step.future.result())
+                else:
+                    step = plan.send(self._run_all(step.plans))
+        except StopIteration as done:
+            results[i] = done.value
+            return
+        rid = next(self._rids)
+        f = _InFlight(i, plan, started, step.build(rid, self.cid), self._attempts(step.timeout, step.retries, started),
+                      step.on_sent)
+        flights[rid] = f
+        self._drive(rid, f, f.attempts.start(), flights, results)
+
+    def _drive(self, rid: int, f: _InFlight, step: Step, flights: dict[int, _InFlight], results: list[Any],
+               msg: wire.Message | None = None) -> None:
+        """Carry out `step` for call `rid` until it must wait for something: a reply, its timeout or a backoff."""
+        while True:
+            if step.sleep:
+                f.step, f.due, f.backing_off = Step(step.action, step.seconds), time.monotonic() + step.sleep, True
+                return
+            if step.action is Action.SEND:
+                with self._lock:
+                    if self._sock is None:
+                        raise PoolError("the client is closed")
+                    step = self._send(f.frames, f.attempts)
+                if f.on_sent is not None:
+                    f.on_sent, on_sent = None, f.on_sent
+                    on_sent()
+            elif step.action is Action.WAIT:
+                f.step, f.due, f.backing_off = step, time.monotonic() + step.seconds, False
+                return
+            elif step.action is Action.RETURN:
+                del flights[rid]
+                self._advance(f.index, f.plan, f.started, (msg, f.attempts.attempts), flights, results)
+                return
+            else:
+                del flights[rid]
+                raise f.attempts.error(self.endpoint)
+
+    def _progress(self, flights: dict[int, _InFlight], results: list[Any]) -> None:
+        """Wait for the first of: a reply, a connection event, a call's timeout or backoff; act on what came."""
+        for rid, f in list(flights.items()):
+            if rid in flights and f.due <= time.monotonic():
+                step = f.step if f.backing_off else f.attempts.woke(self._watch.up, self._watch.trouble)
+                self._drive(rid, f, step, flights, results)
+        if not flights:
+            return
+        wait_ms = max(0, int((min(f.due for f in flights.values()) - time.monotonic()) * 1000) + 1)
+        msgs = []
+        with self._lock:
+            if self._sock is None:
+                raise PoolError("the client is closed")
+            ready = dict(self._poller.poll(wait_ms))
+            back = bool(ready.get(self._mon)) and self._events()
+            while ready.get(self._sock):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msgs.append(wire.decode(frames))     # a reply that breaks the protocol is an error, not noise
+        if back:            # a new broker: what was sent died with the old one
+            for rid, f in list(flights.items()):
+                if rid in flights and not f.backing_off:
+                    self._drive(rid, f, f.attempts.reconnected(), flights, results)
+        for msg in msgs:
+            rid = msg.header.get("rid")
+            f = flights.get(rid) if isinstance(rid, int) else None
+            if f is None or f.backing_off:
+                continue    # a stale reply to an earlier attempt or an abandoned call
+            self._drive(rid, f, f.attempts.replied(msg.header.get("status"), reply_error(msg.header)), flights,
+                        results, msg)
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
              retries: int | None = None, on_sent: Callable[[], None] | None = None,
@@ -789,7 +905,7 @@ class AsyncClient(_Base):
                             sort_by_length: bool = False, min_confidence: float | dict[str, float] | None = None,
                             timeout: float | None = None, retries: int | None = None, worker: str | None = None,
                             mode: str | None = None) -> list[dict[str, Any]]:
-        # The requests of one batch are in flight together (Client sends them one after another).
+        # The requests of one batch are in flight together (as in Client).
         return await self._run(self._predict_batch_plan(states, questions, lang, max_len, head_max_len,
                                                         min_confidence, batch_size, timeout, retries, worker, mode))
 

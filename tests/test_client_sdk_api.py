@@ -334,16 +334,14 @@ def run_async(pool, method: str, *args, **kwargs):
 
 
 def count_requests(client, monkeypatch) -> list[int]:
-    """Spy on the client's pool calls: the rows of every request it sends."""
-    from laya_pool.protocol.wire import Cmd
+    """Spy on the client's requests: one entry for every request it builds (each is sent once: no retries here)."""
     sent: list[int] = []
-    call = client.call
+    build = client._request_frames
 
-    def spy(cmd, build, *args, **kwargs):
-        if cmd == Cmd.REQUEST:
-            sent.append(1)
-        return call(cmd, build, *args, **kwargs)
-    monkeypatch.setattr(client, "call", spy)
+    def spy(*args, **kwargs):
+        sent.append(1)
+        return build(*args, **kwargs)
+    monkeypatch.setattr(client, "_request_frames", spy)
     return sent
 
 
@@ -389,6 +387,24 @@ def test_calibration_file_equals_sdk(calibrated, client):
             return await other.predict(STATES[0], QUESTIONS)
     with pytest.warns(UserWarning, match="config differs"):
         assert_answers_close(binned, asyncio.run(other_checkpoint())["answers"])
+
+
+def test_a_blocking_predict_batch_keeps_its_requests_in_flight_together(tiny_ckpt):
+    """Client.predict_batch's requests go out together (as AsyncClient's do), so a worker merges them: sent one
+    after another, each would find the worker idle and run alone (merged_requests stays 0)."""
+    from conftest import wait_until
+    states = (STATES * 3)[:16]
+    with local_pool(tiny_ckpt, "cpu", extra_args=["--threads", "1", "--max-batch", "8"]) as p, \
+            p.client(timeout=60) as c:
+        alone = [c.predict(s, QUESTIONS) for s in states]
+        together = c.predict_batch(states, QUESTIONS, batch_size=1)
+        for want, have in zip(alone, together, strict=True):
+            assert_answers_close(want, have)
+
+        def merged() -> int:
+            stats = c.status()["workers"][0].get("stats") or {}
+            return stats.get("merged_requests", 0) if stats.get("ok", 0) >= 2 * len(states) else 0
+        assert wait_until(merged, 10, lambda: f"no merged requests: {c.status()['workers'][0].get('stats')}") > 1
 
 
 def test_lang_changes_answers(client):
