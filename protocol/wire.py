@@ -16,6 +16,7 @@ The facts around the format (modes, reasons, exit codes, defaults) are in `proto
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -537,14 +538,19 @@ def body_of(msg: Message, limit: int = MAX_BODY_BYTES) -> Any:
     return unpack(msg.frames[0], limit, "body")
 
 
+_SCALARS = frozenset((bool, int, float, str, type(None)))
+
+
 def _plain(obj: Any, depth: int = 0) -> Any:
-    """Metrics as msgpack-safe plain values (numpy scalars become Python numbers)."""
+    """Metrics as msgpack-safe plain values (numpy scalars become Python numbers). Plain scalars are taken as
+    they are without a call each: every reply's metrics pass through here (~25 values, mostly numbers)."""
     if depth > 8:
         return None
     if isinstance(obj, dict):
-        return {str(k): _plain(v, depth + 1) for k, v in list(obj.items())[:MAX_METRIC_ITEMS]}
+        return {(k if type(k) is str else str(k)): (v if type(v) in _SCALARS else _plain(v, depth + 1))
+                for k, v in itertools.islice(obj.items(), MAX_METRIC_ITEMS)}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v, depth + 1) for v in obj[:MAX_METRIC_ITEMS]]
+        return [v if type(v) in _SCALARS else _plain(v, depth + 1) for v in obj[:MAX_METRIC_ITEMS]]
     if isinstance(obj, (bool, int, float, str)) or obj is None:
         return obj
     if isinstance(obj, np.generic):

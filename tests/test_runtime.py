@@ -249,3 +249,35 @@ def test_a_capture_warms_up_on_a_mirror_with_no_request():
         assert b.shape == v.shape and b.stride() == v.stride() and b.dtype == v.dtype
         assert b.data_ptr() - base_blank == v.data_ptr() - base_live
     assert ws.blank_views(small)[1].data_ptr() == blank[1].data_ptr()      # allocated once
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_one_row_fast_check_never_passes_what_the_full_check_refuses(seed):
+    """worker/batch.py `plainly_valid` may say "look closer" wrongly, never "valid" wrongly: on one-row batches
+    with each field pushed in and out of its range, it passes only batches `check_values` passes, and it passes
+    most valid ones (else it would save nothing)."""
+    from laya_pool.worker.batch import check_values, plainly_valid
+    rng = np.random.default_rng(seed)
+    passed = valid = 0
+    for _ in range(3000):
+        n = int(rng.integers(-1, LIMITS.max_len + 3))
+        size = max(0, max(n, 0) + int(rng.integers(-1, 2)) * int(rng.random() < 0.1))    # sometimes one off
+        ids = rng.integers(-2, LIMITS.vocab_size + 2, size) if rng.random() < 0.5 else rng.integers(5, 90, size)
+        k = int(rng.integers(0, 5))
+        mk = np.sort(rng.integers(-1, max(n, 1) + 1, k)) if rng.random() < 0.5 else rng.integers(-1, n + 2, k)
+        b = Batch(ids=ids.astype(np.int32), lengths=np.array([n], np.int32),
+                  types=np.array([rng.integers(-1, 5)], np.int32),
+                  marker_counts=np.array([k + int(rng.integers(-1, 2)) * (rng.random() < 0.1)], np.int32),
+                  markers=mk.astype(np.int32))
+        try:
+            check_values(b, LIMITS)
+            ok = True
+        except RequestError:
+            ok = False
+        except (IndexError, ValueError):
+            continue            # sizes the structural checks in `validate` refuse before either runs
+        fast = plainly_valid(b, LIMITS)
+        assert not fast or ok, b
+        passed += fast
+        valid += ok
+    assert valid > 150 and passed == valid, (passed, valid)

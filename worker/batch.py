@@ -74,6 +74,32 @@ def validate(batch: Batch, limits: Limits) -> None:
     for name in ("types", "marker_counts"):
         if getattr(batch, name).shape[0] != r:
             raise RequestError(name, f"has {getattr(batch, name).shape[0]} entries for {r} rows")
+    if not plainly_valid(batch, limits):
+        check_values(batch, limits)
+
+
+def plainly_valid(batch: Batch, limits: Limits) -> bool:
+    """True only if `check_values` would pass: a one-row request (the common one) checked in a few reductions.
+    False means "look closer", not "invalid": `check_values` then finds the first error, field and row."""
+    if batch.rows != 1:
+        return False
+    lengths, counts, mk = batch.lengths, batch.marker_counts, batch.markers
+    n = int(lengths[0])
+    if not 1 <= n <= limits.max_len or n != batch.tokens or n > limits.max_tokens:
+        return False
+    ids = batch.ids
+    if ids.min() < 0 or ids.max() >= limits.vocab_size or not 0 <= int(batch.types[0]) <= MAX_QTYPE:
+        return False
+    m = int(counts[0])
+    if m < 1 or m != batch.n_markers or m > limits.max_markers or mk.min() < 0 or mk.max() >= n:
+        return False
+    return m == 1 or bool((mk[1:] > mk[:-1]).all())
+
+
+def check_values(batch: Batch, limits: Limits) -> None:
+    """The values of a batch whose arrays have the right types and sizes: raise `RequestError` for the first
+    thing wrong, naming the field and the row."""
+    r = batch.rows
     lengths = batch.lengths
     bad = (lengths < 1) | (lengths > limits.max_len)
     if bad.any():

@@ -26,14 +26,25 @@ if TYPE_CHECKING:                      # the workspace module pulls in torch; th
 class Group:
     """Requests' batches packed back to back, and where each one's rows and markers sit."""
     batches: list[Batch] = field(default_factory=list)
+    # Running totals: admitting a request is O(1), not a sum over the group (32 requests a group at load).
+    tokens: int = field(init=False, default=0)
+    rows: int = field(init=False, default=0)
+    n_markers: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        batches, self.batches = self.batches, []
+        for b in batches:
+            self.add(b)
 
     def admits(self, b: Batch, cap: Capacity) -> bool:
-        return (sum(x.tokens for x in self.batches) + b.tokens <= cap.max_tokens
-                and sum(x.rows for x in self.batches) + b.rows <= cap.max_rows
-                and sum(x.n_markers for x in self.batches) + b.n_markers <= cap.max_markers)
+        return (self.tokens + b.tokens <= cap.max_tokens and self.rows + b.rows <= cap.max_rows
+                and self.n_markers + b.n_markers <= cap.max_markers)
 
     def add(self, b: Batch) -> None:
         self.batches.append(b)
+        self.tokens += b.tokens
+        self.rows += b.rows
+        self.n_markers += b.n_markers
 
     def merged(self) -> Batch:
         if len(self.batches) == 1:
