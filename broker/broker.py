@@ -770,12 +770,13 @@ class Broker:
         else:
             w.failed += 1
         now = time.monotonic()
-        self.meter.answered(w.id, rep.status, (rep.error or {}).get("reason"), job.req.rows, job.req.tokens,
-                            now - job.arrived, now - job.dispatched, rep.metrics)
         header = dict(msg.header)
         header["rid"] = job.client_rid
         header["worker"] = w.id
         self._finish(job, wire.encode(Cmd.REPLY, header, *msg.frames))
+        # After the reply is on its way: the metering is ours, the client need not wait for it.
+        self.meter.answered(w.id, rep.status, (rep.error or {}).get("reason"), job.req.rows, job.req.tokens,
+                            now - job.arrived, now - job.dispatched, rep.metrics)
 
     def on_worker_card(self, w: WorkerInfo, msg: wire.Message) -> None:
         rid = wire.get(msg.header, "rid", int, default=None)
@@ -929,11 +930,11 @@ class Broker:
 
     def _finish(self, job: Job, frames: list[Any]) -> None:
         frames = _shared(frames)
+        self._to_client(job.envelope, frames)      # first: the bookkeeping below is the broker's own
         if job.key is not None:
             self._forget(job)
             self.replies.put(job.key, frames, time.monotonic())
         self.counters["replies"] += 1
-        self._to_client(job.envelope, frames)
 
     def _fail(self, job: Job, status: str, message: str, reason: Reason | None = None) -> None:
         if job.key is not None:
