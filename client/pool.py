@@ -679,8 +679,9 @@ class Client(_Base):
         """The plans with up to `BATCH_IN_FLIGHT` of their calls out at once over this one socket, results in
         order: each plan runs until it asks for a pool call, and every call's attempts advance on their own
         (client/retry.py) as its reply, its timeout or the connection's events come. The first failure is raised;
-        replies still owed to the other calls are dropped as stale when they come. Another thread's call on this
-        client may take (and drop) one of these replies meanwhile: that call then re-sends, as after a timeout."""
+        replies still owed to the other calls are dropped as stale when they come. A call made meanwhile outside
+        this loop (another thread's, or a plan's card) may take and drop one of these replies: that call of ours then
+        re-sends with the same request id, as after a timeout, and the broker answers it from its reply cache."""
         if len(plans) < 2:
             return [self._run(p) for p in plans]
         if os.getpid() != self._pid:
