@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
-#   bash scripts/device_fast.sh [probe|tests|peer|profile]...   (default: probe tests)
+#   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|cold|debug|overhead|serving|load]...
+#   (default: probe tests; LAYA_FORWARD=fast in the environment for the fast path)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -30,6 +31,10 @@ for step in ${*:-probe tests}; do
     overhead) # the pool's overhead at 1x48, split by part (up, queue, launch, device wait, wake, down)
           timeout ${OVERHEAD_TIMEOUT:-200} python3 scripts/overhead.py --model /tmp/large --device cuda --samples 200 \
             --json "$OUT/overhead.json" 2>&1 | grep -vE "Warning|warn" | tail -18 ;;
+    load) # through a live pool: closed-loop 1x48 at 1..256 in flight (issue 12's curve; the PNG needs matplotlib)
+          timeout ${LOAD_TIMEOUT:-200} python3 scripts/load.py --model /tmp/large --devices cuda:0 --concurrency 1,16,64,256 \
+            --procs 8 --seconds 4 --quiet --out "$OUT/load-h200.json" --png "$OUT/load-h200.png" 2>&1 \
+            | grep -vE "Warning|warn" | tail -8 ;;
     serving) # the compute loop at saturation, in-process: requests/s and the GPU's busy share, overlap off and on
           timeout ${SERVING_TIMEOUT:-150} python3 scripts/serving_probe.py --model /tmp/large --device cuda \
             --requests 4000 2>&1 | grep -vE "Warning|warn" | tail -14 ;;
