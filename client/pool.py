@@ -558,7 +558,9 @@ class Client(_Base):
         self.operator, self.key_role = operator, key_role
         self._set_decoding(lang_temperatures, calibration)
         self._ctx = context or zmq.Context.instance()
-        self._lock = threading.Lock()
+        # Re-entrant: a batch's calls hold it from the first send to the last reply (Client._run_all), and a plan
+        # step inside them (a card) may make a call of its own.
+        self._lock = threading.RLock()
         self._sock, self._mon = self._socket(self._ctx)
         self._pid = os.getpid()
         self._watch = ConnectionWatch()
@@ -679,23 +681,23 @@ class Client(_Base):
         """The plans with up to `BATCH_IN_FLIGHT` of their calls out at once over this one socket, results in
         order: each plan runs until it asks for a pool call, and every call's attempts advance on their own
         (client/retry.py) as its reply, its timeout or the connection's events come. The first failure is raised;
-        replies still owed to the other calls are dropped as stale when they come. A call made meanwhile outside
-        this loop (another thread's, or a plan's card) may take and drop one of these replies: that call of ours then
-        re-sends with the same request id, as after a timeout, and the broker answers it from its reply cache."""
+        replies still owed to the other calls are dropped as stale when they come. The client's lock is held
+        throughout, so calls from other threads take turns with the whole batch (they would drop its replies)."""
         if len(plans) < 2:
             return [self._run(p) for p in plans]
-        if os.getpid() != self._pid:
-            raise PoolError("a Client cannot be used across fork(); create one in the child")
-        results: list[Any] = [None] * len(plans)
-        queued = list(enumerate(plans))[::-1]
-        flights: dict[int, _InFlight] = {}      # by request id
-        while queued or flights:
-            while queued and len(flights) < BATCH_IN_FLIGHT:
-                i, plan = queued.pop()
-                self._advance(i, plan, time.monotonic(), None, flights, results)
-            if flights:
-                self._progress(flights, results)
-        return results
+        with self._lock:
+            if os.getpid() != self._pid:
+                raise PoolError("a Client cannot be used across fork(); create one in the child")
+            results: list[Any] = [None] * len(plans)
+            queued = list(enumerate(plans))[::-1]
+            flights: dict[int, _InFlight] = {}      # by request id
+            while queued or flights:
+                while queued and len(flights) < BATCH_IN_FLIGHT:
+                    i, plan = queued.pop()
+                    self._advance(i, plan, time.monotonic(), None, flights, results)
+                if flights:
+                    self._progress(flights, results)
+            return results
 
     def _advance(self, i: int, plan: Plan[Any], started: float, answer: Any, flights: dict[int, _InFlight],
                  results: list[Any]) -> None:
@@ -726,10 +728,9 @@ class Client(_Base):
                 f.step, f.due, f.backing_off = Step(step.action, step.seconds), time.monotonic() + step.sleep, True
                 return
             if step.action is Action.SEND:
-                with self._lock:
-                    if self._sock is None:
-                        raise PoolError("the client is closed")
-                    step = self._send(f.frames, f.attempts)
+                if self._sock is None:
+                    raise PoolError("the client is closed")
+                step = self._send(f.frames, f.attempts)
                 if f.on_sent is not None:
                     f.on_sent, on_sent = None, f.on_sent
                     on_sent()
@@ -745,37 +746,41 @@ class Client(_Base):
                 raise f.attempts.error(self.endpoint)
 
     def _progress(self, flights: dict[int, _InFlight], results: list[Any]) -> None:
-        """Wait for the first of: a reply, a connection event, a call's timeout or backoff; act on what came."""
+        """Take what has come (replies, connection events), then act for calls whose wait or backoff is over, then
+        wait for the first of: a reply, an event, the next call's timeout or backoff. Replies are read before any
+        timeout is judged, so work between two polls never turns an answered call into a timed-out one."""
+        self._take(0, flights, results)
         for rid, f in list(flights.items()):
             if rid in flights and f.due <= time.monotonic():
                 step = f.step if f.backing_off else f.attempts.woke(self._watch.up, self._watch.trouble)
                 self._drive(rid, f, step, flights, results)
-        if not flights:
-            return
-        wait_ms = max(0, int((min(f.due for f in flights.values()) - time.monotonic()) * 1000) + 1)
-        msgs = []
-        with self._lock:
-            if self._sock is None:
-                raise PoolError("the client is closed")
-            ready = dict(self._poller.poll(wait_ms))
-            back = bool(ready.get(self._mon)) and self._events()
-            while ready.get(self._sock):
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msgs.append(wire.decode(frames))     # a reply that breaks the protocol is an error, not noise
-        if back:            # a new broker: what was sent died with the old one
+        if flights:
+            self._take(max(1, int((min(f.due for f in flights.values()) - time.monotonic()) * 1000) + 1), flights,
+                       results)
+
+    def _take(self, wait_ms: int, flights: dict[int, _InFlight], results: list[Any]) -> None:
+        """Poll up to `wait_ms`; hand every reply that came to its call, and a new broker to every waiting call."""
+        if self._sock is None:
+            raise PoolError("the client is closed")
+        ready = dict(self._poller.poll(wait_ms))
+        if ready.get(self._mon) and self._events():     # a new broker: what was sent died with the old one
             for rid, f in list(flights.items()):
                 if rid in flights and not f.backing_off:
                     self._drive(rid, f, f.attempts.reconnected(), flights, results)
-        for msg in msgs:
+        while ready.get(self._sock):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
             rid = msg.header.get("rid")
             f = flights.get(rid) if isinstance(rid, int) else None
-            if f is None or f.backing_off:
+            if f is None:
                 continue    # a stale reply to an earlier attempt or an abandoned call
-            self._drive(rid, f, f.attempts.replied(msg.header.get("status"), reply_error(msg.header)), flights,
-                        results, msg)
+            status = msg.header.get("status")
+            if f.backing_off and status not in (wire.STATUS_OK, wire.STATUS_FINAL):
+                continue    # an earlier attempt's retryable answer: the backoff already stands for it
+            self._drive(rid, f, f.attempts.replied(status, reply_error(msg.header)), flights, results, msg)
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
              retries: int | None = None, on_sent: Callable[[], None] | None = None,

@@ -407,6 +407,32 @@ def test_a_blocking_predict_batch_keeps_its_requests_in_flight_together(tiny_ckp
         assert wait_until(merged, 10, lambda: f"no merged requests: {c.status()['workers'][0].get('stats')}") > 1
 
 
+def test_batches_from_several_threads_on_one_client_take_turns(pool):
+    """Client is thread-safe: a batch's requests out together must not lose their replies to another thread's
+    batch on the same socket (with no retries, a dropped reply is a failed call)."""
+    import threading
+    states = (STATES * 2)[:8]
+    with pool.client(timeout=20, retries=0) as c:
+        want = c.predict_batch(states, QUESTIONS, batch_size=1)
+        got, errors = {}, []
+
+        def run(i: int) -> None:
+            try:
+                got[i] = [c.predict_batch(states, QUESTIONS, batch_size=1) for _ in range(3)]
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:2]
+    for batches in got.values():
+        for batch in batches:
+            for w, h in zip(want, batch, strict=True):
+                assert_answers_close(w, h)
+
+
 def test_lang_changes_answers(client):
     # otherwise the lang tests above would pass with `lang` ignored
     plain, german = client.predict(STATES[0], QUESTIONS), client.predict(STATES[0], QUESTIONS, lang="de")
