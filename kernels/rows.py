@@ -14,28 +14,138 @@ write bf16 where the next op is a GEMM.
 - `gather_norm`: the scorer's LayerNorm of h at each row's [MASK] markers.
 - `features`: the logits of a row's markers, their softmax's confidence features and the act head's input.
 - `softmax_rows`: fp32 softmax of the act head's bf16 logits.
+
+Every LayerNorm gives torch's bits (the SDK's, and the worker path's `F.layer_norm`): a one-pass order of our own
+differed from torch's in ~2e-5 of outputs, and over 28 layers such ulps move answers (docs/PERF.md, "parity").
+So a row is held as torch's vectorized kernel reads it (aten/src/ATen/native/cuda/layer_norm_kernel.cu: 128
+threads, each reading float4s at lane, lane + 128, ...): `[LANES, S]`, lane by read. Each lane folds its values
+in read order (Welford, as `cuWelfordOnlineSum`), lanes merge as its shuffle-down tree and then its warp tree do
+(`cuWelfordCombine`), and every multiply-add is fused exactly where nvcc fuses it: explicit `fma`, and `_mul`
+(a product rounded on its own) where torch rounds before an add.
 """
 from __future__ import annotations
+
+import os
 
 from .launch import launch
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import libdevice
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
+
+LANES = 128         # torch's vectorized LayerNorm: one block of 32 x 4 threads per row
+MAX_WIDTH = 1024    # rows held as [LANES, 4] or [LANES, 8]: at most two float4 reads per lane
+
+if triton is not None:
+    # Triton's CPU interpreter (tests) has no libdevice: there `_mul` and `_rsqrt` are the plain operations, which
+    # numpy never fuses anyway.
+    _LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+    _LANES = tl.constexpr(LANES)
 
 
 if triton is not None:
     @triton.jit
+    def _mul(a, b):
+        """a * b rounded on its own, never fused into a following add (where torch rounds the product)."""
+        if _LIBDEVICE:
+            return libdevice.mul_rn(a, b)
+        else:
+            return a * b
+
+    @triton.jit
+    def _rsqrt(x):
+        if _LIBDEVICE:
+            return libdevice.rsqrt(x)      # what c10's compat::rsqrt (rsqrtf) compiles to
+        else:
+            return 1.0 / tl.sqrt(x)
+
+    @triton.jit
+    def _online(mean, m2, count, val, ok):
+        """One value into each lane's running (mean, M2, count) where `ok`: torch's cuWelfordOnlineSum."""
+        delta = val - mean
+        n = count + 1.0
+        new_mean = tl.fma(delta, tl.math.div_rn(tl.full(n.shape, 1.0, tl.float32), n), mean)
+        new_m2 = tl.fma(delta, val - new_mean, m2)
+        return tl.where(ok, new_mean, mean), tl.where(ok, new_m2, m2), tl.where(ok, n, count)
+
+    @triton.jit
+    def _vec4(mean, m2, count, x, ok):
+        """A lane's next float4 read (`x` [LANES, 4]), its values in order."""
+        a, b = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))       # a: values 0, 2; b: 1, 3
+        x0, x2 = tl.split(a)
+        x1, x3 = tl.split(b)
+        mean, m2, count = _online(mean, m2, count, x0, ok)
+        mean, m2, count = _online(mean, m2, count, x1, ok)
+        mean, m2, count = _online(mean, m2, count, x2, ok)
+        return _online(mean, m2, count, x3, ok)
+
+    @triton.jit
+    def _combine(mb, sb, cb, ma, sa, ca):
+        """torch's cuWelfordCombine(dataB=(mb, sb, cb), dataA=(ma, sa, ca)): a lane takes in the one above it."""
+        delta = mb - ma
+        count = ca + cb
+        coef = tl.math.div_rn(tl.full(count.shape, 1.0, tl.float32), count)
+        na = ca * coef
+        nb = cb * coef
+        mean = tl.fma(na, ma, _mul(nb, mb))
+        m2 = tl.fma(delta * delta * ca, nb, sa + sb)
+        some = count > 0.0
+        return tl.where(some, mean, 0.0), tl.where(some, m2, 0.0), count
+
+    @triton.jit
+    def _fold(m, s, c, W: tl.constexpr, K: tl.constexpr):
+        """Lanes [W, 2K] -> [W, K]: lane l takes in lane l + K, as a shuffle down by K (or, across warps, the
+        upper half of the warps through shared memory) does in torch's tree."""
+        m_lo, m_hi = tl.split(tl.permute(tl.reshape(m, (W, 2, K)), (0, 2, 1)))
+        s_lo, s_hi = tl.split(tl.permute(tl.reshape(s, (W, 2, K)), (0, 2, 1)))
+        c_lo, c_hi = tl.split(tl.permute(tl.reshape(c, (W, 2, K)), (0, 2, 1)))
+        return _combine(m_lo, s_lo, c_lo, m_hi, s_hi, c_hi)
+
+    @triton.jit
+    def _row(N: tl.constexpr, S: tl.constexpr):
+        """Offsets [LANES, S] of a row of N, lane by read, as torch's threads read it, and which exist."""
+        lane = tl.arange(0, _LANES)[:, None]
+        j = tl.arange(0, S)[None, :]
+        cols = ((j // 4) * _LANES + lane) * 4 + j % 4
+        return cols, cols < N
+
+    @triton.jit
+    def _stats(x, N: tl.constexpr):
+        """torch's mean and biased variance of a row held as [LANES, S] (`_row`), bit for bit."""
+        S: tl.constexpr = x.shape[1]
+        lane = tl.arange(0, _LANES)
+        zero = tl.zeros((_LANES,), tl.float32)
+        if S == 8:
+            x0, x1 = tl.split(tl.permute(tl.reshape(x, (_LANES, 2, 4)), (0, 2, 1)))
+            m, s, c = _vec4(zero, zero, zero, x0, lane * 4 < N)
+            m, s, c = _vec4(m, s, c, x1, (_LANES + lane) * 4 < N)
+        else:
+            m, s, c = _vec4(zero, zero, zero, x, lane * 4 < N)
+        m = tl.reshape(m, (4, 32))                       # warp, lane in warp
+        s = tl.reshape(s, (4, 32))
+        c = tl.reshape(c, (4, 32))
+        m, s, c = _fold(m, s, c, 4, 16)
+        m, s, c = _fold(m, s, c, 4, 8)
+        m, s, c = _fold(m, s, c, 4, 4)
+        m, s, c = _fold(m, s, c, 4, 2)
+        m, s, c = _fold(m, s, c, 4, 1)
+        m, s, c = _fold(tl.reshape(m, (1, 4)), tl.reshape(s, (1, 4)), tl.reshape(c, (1, 4)), 1, 2)
+        m, s, c = _fold(m, s, c, 1, 1)                   # [1, 1]: broadcasts over the row
+        return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
+
+    @triton.jit
     def _norm(x, ok, w_ptr, b_ptr, cols, eps, N: tl.constexpr, HAS_BIAS: tl.constexpr):
-        mean = tl.sum(x, 0) / N
-        xc = tl.where(ok, x - mean, 0.0)
-        var = tl.sum(xc * xc, 0) / N
-        y = xc * (1.0 / tl.sqrt(var + eps)) * tl.load(w_ptr + cols, mask=ok, other=0.0)
+        """torch's F.layer_norm of the fp32 row `x` ([LANES, S], `_row`), bit for bit."""
+        mean, var = _stats(x, N)
+        xn = _rsqrt(var + eps) * (x - mean)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=ok, other=0.0)
-        return y
+            return tl.fma(w, xn, tl.load(b_ptr + cols, mask=ok, other=0.0))
+        else:
+            return _mul(w, xn)
 
     @triton.jit
     def _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr, CD: tl.constexpr,
@@ -54,7 +164,7 @@ if triton is not None:
 
     @triton.jit
     def _embed_kernel(ids_ptr, start_ptr, len_ptr, emb_ptr, w_ptr, h_ptr, x_ptr, pos_ptr, row_ptr,
-                      R, n_ids, pad_id, eps, N: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
+                      R, n_ids, pad_id, eps, N: tl.constexpr, S: tl.constexpr, RB: tl.constexpr,
                       USE_GDC: tl.constexpr):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
@@ -69,8 +179,7 @@ if triton is not None:
         pos = tl.sum(tl.where(mine, t - s, 0), 0)
         tok = tl.load(ids_ptr + tl.minimum(t, n_ids - 1))
         tok = tl.where(row >= 0, tok, pad_id)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < N
+        cols, ok = _row(N, S)
         e = tl.load(emb_ptr + tok.to(tl.int64) * N + cols, mask=ok, other=0.0)
         y = _norm(e, ok, w_ptr, w_ptr, cols, eps, N, False)
         tl.store(h_ptr + t * N + cols, y, mask=ok)
@@ -80,14 +189,13 @@ if triton is not None:
 
     @triton.jit
     def _layer_norm_kernel(h_ptr, w_ptr, b_ptr, x_ptr, eps, p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr,
+                           S: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr,
                            PENDING: tl.constexpr = False, P_BIAS: tl.constexpr = False, P_APART: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < N
+        cols, ok = _row(N, S)
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
         if PENDING:
             h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, x_ptr.dtype.element_ty, P_BIAS, P_APART)
@@ -97,14 +205,13 @@ if triton is not None:
 
     @triton.jit
     def _head_entry_kernel(h_ptr, row_ptr, qtype_ptr, fw_ptr, temb_ptr, w1_ptr, b1_ptr, x_ptr, eps, eps1,
-                           p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+                           p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr, S: tl.constexpr, USE_GDC: tl.constexpr,
                            PENDING: tl.constexpr = False, P_BIAS: tl.constexpr = False, P_APART: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < N
+        cols, ok = _row(N, S)
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
         if PENDING:
             h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, x_ptr.dtype.element_ty, P_BIAS, P_APART)
@@ -118,7 +225,7 @@ if triton is not None:
 
     @triton.jit
     def _gather_norm_kernel(h_ptr, start_ptr, mk_ptr, w_ptr, b_ptr, x_ptr, K, L, T, eps,
-                            N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+                            N: tl.constexpr, S: tl.constexpr, USE_GDC: tl.constexpr):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -127,8 +234,7 @@ if triton is not None:
         at = tl.minimum(tl.maximum(tl.load(mk_ptr + i), 0), L - 1)
         # An absent marker, or a padding row's, reads some token's state (never used): clamp it into range.
         t = tl.minimum(tl.load(start_ptr + r) + at, T - 1).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < N
+        cols, ok = _row(N, S)
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
         y = _norm(h, ok, w_ptr, b_ptr, cols, eps, N, True)
         tl.store(x_ptr + i.to(tl.int64) * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
@@ -187,12 +293,19 @@ def _warps(block: int) -> int:
     return 4 if block >= 1024 else (2 if block >= 256 else 1)
 
 
+def width(n: int) -> int:
+    """Reads per lane of a LayerNorm row of n values (`_row`); ValueError where torch's order is not ours."""
+    if n % 4 or n > MAX_WIDTH:
+        # torch takes another kernel where n % 4, and a lane would read more than twice past MAX_WIDTH
+        raise ValueError(f"LayerNorm width {n}: the fast path holds multiples of 4 up to {MAX_WIDTH}")
+    return 8 if n > 4 * LANES else 4
+
+
 def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id: int, eps: float) -> None:
     t, n = h.shape
     rows = row_start.shape[0]
-    b = _block(n)
     _embed_kernel[(t,)](ids, row_start, row_len, emb, w, h, x, pos, row, rows, ids.shape[0], pad_id, eps,
-                        N=n, BLOCK=b, RB=_block(max(rows, 2)), **launch(h.device, t), num_warps=_warps(b))
+                        N=n, S=width(n), RB=_block(max(rows, 2)), **launch(h.device, t), num_warps=4)
 
 
 def _pending_args(pending, h) -> tuple[tuple, dict]:
@@ -208,26 +321,23 @@ def _pending_args(pending, h) -> tuple[tuple, dict]:
 def layer_norm(h, w, b, x, eps: float, pending=None) -> None:
     """x <- bf16 LN(h); first h += the split GEMM `pending` left, if any."""
     t, n = h.shape
-    blk = _block(n)
     args, flags = _pending_args(pending, h)
-    _layer_norm_kernel[(t,)](h, w, b if b is not None else w, x, eps, *args, N=n, BLOCK=blk, HAS_BIAS=b is not None,
-                             **flags, **launch(h.device, t), num_warps=_warps(blk))
+    _layer_norm_kernel[(t,)](h, w, b if b is not None else w, x, eps, *args, N=n, S=width(n), HAS_BIAS=b is not None,
+                             **flags, **launch(h.device, t), num_warps=4)
 
 
 def head_entry(h, row, qtype, final_w, type_emb, w1, b1, x, eps: float, eps1: float, pending=None) -> None:
     t, n = h.shape
-    blk = _block(n)
     args, flags = _pending_args(pending, h)
-    _head_entry_kernel[(t,)](h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, *args, N=n, BLOCK=blk,
-                             **flags, **launch(h.device, t), num_warps=_warps(blk))
+    _head_entry_kernel[(t,)](h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, *args, N=n, S=width(n),
+                             **flags, **launch(h.device, t), num_warps=4)
 
 
 def gather_norm(h, row_start, markers, w, b, x, max_row_len: int, eps: float) -> None:
     rows, k = markers.shape
     n = h.shape[1]
-    blk = _block(n)
-    _gather_norm_kernel[(rows * k,)](h, row_start, markers, w, b, x, k, max_row_len, h.shape[0], eps, N=n, BLOCK=blk,
-                                     **launch(h.device, rows * k), num_warps=_warps(blk))
+    _gather_norm_kernel[(rows * k,)](h, row_start, markers, w, b, x, k, max_row_len, h.shape[0], eps, N=n, S=width(n),
+                                     **launch(h.device, rows * k), num_warps=4)
 
 
 def features(score, markers, h, row_start, logits, act_in, absent: float, wide: int) -> None:

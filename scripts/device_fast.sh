@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
-#   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|cold|debug|overhead|serving|load]...
+#   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load]...
 #   (default: probe tests; LAYA_FORWARD=fast in the environment for the fast path)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -16,6 +16,10 @@ for step in ${*:-probe tests}; do
              | tee "$OUT/gpu_tests.log" | grep -E "SUMMARY|passed|failed|Error|error|assert|modes|merged|^  " | tail -40 ;;
     debug) [ -d /tmp/tiny ] || python3 scripts/make_checkpoint.py --out /tmp/tiny --preset tiny --seed 0 | tail -1
            timeout 100 python3 scripts/debug_order.py /tmp/tiny 2>&1 | grep -vE "Warning|warn" | tail -22 ;;
+    rowexact) timeout 200 python3 scripts/probe_rowexact.py --model /tmp/large --out "$OUT" 2>&1 | grep -v Warning \
+             | tee "$OUT/rowexact.log" ;;
+    paritytest) timeout ${PARITY_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+             tests/test_reference_gpu.py -k parity_large 2>&1 | tee "$OUT/paritytest.log" | grep -A9 SUMMARY ;;
     parity) timeout ${PARITY_TIMEOUT:-200} python3 scripts/probe_parity.py --model /tmp/large --out "$OUT" 2>&1 \
              | tee "$OUT/parity.log" | grep -v Warning ;;
     cold) # debug_order.py on the fast path from a cold Triton cache; launch-blocking with a sync after every run names
