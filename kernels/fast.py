@@ -21,6 +21,7 @@ import torch
 from . import rows as rk
 from .arch import Arch
 from .attention import attention
+from .exact import gelu_table
 from .gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual
 from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
@@ -68,6 +69,7 @@ class FastModel:
             raise ValueError(why)
         self.arch, self.device, self.dtype = arch, torch.device(device), dtype
         load_weights(self, arch, tensors, self.device, dtype)
+        gelu_table(self.device)        # torch's GELU tail, made now: a capture must find it made
         a, dev = arch, self.device
         # RoPE tables [max_len, D/2] in fp32, built as the reference (and the SDK) builds them.
         self.max_positions = a.max_len

@@ -34,12 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .exact import gelu_table
 from .launch import launch, sms
 
 try:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .exact import gelu as _gelu
+    from .exact import mul as _mul
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = TensorDescriptor = None
 
@@ -98,12 +102,8 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
 
 if triton is not None:
     @triton.jit
-    def _gelu(x):
-        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-
-    @triton.jit
-    def _finish(acc, bias_ptr, cols, col_ok, CD: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr,
-                ACT: tl.constexpr):
+    def _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BIAS_APART: tl.constexpr, ACT: tl.constexpr):
         """acc (fp32) -> a CD (compute dtype) value held in fp32: bias, rounding and activation where torch
         rounds."""
         if HAS_BIAS:
@@ -114,13 +114,13 @@ if triton is not None:
                 acc = acc + b
         y = acc.to(CD).to(tl.float32)
         if ACT == 1:
-            y = _gelu(y).to(CD).to(tl.float32)
+            y = _gelu(y, table_ptr).to(CD).to(tl.float32)
         elif ACT == 2:
             y = tl.maximum(y, 0.0)
         return y
 
     @triton.jit
-    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, table_ptr,
                      M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS, CHUNKS, sps,
                      EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
                      HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -215,16 +215,16 @@ if triton is not None:
         if SPLIT:
             tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=ok)
         elif EPI == 0:
-            y = _finish(acc, bias_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
+            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
         elif EPI == 1:
-            y = _finish(acc, bias_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
+            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
             h = tl.load(out_ptrs, mask=ok, other=0.0)
             tl.store(out_ptrs, h + y, mask=ok)
         elif EPI == 2:
             inp = acc.to(CD).to(tl.float32)
             gate = acc2.to(CD).to(tl.float32)
-            g = _gelu(inp).to(CD).to(tl.float32)
+            g = _gelu(inp, table_ptr).to(CD).to(tl.float32)
             tl.store(out_ptrs, (g * gate).to(out_ptr.dtype.element_ty), mask=ok)
         else:
             x1 = acc.to(CD).to(tl.float32)
@@ -236,8 +236,9 @@ if triton is not None:
             t = pos[:, None] * HALF + half_col[None, :]
             c = tl.load(cos_ptr + t, mask=rot, other=1.0)
             s = tl.load(sin_ptr + t, mask=rot, other=0.0)
-            y1 = tl.where(rot, x1 * c - x2 * s, x1)
-            y2 = tl.where(rot, x2 * c + x1 * s, x2)
+            # torch's x * cos + rotate_half(x) * sin: each product rounded, then the sum
+            y1 = tl.where(rot, _mul(x1, c) - _mul(x2, s), x1)
+            y2 = tl.where(rot, _mul(x2, c) + _mul(x1, s), x2)
             tl.store(out_ptrs, y1.to(out_ptr.dtype.element_ty), mask=ok)
             tl.store(out_ptrs + HALF, y2.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -350,7 +351,8 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
         w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
-    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin,
+    table = gelu_table(a.device) if epi == Epi.GEGLU or act == Act.GELU else w
+    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
                        m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
                        split_stride or 0,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),

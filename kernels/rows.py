@@ -32,7 +32,9 @@ from .launch import launch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import libdevice
+
+    from .exact import mul as _mul
+    from .exact import rsqrt as _rsqrt
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
 
@@ -40,28 +42,13 @@ LANES = 128         # torch's vectorized LayerNorm: one block of 32 x 4 threads 
 MAX_WIDTH = 1024    # rows held as [LANES, 4] or [LANES, 8]: at most two float4 reads per lane
 
 if triton is not None:
-    # Triton's CPU interpreter (tests) has no libdevice: there `_mul` and `_rsqrt` are the plain operations, which
-    # numpy never fuses anyway.
-    _LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
     _LANES = tl.constexpr(LANES)
+    # The explicit lane tree (below) or one tl.reduce whose order is the same: the device probe compares both to
+    # torch (LAYA_LN_TREE=1 picks the tree).
+    _LN_TREE = tl.constexpr(os.environ.get("LAYA_LN_TREE") == "1")
 
 
 if triton is not None:
-    @triton.jit
-    def _mul(a, b):
-        """a * b rounded on its own, never fused into a following add (where torch rounds the product)."""
-        if _LIBDEVICE:
-            return libdevice.mul_rn(a, b)
-        else:
-            return a * b
-
-    @triton.jit
-    def _rsqrt(x):
-        if _LIBDEVICE:
-            return libdevice.rsqrt(x)      # what c10's compat::rsqrt (rsqrtf) compiles to
-        else:
-            return 1.0 / tl.sqrt(x)
-
     @triton.jit
     def _online(mean, m2, count, val, ok):
         """One value into each lane's running (mean, M2, count) where `ok`: torch's cuWelfordOnlineSum."""
@@ -105,15 +92,55 @@ if triton is not None:
         return _combine(m_lo, s_lo, c_lo, m_hi, s_hi, c_hi)
 
     @triton.jit
+    def _welford(ma, sa, ca, mb, sb, cb):
+        """tl.reduce's combine: `a` is the running state, `b` the next one (a thread's next value, in order, or
+        the partner lane's state in a shuffle, in torch's orientation: cuWelfordCombine(dataB=a, dataA=b))."""
+        # a value into a thread's running state: cuWelfordOnlineSum
+        delta = mb - ma
+        n = ca + 1.0
+        om = tl.fma(delta, tl.math.div_rn(tl.full(n.shape, 1.0, tl.float32), n), ma)
+        os_ = tl.fma(delta, mb - om, sa)
+        # two lanes' states: cuWelfordCombine
+        count = ca + cb
+        coef = tl.math.div_rn(tl.full(count.shape, 1.0, tl.float32), count)
+        na = cb * coef
+        nb = ca * coef
+        cm = tl.fma(na, mb, _mul(nb, ma))
+        cs = tl.fma((ma - mb) * (ma - mb) * cb, nb, sb + sa)
+        one = cb == 1.0          # a thread's own value (a lane's state always holds four or more)
+        m = tl.where(one, om, cm)
+        s = tl.where(one, os_, cs)
+        m = tl.where(ca == 0.0, mb, tl.where(cb == 0.0, ma, m))   # empty lanes (rows narrower than the block)
+        s = tl.where(ca == 0.0, sb, tl.where(cb == 0.0, sa, s))
+        return m, s, count
+
+    @triton.jit
     def _row(N: tl.constexpr, S: tl.constexpr):
-        """Offsets [LANES, S] of a row of N, lane by read, as torch's threads read it, and which exist."""
-        lane = tl.arange(0, _LANES)[:, None]
-        j = tl.arange(0, S)[None, :]
-        cols = ((j // 4) * _LANES + lane) * 4 + j % 4
+        """Offsets of a row of N as the LayerNorm holds it, and which exist: with tl.reduce, [LANES * S] (four
+        warps, four contiguous values a thread: the thread-to-value map of torch's 128 threads); with the tree,
+        [LANES, S], lane by read."""
+        if _LN_TREE:
+            lane = tl.arange(0, _LANES)[:, None]
+            j = tl.arange(0, S)[None, :]
+            cols = ((j // 4) * _LANES + lane) * 4 + j % 4
+        else:
+            cols = tl.arange(0, _LANES * S)
         return cols, cols < N
 
     @triton.jit
-    def _stats(x, N: tl.constexpr):
+    def _stats(x, ok, N: tl.constexpr):
+        """torch's mean and biased variance of a row (`_row`), bit for bit."""
+        if _LN_TREE:
+            return _stats_tree(x, N)
+        else:
+            # Triton reduces a thread's values in order, then lanes by shuffles (xor 16 ... 1), then warps through
+            # shared memory (xor 2, 1): for the lane that ends with the result, the same pairs in the same order
+            # as torch's shuffle-down tree and its warp tree. The device probe holds it to torch's bits.
+            m, s, c = tl.reduce((x, tl.zeros_like(x), ok.to(tl.float32)), 0, _welford)
+            return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
+
+    @triton.jit
+    def _stats_tree(x, N: tl.constexpr):
         """torch's mean and biased variance of a row held as [LANES, S] (`_row`), bit for bit."""
         S: tl.constexpr = x.shape[1]
         lane = tl.arange(0, _LANES)
@@ -139,7 +166,7 @@ if triton is not None:
     @triton.jit
     def _norm(x, ok, w_ptr, b_ptr, cols, eps, N: tl.constexpr, HAS_BIAS: tl.constexpr):
         """torch's F.layer_norm of the fp32 row `x` ([LANES, S], `_row`), bit for bit."""
-        mean, var = _stats(x, N)
+        mean, var = _stats(x, ok, N)
         xn = _rsqrt(var + eps) * (x - mean)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         if HAS_BIAS:

@@ -14,6 +14,7 @@ and stay within that noise (agreement at most 1 point below, |dp| max and mean a
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -140,13 +141,23 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
     torch.cuda.empty_cache()
     ref16 = _our_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16), rows)
     torch.cuda.empty_cache()
-    ours16 = _our_probs(FastModel(ck.arch, ck.tensors, device="cuda"), rows)
+    fast_model = FastModel(ck.arch, ck.tensors, device="cuda")
+    ours16 = _our_probs(fast_model, rows)
+    chunks = os.environ.pop("LAYA_K_CHUNKS", None)
+    os.environ["LAYA_K_CHUNKS"] = "0"           # residual GEMMs in one chain, as cuBLAS reduces them: informative
+    try:
+        chain16 = _our_probs(fast_model, rows)
+    finally:
+        os.environ.pop("LAYA_K_CHUNKS")
+        if chunks is not None:
+            os.environ["LAYA_K_CHUNKS"] = chunks
 
     decisive = [_margin(p) >= DECISIVE_MARGIN for p in sdk16]
     fp32 = _dist(ours32, sdk32)
     exact = _dist(vendor16, sdk16, decisive)
     bf16 = _dist(ref16, sdk16, decisive)               # the worker path: the reference forward on invariant GEMMs
     fast = _dist(ours16, sdk16, decisive)              # the opt-in fast path (LAYA_FORWARD=fast)
+    chain = _dist(chain16, sdk16, decisive)
     batching = _dist(sdk16_alone, sdk16, decisive)     # the SDK's bf16 against itself, batched otherwise
     precision = _dist(sdk32, sdk16, decisive)          # the SDK's bf16 autocast against its fp32
     noise = _worse(batching, precision)
@@ -156,6 +167,7 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
           f"\n  bf16, cuBLAS, SDK layout vs SDK bf16:      {_fmt(exact)}"
           f"\n  bf16, worker path vs SDK bf16:             {_fmt(bf16)}"
           f"\n  bf16, fast path (opt-in) vs SDK bf16:      {_fmt(fast)}"
+          f"\n  bf16, fast path, one K chain vs SDK bf16:  {_fmt(chain)}"
           f"\n  noise: SDK bf16 one question per forward:  {_fmt(batching)}"
           f"\n  noise: SDK fp32 vs SDK bf16:               {_fmt(precision)}"
           f"\n  ({time.perf_counter() - t0:.1f} s)")
