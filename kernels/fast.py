@@ -40,7 +40,7 @@ def supports(arch: Arch, device: torch.device, dtype: torch.dtype) -> str | None
         return f"the fast path runs bf16 only, not {dtype}"
     if arch.head_layers < 1:
         return "the fast path enters the decision head through its first layer's norm; this model has none"
-    if arch.head_dim not in (16, 32, 64, 128) or arch.hidden % 64:
+    if arch.head_dim not in (16, 32, 64, 128) or arch.hidden % 64 or arch.hidden > rk.MAX_WIDTH:
         return f"head_dim {arch.head_dim} / hidden {arch.hidden} is not a supported shape"
     return None
 

@@ -76,6 +76,21 @@ def layer_norms(model: str | None) -> dict:
                 h, ref.layers[min(i + 1, a.layers - 1)]["mlp_norm"], None, a.norm_eps)
         head = ref.head[0]
         out["model head n1 (bias, eps 1e-5 head)"] = ln_case(h, head["n1_w"], head["n1_b"], 1e-5)
+        # probe_parity.py's case (one 512-token row of encoder.1 into layer 2's attention norm), where a version
+        # that reduced with tl.reduce differed; and the embedding LayerNorm inside a whole fast forward.
+        out["model encoder.1 row 0 -> attn_norm of 2"] = ln_case(taps["encoder.1"][0].contiguous(),
+                                                               ref.layers[2]["attn_norm"], None, a.norm_eps)
+        from laya_pool.kernels.fast import FastModel
+        fast_taps = {}
+        FastModel(a, ck.tensors, device="cuda")(ids, starts, torch.tensor(lens, device="cuda", dtype=torch.int32),
+                                                 torch.zeros(4, device="cuda", dtype=torch.int32), mk, 512,
+                                                 taps=fast_taps)
+        e_ref, e_fast = taps["embeddings"], fast_taps["embeddings"]
+        real = e_fast.abs().sum(-1) > 0                     # the fast taps hold real tokens only (zeros elsewhere)
+        out["model embeddings, whole fast forward"] = {
+            "rows": int(real.sum()), "fp32_differ": float((e_fast[real] != e_ref[real]).float().mean()),
+            "bf16_differ": float((e_fast[real].bfloat16() != e_ref[real].bfloat16()).float().mean()),
+            "max_abs": float((e_fast[real] - e_ref[real]).abs().max())}
         del ref
     return out
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 from laya_pool.client.pool import AsyncClient, Client, local_pool  # noqa: E402
 
+from . import cpu  # noqa: E402
 from .progress import Progress, enabled  # noqa: E402
 
 QUIET = False           # --quiet: no progress bar
@@ -133,10 +134,21 @@ def _collect(q: mp.Queue, n: int, seconds: float, t0: float, label: str) -> list
     return parts
 
 
+def _sample_cpu(pool_pids, children: list, seconds: float, out: list) -> None:
+    """CPU use of the pool's processes (`pool_pids()`: pid -> role, or None) and the client processes over the
+    middle of the run (from a fifth in to a tenth before the end, so every client is connected and none has left)."""
+    time.sleep(0.2 * seconds)
+    pids = {**(pool_pids() if pool_pids else {}), **{p.pid: "client" for p in children}}
+    t0, before = time.monotonic(), cpu.snapshot(pids)
+    time.sleep(0.7 * seconds)
+    out.extend(cpu.usage(before, cpu.snapshot(pids), time.monotonic() - t0))
+
+
 def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, rows: int = 1, tokens: int = 48,
-             kill_after: float | None = None, mix: list[Shape] | None = None) -> dict:
+             kill_after: float | None = None, mix: list[Shape] | None = None, pool_pids=None) -> dict:
     """Drive `endpoint` for `seconds` with `concurrency` requests in flight (of `rows` x `tokens`, or drawn
-    from `mix`); returns the measurements."""
+    from `mix`); returns the measurements, with the CPU each process used (`pool_pids`: a callable giving the
+    pool's pids and roles, for a pool on this host)."""
     mix = mix or [(rows, tokens, 1.0)]
     warm_failed = []
     with Client(endpoint, timeout=10.0, retries=3) as c:       # one warm call per shape apart, not timed
@@ -158,7 +170,11 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     if kill_after is not None:
         killer = threading.Thread(target=_killer, args=(endpoint, kill_after, killed), daemon=True)
         killer.start()
+    used: list[dict] = []
+    sampler = threading.Thread(target=_sample_cpu, args=(pool_pids, children, seconds, used), daemon=True)
+    sampler.start()
     parts = _collect(q, len(children), seconds, t0, f"load, {concurrency} in flight")
+    sampler.join(seconds + 5)
     if kill_after is not None:
         killer.join(300)
     wall = time.perf_counter() - t0
@@ -171,7 +187,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
            "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
            "errors": failed[:5], "throughput_rps": total["answered"] / wall, "p50_ms": total["p50_ms"],
-           "p95_ms": total["p95_ms"], "killed": killed or None}
+           "p95_ms": total["p95_ms"], "killed": killed or None, "cpu": used}
     if len(mix) > 1:
         out["mix"] = [[r, t, w] for r, t, w in mix]
         out["per_shape"] = {k: _stats(v) for k, v in per_shape.items()}
@@ -186,7 +202,8 @@ def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: floa
     part of its time measures the restart, not the pool."""
     def go(pool, concurrency, kill):
         return run_load(pool.endpoint, concurrency=concurrency, procs=args.procs, seconds=args.seconds,
-                        rows=args.rows, tokens=args.tokens, kill_after=kill, mix=args.mix)
+                        rows=args.rows, tokens=args.tokens, kill_after=kill, mix=args.mix,
+                        pool_pids=lambda: cpu.tree(pool.process.pid))
     with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600,
                     extra_args=shlex.split(extra)) as pool:
         runs = [go(pool, n, None) for n in args.concurrency]
@@ -236,6 +253,8 @@ def _line(name: str, r: dict) -> str:
     if r.get("killed"):
         k = r["killed"]
         s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
+    if r.get("cpu"):
+        s += "\n    " + cpu.summary(r["cpu"])
     return s
 
 
