@@ -15,18 +15,24 @@ write bf16 where the next op is a GEMM.
 - `features`: the logits of a row's markers, their softmax's confidence features and the act head's input.
 - `softmax_rows`: fp32 softmax of the act head's bf16 logits.
 
-Every LayerNorm gives torch's bits (the SDK's, and the worker path's `F.layer_norm`): a one-pass order of our own
+LayerNorms follow torch's order (the SDK's, and the worker path's `F.layer_norm`): a one-pass order of our own
 differed from torch's in ~2e-5 of outputs, and over 28 layers such ulps move answers (docs/PERF.md, "parity").
-So a row is read as torch's vectorized kernel reads it (aten/src/ATen/native/cuda/layer_norm_kernel.cu: 128
-threads, each reading float4s at lane, lane + 128, ...): S reads of [LANES] values, one thread per lane (`_read`).
-Each lane folds its values in read order (Welford, as `cuWelfordOnlineSum`), lanes merge as torch's shuffle-down
-tree and then its warp tree do (`cuWelfordCombine`), and every multiply-add is fused exactly where nvcc fuses it:
-explicit `fma`, and `_mul` (a product rounded on its own) where torch rounds before an add. A second pass reads
-the row again (from L1) for the output. One tl.reduce over the whole row in place of the tree was fast but gave
-other bits than torch's in ~2e-5 of outputs (device run 7, 2026-12-04): Triton's reduction order is not torch's
-somewhere, and it is not ours to fix.
+torch's vectorized kernel (aten/src/ATen/native/cuda/layer_norm_kernel.cu) runs 128 threads, each reading float4s
+at lane, lane + 128, ...; each lane folds its values in read order (Welford, `cuWelfordOnlineSum`), lanes merge by
+a shuffle-down tree and then a tree over the four warps (`cuWelfordCombine`); nvcc fuses the multiply-adds that
+`fma` and `_mul` (a product rounded on its own) spell out here. Two ways to hold that order:
+- default: one tl.reduce over the row with torch's Welford steps as its combine. Faster than torch's kernel at
+  8,192 rows (0.022 against 0.033 ms); the same bits as torch's on every row of scripts/probe_rowexact.py, but
+  another bit in ~2e-5 of outputs on probe_parity.py's row (device runs 5 and 7, 2026-12-04): somewhere Triton's
+  reduction order is not torch's.
+- `LAYA_LN_TREE=1`: the row as [LANES, S], lane by read, and the tree spelled out with splits: torch's bits on
+  every case measured (runs 3 and 4), but 3.6x slower than torch's at 8,192 rows (layout conversions).
+Branch `fast-ln-slices` holds a third way (S reads of [LANES], a lane per thread, the tree on [LANES] states),
+checked in Triton's interpreter only; the next device session measures it.
 """
 from __future__ import annotations
+
+import os
 
 from .launch import launch
 
@@ -40,19 +46,15 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
     triton = None
 
 LANES = 128         # torch's vectorized LayerNorm: one block of 32 x 4 threads per row
-MAX_WIDTH = 4096    # at most eight float4 reads per lane (32 `_read`s)
+MAX_WIDTH = 1024    # rows held as [LANES, 4] or [LANES, 8]: at most two float4 reads per lane
 
 if triton is not None:
     _LANES = tl.constexpr(LANES)
+    # One tl.reduce (default) or the explicit lane tree (LAYA_LN_TREE=1): module docstring.
+    _LN_TREE = tl.constexpr(os.environ.get("LAYA_LN_TREE") == "1")
 
-    @triton.jit
-    def _read(s: tl.constexpr, N: tl.constexpr):
-        """Offsets [LANES] of every lane's s-th value of a row of N (torch's thread l reads the float4s l, l + 128,
-        ...), and which exist. A lane's values are one thread's, so nothing moves between threads until the tree."""
-        lane = tl.arange(0, _LANES)
-        cols = ((s // 4) * _LANES + lane) * 4 + s % 4
-        return cols, cols < N
 
+if triton is not None:
     @triton.jit
     def _online(mean, m2, count, val, ok):
         """One value into each lane's running (mean, M2, count) where `ok`: torch's cuWelfordOnlineSum."""
@@ -61,6 +63,17 @@ if triton is not None:
         new_mean = tl.fma(delta, tl.math.div_rn(tl.full(n.shape, 1.0, tl.float32), n), mean)
         new_m2 = tl.fma(delta, val - new_mean, m2)
         return tl.where(ok, new_mean, mean), tl.where(ok, new_m2, m2), tl.where(ok, n, count)
+
+    @triton.jit
+    def _vec4(mean, m2, count, x, ok):
+        """A lane's next float4 read (`x` [LANES, 4]), its values in order."""
+        a, b = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))       # a: values 0, 2; b: 1, 3
+        x0, x2 = tl.split(a)
+        x1, x3 = tl.split(b)
+        mean, m2, count = _online(mean, m2, count, x0, ok)
+        mean, m2, count = _online(mean, m2, count, x1, ok)
+        mean, m2, count = _online(mean, m2, count, x2, ok)
+        return _online(mean, m2, count, x3, ok)
 
     @triton.jit
     def _combine(mb, sb, cb, ma, sa, ca):
@@ -85,9 +98,65 @@ if triton is not None:
         return _combine(m_lo, s_lo, c_lo, m_hi, s_hi, c_hi)
 
     @triton.jit
-    def _moments(m, s, c, eps, N: tl.constexpr):
-        """The lanes' states [LANES] -> the row's mean and 1 / sqrt(var + eps), shaped [1], through torch's
-        shuffle-down tree in each warp and its tree over the four warps."""
+    def _welford(ma, sa, ca, mb, sb, cb):
+        """tl.reduce's combine: `a` is the running state, `b` the next one (a thread's next value, in order, or
+        the partner lane's state in a shuffle, in torch's orientation: cuWelfordCombine(dataB=a, dataA=b))."""
+        # a value into a thread's running state: cuWelfordOnlineSum
+        delta = mb - ma
+        n = ca + 1.0
+        om = tl.fma(delta, tl.math.div_rn(tl.full(n.shape, 1.0, tl.float32), n), ma)
+        os_ = tl.fma(delta, mb - om, sa)
+        # two lanes' states: cuWelfordCombine
+        count = ca + cb
+        coef = tl.math.div_rn(tl.full(count.shape, 1.0, tl.float32), count)
+        na = cb * coef
+        nb = ca * coef
+        cm = tl.fma(na, mb, _mul(nb, ma))
+        cs = tl.fma((ma - mb) * (ma - mb) * cb, nb, sb + sa)
+        one = cb == 1.0          # a thread's own value (a lane's state always holds four or more)
+        m = tl.where(one, om, cm)
+        s = tl.where(one, os_, cs)
+        m = tl.where(ca == 0.0, mb, tl.where(cb == 0.0, ma, m))   # empty lanes (rows narrower than the block)
+        s = tl.where(ca == 0.0, sb, tl.where(cb == 0.0, sa, s))
+        return m, s, count
+
+    @triton.jit
+    def _row(N: tl.constexpr, S: tl.constexpr):
+        """Offsets of a row of N as the LayerNorm holds it, and which exist: with tl.reduce, [LANES * S] (four
+        warps, four contiguous values a thread: the thread-to-value map of torch's 128 threads); with the tree,
+        [LANES, S], lane by read."""
+        if _LN_TREE:
+            lane = tl.arange(0, _LANES)[:, None]
+            j = tl.arange(0, S)[None, :]
+            cols = ((j // 4) * _LANES + lane) * 4 + j % 4
+        else:
+            cols = tl.arange(0, _LANES * S)
+        return cols, cols < N
+
+    @triton.jit
+    def _stats(x, ok, N: tl.constexpr):
+        """torch's mean and biased variance of a row (`_row`), bit for bit."""
+        if _LN_TREE:
+            return _stats_tree(x, N)
+        else:
+            # Meant to hold torch's order: Triton reduces a thread's values in order, then lanes by shuffles (xor
+            # 16 ... 1), then warps through shared memory; the device found a few outputs in 10^5 that differ
+            # (module docstring), so one of those steps is not as assumed.
+            m, s, c = tl.reduce((x, tl.zeros_like(x), ok.to(tl.float32)), 0, _welford)
+            return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
+
+    @triton.jit
+    def _stats_tree(x, N: tl.constexpr):
+        """torch's mean and biased variance of a row held as [LANES, S] (`_row`), bit for bit."""
+        S: tl.constexpr = x.shape[1]
+        lane = tl.arange(0, _LANES)
+        zero = tl.zeros((_LANES,), tl.float32)
+        if S == 8:
+            x0, x1 = tl.split(tl.permute(tl.reshape(x, (_LANES, 2, 4)), (0, 2, 1)))
+            m, s, c = _vec4(zero, zero, zero, x0, lane * 4 < N)
+            m, s, c = _vec4(m, s, c, x1, (_LANES + lane) * 4 < N)
+        else:
+            m, s, c = _vec4(zero, zero, zero, x, lane * 4 < N)
         m = tl.reshape(m, (4, 32))                       # warp, lane in warp
         s = tl.reshape(s, (4, 32))
         c = tl.reshape(c, (4, 32))
@@ -97,14 +166,14 @@ if triton is not None:
         m, s, c = _fold(m, s, c, 4, 2)
         m, s, c = _fold(m, s, c, 4, 1)
         m, s, c = _fold(tl.reshape(m, (1, 4)), tl.reshape(s, (1, 4)), tl.reshape(c, (1, 4)), 1, 2)
-        m, s, c = _fold(m, s, c, 1, 1)
-        var = tl.math.div_rn(tl.reshape(s, (1,)), tl.full((1,), N, tl.float32))
-        return tl.reshape(m, (1,)), _rsqrt(var + eps)
+        m, s, c = _fold(m, s, c, 1, 1)                   # [1, 1]: broadcasts over the row
+        return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
 
     @triton.jit
-    def _normed(v, mean, r, w_ptr, b_ptr, cols, ok, HAS_BIAS: tl.constexpr):
-        """torch's output of a LayerNorm for values `v` of the row: gamma * (rstd * (x - mean)) [+ beta, fused]."""
-        xn = r * (v - mean)
+    def _norm(x, ok, w_ptr, b_ptr, cols, eps, N: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """torch's F.layer_norm of the fp32 row `x` ([LANES, S], `_row`), bit for bit."""
+        mean, var = _stats(x, ok, N)
+        xn = _rsqrt(var + eps) * (x - mean)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         if HAS_BIAS:
             return tl.fma(w, xn, tl.load(b_ptr + cols, mask=ok, other=0.0))
@@ -143,20 +212,11 @@ if triton is not None:
         pos = tl.sum(tl.where(mine, t - s, 0), 0)
         tok = tl.load(ids_ptr + tl.minimum(t, n_ids - 1))
         tok = tl.where(row >= 0, tok, pad_id)
-        e_row = emb_ptr + tok.to(tl.int64) * N
-        m = tl.zeros((_LANES,), tl.float32)
-        q = m
-        c = m
-        for i in tl.static_range(S):
-            cols, ok = _read(i, N)
-            m, q, c = _online(m, q, c, tl.load(e_row + cols, mask=ok, other=0.0).to(tl.float32), ok)
-        mean, rstd = _moments(m, q, c, eps, N)
-        for i in tl.static_range(S):
-            cols, ok = _read(i, N)
-            y = _normed(tl.load(e_row + cols, mask=ok, other=0.0).to(tl.float32), mean, rstd, w_ptr, w_ptr, cols, ok,
-                        False)
-            tl.store(h_ptr + t * N + cols, y, mask=ok)
-            tl.store(x_ptr + t * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
+        cols, ok = _row(N, S)
+        e = tl.load(emb_ptr + tok.to(tl.int64) * N + cols, mask=ok, other=0.0)
+        y = _norm(e, ok, w_ptr, w_ptr, cols, eps, N, False)
+        tl.store(h_ptr + t * N + cols, y, mask=ok)
+        tl.store(x_ptr + t * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
         tl.store(pos_ptr + t, pos)
         tl.store(row_ptr + t, row)
 
@@ -168,37 +228,13 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
-        CD: tl.constexpr = x_ptr.dtype.element_ty
-        m = tl.zeros((_LANES,), tl.float32)
-        q = m
-        c = m
-        for i in tl.static_range(S):
-            cols, ok = _read(i, N)
-            h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
-            if PENDING:
-                h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, CD, P_BIAS, P_APART)
-            m, q, c = _online(m, q, c, h, ok)
-        mean, rstd = _moments(m, q, c, eps, N)
-        # Second pass over the same values (the row is still in L1), computed again bit for bit.
-        for i in tl.static_range(S):
-            cols, ok = _read(i, N)
-            h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
-            if PENDING:
-                h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, CD, P_BIAS, P_APART)
-                tl.store(h_ptr + t * N + cols, h, mask=ok)
-            y = _normed(h, mean, rstd, w_ptr, b_ptr, cols, ok, HAS_BIAS)
-            tl.store(x_ptr + t * N + cols, y.to(CD), mask=ok)
-
-    @triton.jit
-    def _entry(h_ptr, t, temb_row, fw_ptr, mean, rstd, p_ptr, pb_ptr, CHUNKS, sps, i: tl.constexpr, N: tl.constexpr,
-               CD: tl.constexpr, PENDING: tl.constexpr, P_BIAS: tl.constexpr, P_APART: tl.constexpr):
-        """The head's input at read i: LN_final(h) + type_emb (both of head_entry's later passes compute it)."""
-        cols, ok = _read(i, N)
+        cols, ok = _row(N, S)
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
         if PENDING:
-            h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, CD, P_BIAS, P_APART)
-        y = _normed(h, mean, rstd, fw_ptr, fw_ptr, cols, ok, False)
-        return y + tl.load(temb_row + cols, mask=ok, other=0.0), cols, ok
+            h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, x_ptr.dtype.element_ty, P_BIAS, P_APART)
+            tl.store(h_ptr + t * N + cols, h, mask=ok)
+        y = _norm(h, ok, w_ptr, b_ptr, cols, eps, N, HAS_BIAS)
+        tl.store(x_ptr + t * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _head_entry_kernel(h_ptr, row_ptr, qtype_ptr, fw_ptr, temb_ptr, w1_ptr, b1_ptr, x_ptr, eps, eps1,
@@ -208,35 +244,17 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
-        CD: tl.constexpr = x_ptr.dtype.element_ty
+        cols, ok = _row(N, S)
+        h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
+        if PENDING:
+            h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, x_ptr.dtype.element_ty, P_BIAS, P_APART)
         row = tl.load(row_ptr + t)
         qt = tl.load(qtype_ptr + tl.maximum(row, 0))
-        temb_row = temb_ptr + tl.where(row >= 0, qt, 0) * N
-        m = tl.zeros((_LANES,), tl.float32)
-        q = m
-        c = m
-        for i in tl.static_range(S):
-            cols, ok = _read(i, N)
-            h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
-            if PENDING:
-                h = _finish_pending(h, t, cols, ok, p_ptr, pb_ptr, CHUNKS, sps, N, CD, P_BIAS, P_APART)
-            m, q, c = _online(m, q, c, h, ok)
-        mean, rstd = _moments(m, q, c, eps, N)
-        # Pass 2: the head's input, only for its statistics; pass 3 computes it again and stores it (h is read
-        # unchanged until then).
-        m = tl.zeros((_LANES,), tl.float32)
-        q = m
-        c = m
-        for i in tl.static_range(S):
-            y, cols, ok = _entry(h_ptr, t, temb_row, fw_ptr, mean, rstd, p_ptr, pb_ptr, CHUNKS, sps, i, N, CD, PENDING,
-                                 P_BIAS, P_APART)
-            m, q, c = _online(m, q, c, y, ok)
-        mean1, rstd1 = _moments(m, q, c, eps1, N)
-        for i in tl.static_range(S):
-            y, cols, ok = _entry(h_ptr, t, temb_row, fw_ptr, mean, rstd, p_ptr, pb_ptr, CHUNKS, sps, i, N, CD, PENDING,
-                                 P_BIAS, P_APART)
-            tl.store(h_ptr + t * N + cols, y, mask=ok)
-            tl.store(x_ptr + t * N + cols, _normed(y, mean1, rstd1, w1_ptr, b1_ptr, cols, ok, True).to(CD), mask=ok)
+        qt = tl.where(row >= 0, qt, 0)
+        h = _norm(h, ok, fw_ptr, fw_ptr, cols, eps, N, False) + tl.load(temb_ptr + qt * N + cols, mask=ok, other=0.0)
+        tl.store(h_ptr + t * N + cols, h, mask=ok)
+        y = _norm(h, ok, w1_ptr, b1_ptr, cols, eps1, N, True)
+        tl.store(x_ptr + t * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _gather_norm_kernel(h_ptr, start_ptr, mk_ptr, w_ptr, b_ptr, x_ptr, K, L, T, eps,
@@ -248,18 +266,11 @@ if triton is not None:
         r = i // K
         at = tl.minimum(tl.maximum(tl.load(mk_ptr + i), 0), L - 1)
         # An absent marker, or a padding row's, reads some token's state (never used): clamp it into range.
-        h_row = h_ptr + tl.minimum(tl.load(start_ptr + r) + at, T - 1).to(tl.int64) * N
-        m = tl.zeros((_LANES,), tl.float32)
-        q = m
-        c = m
-        for j in tl.static_range(S):
-            cols, ok = _read(j, N)
-            m, q, c = _online(m, q, c, tl.load(h_row + cols, mask=ok, other=0.0), ok)
-        mean, rstd = _moments(m, q, c, eps, N)
-        for j in tl.static_range(S):
-            cols, ok = _read(j, N)
-            y = _normed(tl.load(h_row + cols, mask=ok, other=0.0), mean, rstd, w_ptr, b_ptr, cols, ok, True)
-            tl.store(x_ptr + i.to(tl.int64) * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
+        t = tl.minimum(tl.load(start_ptr + r) + at, T - 1).to(tl.int64)
+        cols, ok = _row(N, S)
+        h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
+        y = _norm(h, ok, w_ptr, b_ptr, cols, eps, N, True)
+        tl.store(x_ptr + i.to(tl.int64) * N + cols, y.to(x_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _features_kernel(score_ptr, mk_ptr, h_ptr, start_ptr, logits_ptr, act_in_ptr, K, T, absent, s_act,
@@ -316,11 +327,11 @@ def _warps(block: int) -> int:
 
 
 def width(n: int) -> int:
-    """Reads per lane of a LayerNorm row of n values (`_read`); ValueError where torch's order is not ours."""
+    """Reads per lane of a LayerNorm row of n values (`_row`); ValueError where torch's order is not ours."""
     if n % 4 or n > MAX_WIDTH:
-        # torch takes another kernel where n % 4 (and past MAX_WIDTH the unrolled reads grow the kernel too much)
+        # torch takes another kernel where n % 4, and a lane would read more than twice past MAX_WIDTH
         raise ValueError(f"LayerNorm width {n}: the fast path holds multiples of 4 up to {MAX_WIDTH}")
-    return 4 * -(-n // (4 * LANES))
+    return 8 if n > 4 * LANES else 4
 
 
 def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id: int, eps: float) -> None:
