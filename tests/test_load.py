@@ -30,21 +30,26 @@ def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
     roles = [r["role"] for r in used]
     assert roles.count("worker") == 2 and roles.count("client") == 2 and "broker" in roles, used
     assert all(r["cores"] > 0.01 for r in used if r["role"] in ("worker", "client")), used
+    # The worker names its threads in the OS, so the busiest ones are told apart (worker/threadname.py).
+    assert any(name in ("compute", "io") for r in used if r["role"] == "worker" for name, _ in r["top_threads"]), used
     assert "cpu: " in proc.stdout
 
 
 def test_cpu_use_from_two_snapshots():
-    from tools.cpu import role, summary, usage
+    from laya_pool.tools.cpu import role, summary, usage
     before = {1: {"role": "worker", "cpu": 10.0, "threads": {11: 4.0, 12: 6.0}},
               2: {"role": "broker", "cpu": 3.0, "threads": {21: 3.0}},
               3: {"role": "client", "cpu": 1.0, "threads": {31: 1.0}}}
-    after = {1: {"role": "worker", "cpu": 12.4, "threads": {11: 5.2, 12: 7.8, 13: 0.0}},
+    after = {1: {"role": "worker", "cpu": 12.4, "threads": {11: 5.2, 12: 7.8, 13: 0.0},
+                 "names": {11: "io", 12: "compute", 13: "landing"}},
              2: {"role": "broker", "cpu": 4.0, "threads": {21: 4.0}}}           # the client has gone: left out
     rows = usage(before, after, wall=2.0)
     assert [r["pid"] for r in rows] == [1, 2]                                      # busiest first
     assert rows[0]["cores"] == 1.2 and rows[0]["busiest_thread"] == 0.9 and rows[0]["threads"] == 3
+    assert rows[0]["top_threads"] == [["compute", 0.9], ["io", 0.6], ["landing", 0.0]]
     assert rows[1]["cores"] == 0.5 and rows[1]["busiest_thread"] == 0.5
-    assert summary(rows) == "cpu: worker 1.20 cores (busiest thread 0.90), broker 0.50 cores (busiest thread 0.50)"
+    assert summary(rows) == ("cpu: worker 1.20 cores (busiest thread compute 0.90), "
+                             "broker 0.50 cores (busiest thread 21 0.50)")             # no name read: its id
     assert role(["python", "-m", "laya_pool.worker.server", "--model", "m"]) == "worker"
     assert role(["python", "-m", "laya_pool.broker.broker"]) == "broker"
     assert role(["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()"]) == "client"

@@ -22,8 +22,18 @@ def role(cmdline: list[str]) -> str:
     return "client" if "multiprocessing" in text or "spawn_main" in text else (cmdline[0] if cmdline else "?")
 
 
+def _thread_name(pid: int, tid: int) -> str:
+    """The OS name of a thread (the worker names its threads: worker/threadname.py); its id where unreadable."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return str(tid)
+
+
 def snapshot(pids: dict[int, str]) -> dict[int, dict]:
-    """CPU seconds so far of each process (`pids`: pid -> role) and of each of its threads; gone ones are left out."""
+    """CPU seconds so far of each process (`pids`: pid -> role) and of each of its threads (by OS name); gone ones
+    are left out."""
     out = {}
     for pid, name in pids.items():
         try:
@@ -31,7 +41,8 @@ def snapshot(pids: dict[int, str]) -> dict[int, dict]:
             with p.oneshot():
                 t = p.cpu_times()
                 threads = {th.id: th.user_time + th.system_time for th in p.threads()}
-            out[pid] = {"role": name, "cpu": t.user + t.system, "threads": threads}
+            out[pid] = {"role": name, "cpu": t.user + t.system, "threads": threads,
+                        "names": {tid: _thread_name(pid, tid) for tid in threads}}
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
@@ -60,9 +71,11 @@ def usage(before: dict[int, dict], after: dict[int, dict], wall: float) -> list[
         a = after.get(pid)
         if a is None or wall <= 0:
             continue
-        threads = [a["threads"][t] - b["threads"].get(t, 0.0) for t in a["threads"]]
+        spent = sorted(((a["threads"][t] - b["threads"].get(t, 0.0), t) for t in a["threads"]), reverse=True)
+        names = a.get("names", {})
         rows.append({"pid": pid, "role": a["role"], "cores": round((a["cpu"] - b["cpu"]) / wall, 3),
-                     "busiest_thread": round(max(threads, default=0.0) / wall, 3), "threads": len(threads)})
+                     "busiest_thread": round(spent[0][0] / wall, 3) if spent else 0.0, "threads": len(spent),
+                     "top_threads": [[names.get(t, str(t)), round(x / wall, 3)] for x, t in spent[:3]]})
     return sorted(rows, key=lambda r: -r["cores"])
 
 
@@ -74,6 +87,8 @@ def summary(rows: list[dict]) -> str:
     parts = []
     for name, rs in by_role.items():
         many = f" x{len(rs)}" if len(rs) > 1 else ""
-        busiest = max(r["busiest_thread"] for r in rs)
-        parts.append(f"{name}{many} {sum(r['cores'] for r in rs):.2f} cores (busiest thread {busiest:.2f})")
+        top = max(rs, key=lambda r: r["busiest_thread"])
+        which = f"{top['top_threads'][0][0]} " if top.get("top_threads") and name != "client" else ""
+        parts.append(f"{name}{many} {sum(r['cores'] for r in rs):.2f} cores "
+                     f"(busiest thread {which}{top['busiest_thread']:.2f})")
     return "cpu: " + ", ".join(parts)

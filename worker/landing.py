@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .threadname import name_os_thread
+
 
 @dataclass(frozen=True, eq=False)
 class Landed:
@@ -60,6 +62,7 @@ class LandingWatch:
             self.cond.wait_for(lambda: self.waiting == 0)
 
     def _run(self) -> None:
+        name_os_thread(self.name)
         while True:
             flight = self.jobs.get()
             if flight is None:

@@ -34,6 +34,7 @@ from laya_pool.protocol.wire import Cmd
 
 from . import placement
 from .compute import Compute, FaultHooks, Queued
+from .threadname import name_os_thread
 
 log = logging.getLogger("laya-pool.worker")
 _STARTED = time.monotonic()      # start-to-READY is measured from here (interpreter start-up is ~50 ms before it)
@@ -120,6 +121,7 @@ class Worker:
         self.reconnect_wait = self.hb
 
     def _compute_main(self, pair: zmq.Socket) -> None:
+        name_os_thread("compute")
         try:
             self.compute.loop()
         finally:
@@ -172,6 +174,7 @@ class Worker:
     # ------------------------------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        name_os_thread("io")
         self.compute_thread.start()
         self._connect()
         self._ready()
