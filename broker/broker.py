@@ -227,9 +227,10 @@ class Broker:
             # Frame by frame, as send_multipart does, less its per-message checks (a few microseconds of every
             # message, scripts/overhead.py). Only the first frame can fail (unroutable, or the peer's queue is
             # full): once it is taken, ZeroMQ takes the rest of the message.
-            last = len(frames) - 1
-            for i, f in enumerate(frames):
-                sock.send(f, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0))
+            send = sock.send
+            for f in frames[:-1]:
+                send(f, _MORE)
+            send(frames[-1], _LAST)
             return True
         except zmq.ZMQError as e:
             if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -946,6 +947,12 @@ class Broker:
         """A request is no longer queued or running: its key and payload bytes are released."""
         if self.by_key.pop(job.key, None) is not None:
             self.queue_bytes -= job.nbytes
+
+
+# Send flags as plain ints: the enum arithmetic (`zmq.NOBLOCK | zmq.SNDMORE`) cost more than the send itself in a
+# profile of the routed path (136,000 enum calls for 4,300 forwards).
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_LAST = int(zmq.NOBLOCK)
 
 
 def _expiry(now: float, budget_ms: int | None) -> float | None:
