@@ -224,13 +224,9 @@ class Broker:
 
     def _send(self, sock: zmq.Socket, frames: list[Any]) -> bool:
         try:
-            # Frame by frame, as send_multipart does, less its per-message checks (a few microseconds of every
-            # message, scripts/overhead.py). Only the first frame can fail (unroutable, or the peer's queue is
-            # full): once it is taken, ZeroMQ takes the rest of the message.
-            send = sock.send
-            for f in frames[:-1]:
-                send(f, _MORE)
-            send(frames[-1], _LAST)
+            # Frame by frame, less send_multipart's per-message checks and enum flags (scripts/overhead.py, and a
+            # profile: docs/PERF.md). Only the first frame can fail: once it is taken, ZeroMQ takes the rest.
+            wire.send_frames(sock, frames)
             return True
         except zmq.ZMQError as e:
             if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -947,12 +943,6 @@ class Broker:
         """A request is no longer queued or running: its key and payload bytes are released."""
         if self.by_key.pop(job.key, None) is not None:
             self.queue_bytes -= job.nbytes
-
-
-# Send flags as plain ints: the enum arithmetic (`zmq.NOBLOCK | zmq.SNDMORE`) cost more than the send itself in a
-# profile of the routed path (136,000 enum calls for 4,300 forwards).
-_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_LAST = int(zmq.NOBLOCK)
 
 
 def _expiry(now: float, budget_ms: int | None) -> float | None:

@@ -819,7 +819,7 @@ class Client(_Base):
 
     def _send(self, frames: list[Any], attempts: Attempts) -> Step:
         try:
-            self._sock.send_multipart(wire.with_budget(frames, attempts.budget_ms()), flags=zmq.NOBLOCK, copy=False)
+            wire.send_frames(self._sock, wire.with_budget(frames, attempts.budget_ms()), copy=False)
         except zmq.Again:
             self._events()
             return attempts.send_failed(self._watch.trouble or "the socket's send queue is full", self._watch.up)

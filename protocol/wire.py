@@ -118,6 +118,22 @@ class Message:
     frames: list[Any] = field(default_factory=list)   # payload frames (bytes / zmq.Frame / memoryview)
 
 
+# libzmq's ZMQ_DONTWAIT and ZMQ_SNDMORE (fixed by its ABI; tests/test_wire.py checks them against pyzmq's), as plain
+# ints: pyzmq's enum flags cost an enum operation per frame in send_multipart, more than the send itself in a broker
+# profile (docs/PERF.md, "The broker's own ceiling").
+DONTWAIT = 1
+SNDMORE = 2
+
+
+def send_frames(sock: Any, frames: Sequence[Any], copy: bool = True) -> None:
+    """One multipart message without blocking: zmq.Again if the first frame cannot go (unroutable, or the peer's
+    queue is full); once it is taken, ZeroMQ takes the rest."""
+    send = sock.send
+    for f in frames[:-1]:
+        send(f, DONTWAIT | SNDMORE, copy=copy)
+    send(frames[-1], DONTWAIT, copy=copy)
+
+
 def encode(cmd: Cmd, header: dict[str, Any], *frames: Any) -> list[Any]:
     """Frames for one message; payload frames are passed through untouched (zero copy)."""
     h = pack(header)

@@ -218,3 +218,24 @@ def test_fuzz_request_headers(header, buffers):
         wire.parse_request(wire.decode([b"LAYA1", bytes([2]), msgpack.packb(header)] + buffers))
     except ProtocolError:
         pass
+
+
+def test_send_frames_sends_one_message_without_blocking():
+    import zmq
+    assert (wire.DONTWAIT, wire.SNDMORE) == (int(zmq.DONTWAIT), int(zmq.SNDMORE))
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    lonely = ctx.socket(zmq.DEALER)            # no peer: a blocking send would wait forever
+    try:
+        a.bind("inproc://send-frames")
+        b.connect("inproc://send-frames")
+        wire.send_frames(a, [b"one", b"", memoryview(b"three")])
+        wire.send_frames(a, [b"alone"], copy=False)
+        assert b.recv_multipart() == [b"one", b"", b"three"]
+        assert b.recv_multipart() == [b"alone"]
+        with pytest.raises(zmq.Again):
+            wire.send_frames(lonely, [b"x", b"y"])
+    finally:
+        for s in (a, b, lonely):
+            s.close(0)
+        ctx.term()

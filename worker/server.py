@@ -148,7 +148,7 @@ class Worker:
 
     def _send(self, frames: list[Any]) -> None:
         try:
-            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            wire.send_frames(self.dealer, frames, copy=False)
             self.last_sent = time.monotonic()
         except zmq.Again:
             log.warning("worker %s: the broker's queue is full; dropped a %r message", self.id, bytes(frames[1]))
