@@ -213,7 +213,7 @@ class Broker:
 
     def _recv(self, sock: zmq.Socket) -> list[bytes]:
         if sock is not self.frontend or not self.operator_keys:
-            return sock.recv_multipart(zmq.NOBLOCK)
+            return wire.recv_frames(sock)
         # Under CURVE, who sent it (the authenticated key) decides whether it may drain a worker.
         first = sock.recv(zmq.NOBLOCK, copy=False)
         try:

@@ -769,7 +769,7 @@ class Client(_Base):
                     self._drive(rid, f, f.attempts.reconnected(), flights, results)
         while ready.get(self._sock):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = wire.recv_frames(self._sock)
             except zmq.Again:
                 return
             msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise

@@ -134,6 +134,18 @@ def send_frames(sock: Any, frames: Sequence[Any], copy: bool = True) -> None:
     send(frames[-1], DONTWAIT, copy=copy)
 
 
+def recv_frames(sock: Any) -> list[bytes]:
+    """One multipart message without blocking (zmq.Again if none), as bytes. Each frame says whether more follow,
+    so no RCVMORE option is read per frame (pyzmq looks every option up through an enum): 4.0 against 6.0 us for
+    a 7-frame message (recv_multipart, this CPU). The rest of a message is there once its first frame is."""
+    f = sock.recv(DONTWAIT, copy=False)
+    parts = [f.bytes]
+    while f.more:
+        f = sock.recv(DONTWAIT, copy=False)
+        parts.append(f.bytes)
+    return parts
+
+
 def encode(cmd: Cmd, header: dict[str, Any], *frames: Any) -> list[Any]:
     """Frames for one message; payload frames are passed through untouched (zero copy)."""
     h = pack(header)

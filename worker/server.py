@@ -209,7 +209,7 @@ class Worker:
     def _read_broker(self, now: float) -> None:
         while True:
             try:
-                frames = self.dealer.recv_multipart(zmq.NOBLOCK)
+                frames = wire.recv_frames(self.dealer)
             except zmq.Again:
                 return
             self.broker_expiry = now + self.hb * self.cfg.liveness
