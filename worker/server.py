@@ -113,7 +113,8 @@ class Worker:
         pair_compute = self.ctx.socket(zmq.PAIR)
         pair_compute.connect(addr)
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch,
-                               lambda frames: pair_compute.send_multipart(frames, copy=False), self.counts, faults)
+                               lambda frames: wire.send_frames(pair_compute, frames, copy=False, wait=True),
+                               self.counts, faults)
         self.compute_thread = threading.Thread(target=self._compute_main, args=(pair_compute,), name="compute",
                                                daemon=True)
         self.last_sent = self.last_ready = self.broker_expiry = 0.0
@@ -200,7 +201,7 @@ class Worker:
     def _forward_replies(self) -> None:
         while True:
             try:
-                frames = self.pair_io.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = wire.recv_frames(self.pair_io, copy=False)
             except zmq.Again:
                 return
             self.outstanding -= 1
