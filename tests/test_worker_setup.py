@@ -32,6 +32,17 @@ def test_parser_and_config_agree_on_every_field():
     assert WorkerConfig.from_args(a) == WorkerConfig("m", "b", "0", log_level=a.log_level)
 
 
+def test_gil_switch_interval_from_flag_or_environment(monkeypatch):
+    base = ["--model", "m", "--backend", "b", "--id", "0"]
+    assert WorkerConfig.from_args(build_parser().parse_args(base)).gil_switch_ms is None     # Python's own
+    assert WorkerConfig.from_args(build_parser().parse_args([*base, "--gil-switch-ms", "0.5"])).gil_switch_ms == 0.5
+    monkeypatch.setenv("LAYA_GIL_SWITCH_MS", "0.25")        # a whole pool switched for an A/B run
+    cfg = WorkerConfig.from_args(build_parser().parse_args(base)).for_device(False)
+    assert cfg.gil_switch_ms == 0.25 and cfg.usage_problem() is None
+    cfg = WorkerConfig.from_args(build_parser().parse_args([*base, "--gil-switch-ms", "0"])).for_device(False)
+    assert "--gil-switch-ms" in cfg.usage_problem()
+
+
 @pytest.mark.parametrize("env,want", [({}, FaultHooks(0, 0)), ({"LAYA_WORKER_HANG_ROWS": "3"}, FaultHooks(3, 0)),
                                       ({"LAYA_WORKER_FAULT_ROWS": "5", "LAYA_WORKER_HANG_ROWS": ""}, FaultHooks(0, 5))])
 def test_fault_hooks_from_env(env, want):

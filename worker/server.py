@@ -62,6 +62,7 @@ class WorkerConfig:
     warmup_shapes: str | None = None
     overlap: str = "on"                     # CUDA: launch the next group while the current one computes
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
+    gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
     log_level: str = "INFO"
@@ -83,6 +84,8 @@ class WorkerConfig:
     def usage_problem(self) -> str | None:
         if min(self.credit, self.max_batch, self.heartbeat_ms, self.liveness) < 1:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
+        if self.gil_switch_ms is not None and not 0.01 <= self.gil_switch_ms <= 1000:
+            return f"--gil-switch-ms must be in 0.01..1000 (got {self.gil_switch_ms}); check LAYA_GIL_SWITCH_MS"
         if self.overlap not in ("on", "off") or self.capture_misses not in ("idle", "inline"):
             # argparse does not check a default taken from the environment against the choices
             return (f"--overlap must be on or off (got {self.overlap!r}) and --capture-misses idle or inline "
@@ -379,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph-cached: a request whose bucket was not captured runs in a larger captured bucket "
                         "(same answers) or eager, and its bucket is captured when no request waits (idle); inline: "
                         "the request waits for the capture (env LAYA_CAPTURE_MISSES)")
+    p.add_argument("--gil-switch-ms", type=float, default=os.environ.get("LAYA_GIL_SWITCH_MS") or None,
+                   help="how long a thread may hold the GIL while another waits (Python's default: 5 ms). The I/O "
+                        "thread draining a burst of requests, or the compute thread admitting a group, holds it for "
+                        "milliseconds while the other waits (a landed group unanswered, a reply unsent): 0.5 cut "
+                        "such a wait from 2.0 to 0.6 ms in a two-thread test (docs/PERF.md). For measuring; env "
+                        "LAYA_GIL_SWITCH_MS")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))
@@ -508,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         log.error("%s", problem)
         return contract.EXIT_USAGE
+    if cfg.gil_switch_ms is not None:
+        sys.setswitchinterval(cfg.gil_switch_ms / 1e3)
     early: dict[str, int | None] = {"signal": None}   # a signal before serving: finish starting, then leave
 
     def early_stop(signum, _frame):
@@ -533,8 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         rt, warm_ms = _build_runtime(cfg, torch_device, warm, phases, _open_context(torch, torch_device))
     except _Exit as e:
         return e.code
-    log.info("worker %s: %s (%s), mode %s, threads %s, cpus %s, warm-up %.0f ms", cfg.id, label, torch_device,
-             cfg.mode, torch.get_num_threads(), pinned, warm_ms)
+    log.info("worker %s: %s (%s), mode %s, threads %s, cpus %s, GIL switch %.2f ms, warm-up %.0f ms", cfg.id, label,
+             torch_device, cfg.mode, torch.get_num_threads(), pinned, sys.getswitchinterval() * 1e3, warm_ms)
     log.info("worker %s: started in %.2f s (%s ms)", cfg.id, time.monotonic() - _STARTED,
              ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
     if early["signal"] is not None:
