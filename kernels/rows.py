@@ -101,19 +101,9 @@ if triton is not None:
     def _welford(ma, sa, ca, mb, sb, cb):
         """tl.reduce's combine: `a` is the running state, `b` the next one (a thread's next value, in order, or
         the partner lane's state in a shuffle, in torch's orientation: cuWelfordCombine(dataB=a, dataA=b))."""
-        # a value into a thread's running state: cuWelfordOnlineSum
-        delta = mb - ma
-        n = ca + 1.0
-        om = tl.fma(delta, tl.math.div_rn(tl.full(n.shape, 1.0, tl.float32), n), ma)
-        os_ = tl.fma(delta, mb - om, sa)
-        # two lanes' states: cuWelfordCombine
-        count = ca + cb
-        coef = tl.math.div_rn(tl.full(count.shape, 1.0, tl.float32), count)
-        na = cb * coef
-        nb = ca * coef
-        cm = tl.fma(na, mb, _mul(nb, ma))
-        cs = tl.fma((ma - mb) * (ma - mb) * cb, nb, sb + sa)
         one = cb == 1.0          # a thread's own value (a lane's state always holds four or more)
+        om, os_, _ = _online(ma, sa, ca, mb, one)
+        cm, cs, count = _combine(ma, sa, ca, mb, sb, cb)
         m = tl.where(one, om, cm)
         s = tl.where(one, os_, cs)
         m = tl.where(ca == 0.0, mb, tl.where(cb == 0.0, ma, m))   # empty lanes (rows narrower than the block)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import psutil
 
-ROLES = (("laya_pool.worker", "worker"), ("laya_pool.broker", "broker"), ("laya_pool up", "supervisor"),
-         ("laya_pool", "supervisor"))
+ROLES = (("laya_pool.worker", "worker"), ("laya_pool.broker", "broker"), ("laya_pool", "supervisor"))
 
 
 def role(cmdline: list[str]) -> str:
