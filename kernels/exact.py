@@ -7,14 +7,18 @@ A 28-layer model carries a one-ulp difference anywhere to the whole fp32-vs-bf16
   torch runs the two as separate kernels (RoPE's `x * cos + rotate_half(x) * sin`, a LayerNorm's output before
   the next add), the product must be rounded first.
 - `rsqrt`: what c10's `compat::rsqrt` (rsqrtf) compiles to.
-- `gelu`: torch's erf-GELU. libdevice's erff (Triton's) and the CUDA math library's (torch's) differ in the last
-  bit for some large negative arguments; on bf16 inputs that changes 11 of 65,280 GELU outputs, all in [-5.4, -3.1]
-  (device probe, scripts/probe_rowexact.py). With LAYA_GELU_TABLE=1, for bf16 inputs in [-16, -1) the value comes
-  from a table of torch's own F.gelu outputs, made on the device at load (`gelu_table`): 512 entries, exact.
+- `gelu`: torch's erf-GELU. The libdevice Triton ships and the CUDA toolkit's (whose erff torch's kernels were
+  compiled with) differ in the last bit of erff for 12% of fp32 arguments in [-6, 6]; on bf16 inputs that changed 11
+  of 65,280 GELU outputs, all in [-5.4, -3.1]. Triton linked against the toolkit's own libdevice gives torch's bits
+  on all of them (device probe, scripts/probe_rowexact.py, 2026-12-04), so `prepare` points Triton there and then
+  checks every bf16 input against F.gelu on the device; only where some differ (another toolkit than torch's, or
+  none) does the GELU take its [-16, -1) tail from a 512-entry table of torch's own outputs (`gelu_table`), which
+  costs 15% of GEMM time. LAYA_GELU_TABLE=1 forces the table.
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -34,9 +38,6 @@ if triton is not None:
     _LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
     _FIRST = tl.constexpr(TABLE_FIRST)
     _SIZE = tl.constexpr(TABLE_SIZE)
-    # The table costs 15% of the GEMMs' time at 16x512 (12.7 -> 14.6 ms, device run 6, 2026-12-04) for 11 of 65,280
-    # inputs: opt-in (LAYA_GELU_TABLE=1) until the fast path's other differences from torch are gone.
-    _TABLE = tl.constexpr(os.environ.get("LAYA_GELU_TABLE") == "1")
 
     @triton.jit
     def mul(a, b):
@@ -54,10 +55,11 @@ if triton is not None:
             return 1.0 / tl.sqrt(x)
 
     @triton.jit
-    def gelu(x, table_ptr):
-        """torch's F.gelu of a bf16 value held in fp32 (x * 0.5 * (1 + erf(x / sqrt 2))), as fp32."""
+    def gelu(x, table_ptr, TABLE: tl.constexpr):
+        """torch's F.gelu of a bf16 value held in fp32 (x * 0.5 * (1 + erf(x / sqrt 2))), as fp32; TABLE: the tail
+        from `gelu_table` (module docstring)."""
         y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        if not _TABLE:
+        if not TABLE:
             return y
         i = x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32) - _FIRST
         tail = (i >= 0) & (i < _SIZE)
@@ -77,3 +79,67 @@ def gelu_table(device: torch.device) -> torch.Tensor:
         bits = torch.arange(TABLE_FIRST, TABLE_FIRST + TABLE_SIZE, dtype=torch.int32).to(torch.int16)
         _TABLES[device] = torch.nn.functional.gelu(bits.view(torch.bfloat16).to(device)).contiguous()
     return _TABLES[device]
+
+
+def toolkit_libdevice() -> str | None:
+    """The CUDA toolkit's libdevice (CUDA_HOME, CUDA_PATH, /usr/local/cuda), or None."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "nvvm/libdevice/libdevice.10.bc").is_file():
+            return str(Path(root) / "nvvm/libdevice/libdevice.10.bc")
+    return None
+
+
+_NEEDS_TABLE: dict[torch.device, bool] = {}
+_DIFFER: dict[torch.device, int] = {}
+
+
+def needs_table(device: torch.device) -> bool:
+    """Whether GELUs on `device` take the table (decided by `prepare`; forced by LAYA_GELU_TABLE=1)."""
+    return os.environ.get("LAYA_GELU_TABLE") == "1" or _NEEDS_TABLE.get(torch.device(device), False)
+
+
+def prepare(device: torch.device) -> dict:
+    """At model load, before any of our kernels compiles: link Triton against the toolkit's libdevice unless told
+    otherwise (TRITON_LIBDEVICE_PATH), make the table, and check every finite bf16 GELU input against F.gelu on
+    the device; the table is used only if some differ. Returns what it found (the worker logs it)."""
+    device = torch.device(device)
+    found: dict = {"libdevice": None, "gelu_differ": None}
+    if device.type != "cuda" or triton is None:
+        return found
+    if not os.environ.get("TRITON_LIBDEVICE_PATH") and not triton.knobs.nvidia.libdevice_path:
+        path = toolkit_libdevice()
+        if path:
+            triton.knobs.nvidia.libdevice_path = path
+    found["libdevice"] = triton.knobs.nvidia.libdevice_path or "triton's own"
+    gelu_table(device)
+    if device not in _DIFFER:
+        _DIFFER[device] = gelu_differs(device, table=False)
+        _NEEDS_TABLE[device] = _DIFFER[device] > 0
+    found["gelu_differ"] = _DIFFER[device]
+    found["gelu_table"] = needs_table(device)
+    return found
+
+
+def bf16_values(device: torch.device) -> torch.Tensor:
+    """Every finite bf16 value (65,280 of them)."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    return x[torch.isfinite(x)].to(device)
+
+
+def gelu_differs(device: torch.device, table: bool) -> int:
+    """How many finite bf16 inputs our GELU maps to other bits than F.gelu does, on `device`."""
+    x = bf16_values(device)
+    y = torch.empty_like(x)
+    _gelu_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, gelu_table(device), x.numel(), TABLE=table, BLOCK=1024)
+    ref = torch.nn.functional.gelu(x)
+    return int((y != ref).sum())        # by value: -0.0 and 0.0 are one answer
+
+
+if triton is not None:
+    @triton.jit
+    def _gelu_kernel(x_ptr, y_ptr, table_ptr, n, TABLE: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + i, gelu(x, table_ptr, TABLE).to(y_ptr.dtype.element_ty), mask=ok)

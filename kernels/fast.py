@@ -18,11 +18,11 @@ import os
 
 import torch
 
+from . import exact
 from . import rows as rk
 from .arch import Arch
 from .attention import attention
-from .exact import gelu_table
-from .gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual
+from .gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual, rope_pairs
 from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
 __all__ = ["FastModel", "supports"]
@@ -69,7 +69,9 @@ class FastModel:
             raise ValueError(why)
         self.arch, self.device, self.dtype = arch, torch.device(device), dtype
         load_weights(self, arch, tensors, self.device, dtype)
-        gelu_table(self.device)        # torch's GELU tail, made now: a capture must find it made
+        # The toolkit's libdevice and the GELU check (kernels/exact.py), before any kernel of ours compiles; the
+        # table is made now if needed: a capture must find it made.
+        self.exactness = exact.prepare(self.device)
         a, dev = arch, self.device
         # RoPE tables [max_len, D/2] in fp32, built as the reference (and the SDK) builds them.
         self.max_positions = a.max_len
@@ -78,6 +80,8 @@ class FastModel:
         for theta in sorted({a.theta(i) for i in range(a.layers)}):
             cos, sin = _rope_tables(self.max_positions, a.head_dim, theta, dev)
             self.rope[theta] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+        for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
+            lay["Wqkv_pairs"] = rope_pairs(lay.pop("Wqkv"), a.head_dim)
         # Whether any residual GEMM has K chunks (kernels/gemm.py), which a chunk-sum workspace then holds.
         ks = [a.hidden, a.intermediate] + ([4 * a.hidden] if self.head else [])
         self.max_chunks = 2 if any(k_chunk(k) for k in ks) else 1
@@ -125,7 +129,7 @@ class FastModel:
             if lay["attn_norm"] is not None:       # layer 0 has none, and nothing pending before it
                 rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps, pending)
             cos, sin = self.rope[lay["theta"]]
-            gemm(x, lay["Wqkv"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
+            gemm(x, lay["Wqkv_pairs"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
             attention(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
             pending = residual(att, lay["Wo"], h, parts)
             rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)

@@ -9,7 +9,8 @@ device probe (`scripts/probe_fast.py`, gemm step) runs each (N, K) of a checkpoi
 compares rows bit for bit. All configurations keep
 BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction (wgmma on Hopper).
 
-K chunks (`k_chunk`). A residual GEMM whose N is the hidden size has too few output tiles to keep the SMs busy at
+K chunks (`k_chunk`, opt-in: LAYA_K_CHUNKS=1; one chain is the default, and `fill_tiles` narrows the tiles of small
+M instead). A residual GEMM whose N is the hidden size has too few output tiles to keep the SMs busy at
 small M (1024 columns in tiles of 16-32: 32-64 programs on 132 SMs). Its K is therefore cut into two fixed chunks,
 chosen from K alone: each chunk is its own MMA chain from zero, and the two sums are added in fp32, c0 + c1. At
 small M each chunk runs in its own program and writes its sum to a workspace, and the row kernel that next reads
@@ -23,8 +24,11 @@ Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
 - RESIDUAL: h += fp32(y) on an fp32 residual stream, in place (each element has one writer).
 - GEGLU: the program computes the input column n and its gate column n + N/2 together and writes
   bf16(bf16(gelu(bf16(inp))) * bf16(gate)), so the [T, 2F] product never reaches memory.
-- ROPE: the program computes columns c and c + D/2 of one head together and rotates query and key heads by
-  their row-relative position (cos/sin tables in fp32, the rotate-half layout); value heads pass through.
+- ROPE: w's rows in `rope_pairs` order, so each column c < D/2 of a head and its partner c + D/2 are neighbours
+  in one tile and in one thread's accumulator: a plain one-accumulator GEMM (any tile) whose epilogue rotates query
+  and key heads by their row-relative position (cos/sin tables in fp32, the rotate-half layout) and writes both
+  columns back to their own places; value heads pass through. (Until 2026-12-04 the program ran the partner
+  columns as a second accumulator over a second read of W, which cost 1.6x cuBLAS's time at M = 8,192.)
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .exact import gelu_table
+from .exact import gelu_table, needs_table
 from .launch import launch, sms
 
 try:
@@ -77,7 +81,7 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
     and deep K tiles keep enough bytes in flight. Large M is compute bound: 128-wide tiles. `n_out` counts
     the programs' output columns (paired epilogues compute two columns per output column).
     """
-    paired = epi in (Epi.GEGLU, Epi.ROPE)
+    paired = epi == Epi.GEGLU
     if m <= 64:
         bm, warps = 64, 4
         bn = 16 if paired else 32
@@ -91,19 +95,33 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
     if m <= 512:
         bn = 32 if paired else 64
         return Tiles(64, bn, 64, 4, 4)
-    if epi == Epi.ROPE:
-        # Tiles spanning heads pay off only at large M: 127 us against 140 (64-wide) and 145 (32-wide) at M=8,192;
-        # at M=1,536 32-wide is best (33.4 us against 34.4 and 40.4). Same sweep.
-        return Tiles(128, 128 if m >= 4096 else 32, 64, 8, 3)
     if paired:
         return Tiles(128, 64, 64, 8, 3)
     return Tiles(128, 128, 64, 8, 3)
 
 
+def fill_tiles(t: Tiles, m: int, n_out: int, sms: int) -> Tiles:
+    """Smaller output tiles until a GEMM's programs cover the SMs: a residual GEMM's N is the hidden size, whose
+    1024 columns in 128-wide tiles leave SMs idle up to M ~ 2,000 (and at small M in any tiling). Tiles never change
+    the bits, so this is free to depend on M. Order: N to 64, then M to 64 (one warpgroup), then N to 16."""
+    def programs(t: Tiles) -> int:
+        return -(-m // t.bm) * -(-n_out // t.bn)
+    while programs(t) < sms:
+        if t.bn > 64:
+            t = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
+        elif t.bm > 64:
+            t = Tiles(64, t.bn, t.bk, 4, max(t.stages, 4))
+        elif t.bn > 16:
+            t = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
+        else:
+            break
+    return t
+
+
 if triton is not None:
     @triton.jit
     def _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BIAS_APART: tl.constexpr, ACT: tl.constexpr):
+                BIAS_APART: tl.constexpr, ACT: tl.constexpr, TABLE: tl.constexpr):
         """acc (fp32) -> a CD (compute dtype) value held in fp32: bias, rounding and activation where torch
         rounds."""
         if HAS_BIAS:
@@ -114,7 +132,7 @@ if triton is not None:
                 acc = acc + b
         y = acc.to(CD).to(tl.float32)
         if ACT == 1:
-            y = _gelu(y, table_ptr).to(CD).to(tl.float32)
+            y = _gelu(y, table_ptr, TABLE).to(CD).to(tl.float32)
         elif ACT == 2:
             y = tl.maximum(y, 0.0)
         return y
@@ -124,7 +142,8 @@ if triton is not None:
                      M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS, CHUNKS, sps,
                      EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
                      HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False):
+                     TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False,
+                     GELU_TABLE: tl.constexpr = False):
         # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
         # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
         CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
@@ -134,17 +153,8 @@ if triton is not None:
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rk = tl.arange(0, BK)
-        if EPI == 3:
-            # Program pid_n covers BN of the heads' first-half columns, numbered head by head (BN may be part of
-            # one head's half or span several heads); each one's partner column is HALF on.
-            g = pid_n * BN + tl.arange(0, BN)
-            head = g // HALF
-            half_col = g % HALF
-            cols = head * (2 * HALF) + half_col
-            col_ok = cols < N_OUT
-        else:
-            cols = pid_n * BN + tl.arange(0, BN)
-            col_ok = cols < N_OUT
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < N_OUT
         row_ok = rm < M
         if CHUNK > 0:
             # K in two fixed chunks (module docstring). SPLIT: this program runs chunk program_id(2) alone and
@@ -188,14 +198,14 @@ if triton is not None:
                 acc = acc + acc1
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if EPI >= 2:
+            if EPI == 2:
                 acc2 = tl.zeros((BM, BN), dtype=tl.float32)
             if TMA:
                 n0 = tl.min(cols, 0)
                 for k0 in range(0, K, BK):
                     a = a_ptr.load([pid_m * BM, k0])
                     acc = tl.dot(a, w_ptr.load([n0, k0]).T, acc)
-                    if EPI >= 2:
+                    if EPI == 2:
                         acc2 = tl.dot(a, w_ptr.load([n0 + PARTNER, k0]).T, acc2)
             else:
                 a_ptrs = a_ptr + rm[:, None] * sam + rk[None, :]
@@ -205,7 +215,7 @@ if triton is not None:
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                     b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
                     acc = tl.dot(a, b, acc)
-                    if EPI >= 2:
+                    if EPI == 2:
                         b2 = tl.load(w_ptrs + PARTNER * swn, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
                         acc2 = tl.dot(a, b2, acc2)
                     a_ptrs += BK
@@ -215,32 +225,38 @@ if triton is not None:
         if SPLIT:
             tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=ok)
         elif EPI == 0:
-            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
+            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
         elif EPI == 1:
-            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT)
+            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
             h = tl.load(out_ptrs, mask=ok, other=0.0)
             tl.store(out_ptrs, h + y, mask=ok)
         elif EPI == 2:
             inp = acc.to(CD).to(tl.float32)
             gate = acc2.to(CD).to(tl.float32)
-            g = _gelu(inp, table_ptr).to(CD).to(tl.float32)
+            g = _gelu(inp, table_ptr, GELU_TABLE).to(CD).to(tl.float32)
             tl.store(out_ptrs, (g * gate).to(out_ptr.dtype.element_ty), mask=ok)
         else:
-            x1 = acc.to(CD).to(tl.float32)
-            x2 = acc2.to(CD).to(tl.float32)
-            # Query and key heads (the first ROPE_HEADS) rotate by the token's row-relative position; value heads
-            # pass through.
-            rot = ok & (head < ROPE_HEADS)[None, :]
+            # w in `rope_pairs` order: columns 2p and 2p + 1 are pair p's (x1, x2), one thread's neighbours in the
+            # accumulator, so the split moves no data; pair p is column j = p % HALF of head p // HALF and its
+            # partner, HALF on. Query and key heads (the first ROPE_HEADS) rotate by the token's row-relative
+            # position; value heads pass through.
+            x1, x2 = tl.split(tl.reshape(acc.to(CD).to(tl.float32), (BM, BN // 2, 2)))
+            pair = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+            head = pair // HALF
+            j = pair % HALF
+            pair_ok = row_ok[:, None] & (pair < N_OUT // 2)[None, :]
+            rot = pair_ok & (head < ROPE_HEADS)[None, :]
             pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
-            t = pos[:, None] * HALF + half_col[None, :]
+            t = pos[:, None] * HALF + j[None, :]
             c = tl.load(cos_ptr + t, mask=rot, other=1.0)
             s = tl.load(sin_ptr + t, mask=rot, other=0.0)
             # torch's x * cos + rotate_half(x) * sin: each product rounded, then the sum
             y1 = tl.where(rot, _mul(x1, c) - _mul(x2, s), x1)
             y2 = tl.where(rot, _mul(x2, c) + _mul(x1, s), x2)
-            tl.store(out_ptrs, y1.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(out_ptrs + HALF, y2.to(out_ptr.dtype.element_ty), mask=ok)
+            first = out_ptr + rm[:, None] * som + (head * (2 * HALF) + j)[None, :]
+            tl.store(first, y1.to(out_ptr.dtype.element_ty), mask=pair_ok)
+            tl.store(first + HALF, y2.to(out_ptr.dtype.element_ty), mask=pair_ok)
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.PLAIN,
@@ -250,12 +266,21 @@ def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.
     """out <- epilogue(a @ w.T). a [M, K] bf16 (row stride free, unit column stride), w [N, K] contiguous.
 
     PLAIN: out [M, N] bf16. RESIDUAL: out [M, N] fp32, added to. GEGLU: w holds [inp; gate] (N = 2F),
-    out [M, F]. ROPE: `rope=(pos [M] int32, cos [P, D/2] fp32, sin, D, rope_heads)`: out [M, N]; the first
+    out [M, F]. ROPE: w in `rope_pairs(w, D)` order; `rope=(pos [M] int32, cos [P, D/2] fp32, sin, D, rope_heads)`:
+    out [M, N] in w's own column order (before `rope_pairs`); the first
     `rope_heads` heads of D columns are rotated (query and key), the rest pass through. `chunk`: K per chunk
     (default `k_chunk`; 0 for one chain), residual GEMMs only.
     """
     _launch(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, None)
     return out
+
+
+def rope_pairs(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """w's rows reordered for the ROPE epilogue: in each head of `head_dim` rows, row j < D/2 and its partner
+    j + D/2 side by side. Reordering rows moves whole dot products, never their K order: the same bits."""
+    n, k = w.shape
+    half = head_dim // 2
+    return w.view(n // head_dim, 2, half, k).transpose(1, 2).reshape(n, k).contiguous()
 
 
 @dataclass
@@ -298,7 +323,10 @@ def k_chunk(k: int) -> int:
     alone, never of M or of the device, so every worker and every batch reduces the same chunks in the same order.
     Two chunks: enough programs at small M (1024 columns in tiles of 16, twice), and the unsplit kernel runs both
     chains in one loop, so large M pays only a second accumulator."""
-    if k < 1024 or os.environ.get("LAYA_K_CHUNKS") == "0":     # 0: one chain (the SDK's cuBLAS order; parity runs)
+    if k < 1024 or os.environ.get("LAYA_K_CHUNKS") != "1":
+        # One chain, the default since 2026-12-04: cuBLAS's order at the M the SDK runs (a few hundred tokens and
+        # up), so the residual GEMMs give the SDK's bits (probe_parity's gemm_residual: 5.1e-4 of outputs differed
+        # with chunks, 0 without); `fill_tiles` gives small M its programs back. LAYA_K_CHUNKS=1: two chunks.
         return 0
     return -(-k // 256) * 128          # half of K, rounded up to whole K tiles of 128
 
@@ -331,16 +359,13 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     elif epi == Epi.ROPE:
         pos, cos, sin, d, rope_heads = rope
         half = d // 2
-        assert n % d == 0 and (half % t.bn == 0 or t.bn % half == 0), (d, t)
-        partner = half
-        programs_n = triton.cdiv((n // d) * half, t.bn)
-        if t.bn > half:            # a tile spanning heads reads rows of W that are not one contiguous box: no TMA
-            if tma:
-                raise ValueError(f"a RoPE tile spanning heads ({t}) cannot use TMA")
-            tma = False
+        assert n % d == 0 and t.bn % 2 == 0, (d, t)
+        programs_n = triton.cdiv(n, t.bn)
     else:
         if split and tiles is None:
             t = split_tiles(t, m, n_out, chunks, sms(a.device))
+        elif epi == Epi.RESIDUAL and tiles is None:
+            t = fill_tiles(t, m, n_out, sms(a.device))
         programs_n = triton.cdiv(n_out, t.bn)
     assert not chunk or chunk % t.bk == 0, (chunk, t)      # chunk edges on whole K tiles (TMA reads no neighbour)
     grid = (triton.cdiv(m, t.bm), programs_n, chunks if split else 1)
@@ -357,6 +382,7 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
                        split_stride or 0,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                        HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
+                       GELU_TABLE=needs_table(a.device) if table is not w else False,
                        **launch(a.device, grid[0] * grid[1] * grid[2]), num_warps=t.warps, num_stages=t.stages)
 
 

@@ -50,8 +50,10 @@ MAX_WIDTH = 1024    # rows held as [LANES, 4] or [LANES, 8]: at most two float4 
 
 if triton is not None:
     _LANES = tl.constexpr(LANES)
-    # One tl.reduce (default) or the explicit lane tree (LAYA_LN_TREE=1): module docstring.
-    _LN_TREE = tl.constexpr(os.environ.get("LAYA_LN_TREE") == "1")
+    # How a row's statistics are held and reduced (module docstring): "lanes" (default), "reduce" or "tree".
+    _LN = os.environ.get("LAYA_LN", "tree" if os.environ.get("LAYA_LN_TREE") == "1" else "lanes")
+    _LN_TREE = tl.constexpr(_LN == "tree")
+    _LN_LANES = tl.constexpr(_LN == "lanes")
 
 
 if triton is not None:
@@ -115,7 +117,12 @@ if triton is not None:
         """Offsets of a row of N as the LayerNorm holds it, and which exist: with tl.reduce, [LANES * S] (four
         warps, four contiguous values a thread: the thread-to-value map of torch's 128 threads); with the tree,
         [LANES, S], lane by read."""
-        if _LN_TREE:
+        if _LN_LANES:
+            g = tl.arange(0, S // 4)[:, None, None]
+            lane = tl.arange(0, _LANES)[None, :, None]
+            j = tl.arange(0, 4)[None, None, :]
+            cols = (g * _LANES + lane) * 4 + j
+        elif _LN_TREE:
             lane = tl.arange(0, _LANES)[:, None]
             j = tl.arange(0, S)[None, :]
             cols = ((j // 4) * _LANES + lane) * 4 + j % 4
@@ -126,7 +133,9 @@ if triton is not None:
     @triton.jit
     def _stats(x, ok, N: tl.constexpr):
         """torch's mean and biased variance of a row (`_row`), bit for bit."""
-        if _LN_TREE:
+        if _LN_LANES:
+            return _stats_lanes(x, N)
+        elif _LN_TREE:
             return _stats_tree(x, N)
         else:
             # Meant to hold torch's order: Triton reduces a thread's values in order, then lanes by shuffles (xor
@@ -134,6 +143,28 @@ if triton is not None:
             # (module docstring), so one of those steps is not as assumed.
             m, s, c = tl.reduce((x, tl.zeros_like(x), ok.to(tl.float32)), 0, _welford)
             return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
+
+    @triton.jit
+    def _lane_pair(ma, sa, ca, mb, sb, cb):
+        """tl.reduce's combine over lane states, one lane a thread: `a` the running (lower) lane, `b` its partner,
+        in torch's orientation (cuWelfordCombine(dataB=a, dataA=b))."""
+        return _combine(ma, sa, ca, mb, sb, cb)
+
+    @triton.jit
+    def _stats_lanes(x, N: tl.constexpr):
+        """torch's mean and biased variance of a row held as [S / 4, LANES, 4] (`_row`): each lane folds its own
+        float4 reads in order (no value leaves its thread before the tree), then one tl.reduce over the [LANES]
+        states, which Triton runs as shuffles in each warp and a tree over the warps: torch's tree for lane 0."""
+        lane = tl.arange(0, _LANES)
+        zero = tl.zeros((_LANES,), tl.float32)
+        if x.shape[0] == 2:
+            x0, x1 = tl.split(tl.permute(x, (1, 2, 0)))
+            m, s, c = _vec4(zero, zero, zero, x0, lane * 4 < N)
+            m, s, c = _vec4(m, s, c, x1, (_LANES + lane) * 4 < N)
+        else:
+            m, s, c = _vec4(zero, zero, zero, tl.reshape(x, (_LANES, 4)), lane * 4 < N)
+        m, s, c = tl.reduce((m, s, c), 0, _lane_pair)
+        return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
 
     @triton.jit
     def _stats_tree(x, N: tl.constexpr):

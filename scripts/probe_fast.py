@@ -158,11 +158,9 @@ def _sweep_configs(m: int, epi: Epi, half: int) -> list[Tiles]:
     if m <= 64:
         out = [Tiles(64, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)]
     else:
-        bns = (32, 64, 128) if epi in (Epi.GEGLU, Epi.ROPE) else (64, 128, 256)
+        bns = (32, 64, 128) if epi == Epi.GEGLU else (64, 128, 256)
         out = [Tiles(128, bn, 64, 8, st) for bn in bns for st in (2, 3, 4)] + [Tiles(64, bns[1], 64, 4, 4)]
-    if epi == Epi.ROPE:
-        out = [t for t in out if half % t.bn == 0 or t.bn % half == 0]
-    elif epi == Epi.GEGLU and m <= 64:
+    if epi == Epi.GEGLU and m <= 64:
         out = [t for t in out if t.bn <= 32]
     return out
 

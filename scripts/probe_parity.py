@@ -74,10 +74,11 @@ def ops(ck, fast, n=512):
     res["layer_norm"] = differ(x, x_sdk.bfloat16(), x_sdk)
     x = x_sdk.bfloat16()
     # QKV GEMM (plain) and with RoPE
-    qkv_sdk = F.linear(x, lay["Wqkv"])
-    truth = F.linear(x.float(), lay["Wqkv"].float())
+    w_qkv = ref.layers[i]["Wqkv"]
+    qkv_sdk = F.linear(x, w_qkv)
+    truth = F.linear(x.float(), w_qkv.float())
     out = torch.empty_like(qkv_sdk)
-    gemm(x, lay["Wqkv"], out)
+    gemm(x, w_qkv, out)
     res["gemm_plain_qkv"] = differ(out, qkv_sdk, truth)
     cos, sin = ref.rope[lay["theta"]]
 
@@ -88,7 +89,7 @@ def ops(ck, fast, n=512):
         return torch.stack([q, k, v[:, 2]], 1).reshape(n, 3 * d)
     pos = torch.arange(n, device="cuda", dtype=torch.int32)
     fc, fs = fast.rope[lay["theta"]]
-    gemm(x, lay["Wqkv"], out, epi=Epi.ROPE, rope=(pos, fc, fs, D, 2 * H))
+    gemm(x, lay["Wqkv_pairs"], out, epi=Epi.ROPE, rope=(pos, fc, fs, D, 2 * H))
     res["gemm_rope"] = differ(out, rope_sdk(qkv_sdk))
     res["rope_alone_on_sdk_qkv"] = differ(rope_sdk(qkv_sdk), rope_sdk(qkv_sdk))   # 0 by construction: a control
     qkv = rope_sdk(qkv_sdk)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from laya_pool.kernels.arch import parse_arch
-from laya_pool.kernels.gemm import Epi, pick_tiles
+from laya_pool.kernels.gemm import Epi, Tiles, fill_tiles, pick_tiles
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.worker.checkpoint import load_checkpoint
 
@@ -44,8 +44,8 @@ def test_every_tile_choice_keeps_the_invariance_preconditions(preset):
     d, ff = PRESET_SHAPES[preset]
     for n, k, epi in _gemms(d, ff):
         for m in list(range(1, 130)) + [192, 256, 512, 513, 1024, 1536, 2048, 4096, 8192, 16384]:
-            t = pick_tiles(m, n, k, epi)
-            assert t.bm >= 64 and t.warps in (4, 8) and t.bk % 16 == 0 and t.bn >= 16, (preset, n, k, epi, m, t)
+            for t in (pick_tiles(m, n, k, epi), fill_tiles(pick_tiles(m, n, k, epi), m, n, 132)):
+                assert t.bm >= 64 and t.warps in (4, 8) and t.bk % 16 == 0 and t.bn >= 16, (preset, n, k, epi, m, t)
 
 
 def test_small_m_gets_enough_programs_to_stream_weights():
@@ -54,11 +54,25 @@ def test_small_m_gets_enough_programs_to_stream_weights():
     assert 1024 // t.bn >= 32, t
 
 
+@pytest.mark.parametrize("m", [48, 256, 1024, 1536, 2048, 8192])
+def test_residual_tiles_fill_the_sms_in_one_chain(m):
+    """One K chain (the default) gives a residual GEMM no chunk programs: its tiles shrink until the programs cover
+    the SMs, as far as 16-wide tiles allow, and never shrink past that."""
+    sms, n = 132, 1024
+    t = fill_tiles(pick_tiles(m, n, 1024, Epi.RESIDUAL), m, n, sms)
+    programs = -(-m // t.bm) * -(-n // t.bn)
+    assert programs >= sms or (t.bm, t.bn) == (64, 16), (m, t, programs)
+    wider = Tiles(t.bm, 2 * t.bn, t.bk, t.warps, t.stages)
+    assert t == pick_tiles(m, n, 1024, Epi.RESIDUAL) or -(-m // wider.bm) * -(-n // wider.bn) < sms, (m, t)
+
+
 @pytest.mark.parametrize("preset", sorted(PRESET_SHAPES))
-def test_k_chunks_are_whole_tiles_and_a_function_of_k_alone(preset):
-    """What the split residual GEMM's invariance rests on: two chunks whose edge is a whole K tile at every tiling the
-    GEMM may pick, the same for every M (k_chunk takes no M), and split tiles that only narrow N."""
+def test_k_chunks_are_whole_tiles_and_a_function_of_k_alone(preset, monkeypatch):
+    """What the split residual GEMM's invariance rests on (chunks are opt-in: LAYA_K_CHUNKS=1): two chunks whose edge
+    is a whole K tile at every tiling the GEMM may pick, the same for every M (k_chunk takes no M), and split tiles
+    that only narrow N."""
     from laya_pool.kernels.gemm import k_chunk, split_tiles
+    monkeypatch.setenv("LAYA_K_CHUNKS", "1")
     d, ff = PRESET_SHAPES[preset]
     for k in (d, ff, 4 * d):
         c = k_chunk(k)
@@ -205,11 +219,12 @@ def load_checkpoint_arch():
 
 
 @interpreted
-@pytest.mark.parametrize("bn", [8, 16, 32, 64])
+@pytest.mark.parametrize("bn", [16, 32, 64, 128])
 def test_rope_epilogue_tiles_within_and_across_heads(bn):
-    """The QKV GEMM's RoPE epilogue, its N tile inside one head's half (bn <= D/2) or spanning several heads: every
-    query and key column rotated by its token's position, value columns untouched."""
-    from laya_pool.kernels.gemm import Tiles, gemm
+    """The QKV GEMM's RoPE epilogue on `rope_pairs` weights, its N tile inside one head (bn <= D) or spanning
+    several heads: every query and key column rotated by its token's position, written to its own place; value
+    columns untouched."""
+    from laya_pool.kernels.gemm import Tiles, gemm, rope_pairs
     from laya_pool.kernels.reference import _rope_tables, _rotate_half
     g = torch.Generator().manual_seed(5)
     heads, d, m, k = 3, 32, 40, 64
@@ -218,8 +233,9 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn):
     pos = torch.randint(0, 100, (m,), generator=g, dtype=torch.int32)
     cos, sin = _rope_tables(128, d, 10000.0, "cpu")
     out = torch.empty(m, 3 * heads * d, dtype=torch.float16)
-    gemm(a, w, out, epi=Epi.ROPE, rope=(pos, cos[:, : d // 2].contiguous(), sin[:, : d // 2].contiguous(), d,
-                                        2 * heads), tiles=Tiles(64, bn, 64, 4, 2))
+    gemm(a, rope_pairs(w, d), out, epi=Epi.ROPE, rope=(pos, cos[:, : d // 2].contiguous(),
+                                                       sin[:, : d // 2].contiguous(), d, 2 * heads),
+         tiles=Tiles(64, bn, 64, 4, 2))
     y = (a.float() @ w.float().T).half().float().view(m, 3 * heads, d)
     c, s = cos[pos.long()][:, None, :], sin[pos.long()][:, None, :]
     want = y.clone()
