@@ -15,6 +15,7 @@ block size may therefore change without changing any result. There is no split o
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .launch import launch
 
@@ -101,4 +102,32 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,
                             **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=4, num_stages=2,
                             **variant)
+    return out
+
+
+class Rows:
+    """The packed rows laid out [R, L] for torch's attention: each slot's token (padding slots: the spare row T
+    of [T + 1, ...] buffers), whether it is a real token, and the key mask [R, 1, L, L]. Made once per forward,
+    shape-static, no host sync."""
+
+    def __init__(self, row_start: torch.Tensor, row_len: torch.Tensor, max_row_len: int, tokens: int):
+        pos = torch.arange(max_row_len, device=row_start.device)
+        self.valid = pos[None, :] < row_len[:, None]                                   # [R, L]
+        self.slot = torch.where(self.valid, row_start[:, None].long() + pos[None, :], tokens).reshape(-1)
+        self.mask = self.valid[:, None, None, :].expand(-1, 1, max_row_len, -1)       # keys a query may see
+
+
+def attention_sdpa(qkv: torch.Tensor, out: torch.Tensor, rows: Rows, heads: int, head_dim: int,
+                   scale: float) -> torch.Tensor:
+    """out[:T] <- softmax(q k^T * scale) v over each row's real keys, by torch's own SDPA on the [R, H, L, D]
+    layout and boolean key mask the SDK's attention gets (kernels/reference.py does the same): the SDK's bits, which
+    `attention`'s online softmax misses in ~4e-6 of outputs on rows long enough for several key blocks (device probe
+    of 2026-12-04), a difference 28 layers carry to the answers. `qkv` is [T + 1, 3 * H * D] with row T zero:
+    padding slots read it, so a masked key's value is finite (its weight is exactly 0, and 0 times a stale NaN
+    would not be); `out` is [T + 1, H * D], row T takes the padding slots' outputs."""
+    R, L = rows.valid.shape
+    x = qkv.index_select(0, rows.slot).view(R, L, 3, heads, head_dim)
+    q, k, v = (x[:, :, n].transpose(1, 2) for n in range(3))                          # [R, H, L, D]
+    att = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=scale)
+    out.index_copy_(0, rows.slot, att.transpose(1, 2).reshape(R * L, heads * head_dim))
     return out

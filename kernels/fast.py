@@ -21,7 +21,7 @@ import torch
 from . import exact
 from . import rows as rk
 from .arch import Arch
-from .attention import attention
+from .attention import Rows, attention, attention_sdpa
 from .gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual, rope_pairs
 from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
@@ -80,6 +80,7 @@ class FastModel:
         for theta in sorted({a.theta(i) for i in range(a.layers)}):
             cos, sin = _rope_tables(self.max_positions, a.head_dim, theta, dev)
             self.rope[theta] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+        self.sdpa_global = os.environ.get("LAYA_ATTN") == "sdpa"
         for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
             lay["Wqkv_pairs"] = rope_pairs(lay.pop("Wqkv"), a.head_dim)
         # Whether any residual GEMM has K chunks (kernels/gemm.py), which a chunk-sum workspace then holds.
@@ -108,8 +109,10 @@ class FastModel:
         empty, cd = torch.empty, self.dtype
         h = empty((T, d), device=dev, dtype=torch.float32)          # the residual stream
         x = empty((T, d), device=dev, dtype=cd)         # normed input of the next GEMM
-        qkv = empty((T, 3 * d), device=dev, dtype=cd)
-        att = empty((T, d), device=dev, dtype=cd)
+        qkv_spare = empty((T + 1, 3 * d), device=dev, dtype=cd)     # row T: attention_sdpa's padding, zero
+        qkv = qkv_spare[:T]
+        spare = empty((T + 1, d), device=dev, dtype=cd)      # attention_sdpa writes padding slots to row T
+        att = spare[:T]
         ff = max(a.intermediate, 4 * d if self.head else 0)
         mid = empty((T, ff), device=dev, dtype=cd)
         pos = empty(T, device=dev, dtype=torch.int32)
@@ -120,6 +123,12 @@ class FastModel:
         if taps is None and self.max_chunks > 1 and T <= SPLIT_MAX_M:
             parts = empty((self.max_chunks, T, d), device=dev, dtype=torch.float32)
         pending = None
+        # LAYA_ATTN=sdpa: global attention (and the head's) by torch's SDPA, in the SDK's bits (kernels/attention.py).
+        # Opt-in: it made layer 0 exact but not the answers (parity 96.11% against 96.89%, device run of 2026-12-04)
+        # and costs 14% at 1x48 (1.146 against 1.001 ms); it stays for finding where the fast path leaves the SDK.
+        rows = Rows(row_start, row_len, L, T) if self.sdpa_global else None
+        if rows is not None:
+            qkv_spare[T].zero_()
 
         rk.embed(ids, row_start, row_len, self.tok_emb, self.emb_norm, h, x, pos, row, a.pad_id, a.norm_eps)
         tap = _Taps(taps, row_start, row_len, L)
@@ -130,7 +139,10 @@ class FastModel:
                 rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps, pending)
             cos, sin = self.rope[lay["theta"]]
             gemm(x, lay["Wqkv_pairs"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
-            attention(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
+            if lay["global"] and rows is not None:
+                attention_sdpa(qkv_spare, spare, rows, H, D, scale)
+            else:
+                attention(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
             pending = residual(att, lay["Wo"], h, parts)
             rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)
             inner = mid[:, : a.intermediate]
@@ -150,7 +162,10 @@ class FastModel:
             else:
                 rk.layer_norm(h, lay["n1_w"], lay["n1_b"], x, HEAD_NORM_EPS, pending)
             gemm(x, lay["in_w"], qkv, bias=lay["in_b"], bias_apart=True)
-            attention(qkv, att, row_start, row_len, HH, HD, L, None, HD ** -0.5)
+            if rows is not None:
+                attention_sdpa(qkv_spare, spare, rows, HH, HD, HD ** -0.5)
+            else:
+                attention(qkv, att, row_start, row_len, HH, HD, L, None, HD ** -0.5)
             pending = residual(att, lay["out_w"], h, parts, bias=lay["out_b"], bias_apart=True)
             rk.layer_norm(h, lay["n2_w"], lay["n2_b"], x, HEAD_NORM_EPS, pending)
             inner = mid[:, : 4 * d]
