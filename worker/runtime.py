@@ -174,9 +174,8 @@ class Runtime:
         self.capacity = cap
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
         # The fast path is opt-in (LAYA_FORWARD=fast) while its bf16 answers sit further from the SDK's than the
-        # reference path's (large preset: 96.5-97.3% of decisions agree against 99.2%; every decisive one agrees in
-        # both; docs/PERF.md, "Fast forward"). The cold-cache fault that also held it back is fixed (seventh
-        # session: a capture's warm-up now reads a blank mirror).
+        # reference path's (large preset: 96.1-97.3% of decisions agree against 99.2%; every decisive one agrees in
+        # both; docs/PERF.md, ninth session: every encoder op gives the SDK's bits alone, a whole forward not yet).
         self.why_reference = supports(arch, self.device, self.dtype)
         if self.why_reference is None and os.environ.get("LAYA_FORWARD", "reference") != "fast":
             self.why_reference = "the fast path is opt-in: LAYA_FORWARD=fast"
