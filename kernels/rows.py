@@ -15,24 +15,20 @@ write bf16 where the next op is a GEMM.
 - `features`: the logits of a row's markers, their softmax's confidence features and the act head's input.
 - `softmax_rows`: fp32 softmax of the act head's bf16 logits.
 
-LayerNorms follow torch's order (the SDK's, and the worker path's `F.layer_norm`): a one-pass order of our own
+LayerNorms give torch's bits (the SDK's, and the worker path's `F.layer_norm`): a one-pass order of our own
 differed from torch's in ~2e-5 of outputs, and over 28 layers such ulps move answers (docs/PERF.md, "parity").
 torch's vectorized kernel (aten/src/ATen/native/cuda/layer_norm_kernel.cu) runs 128 threads, each reading float4s
 at lane, lane + 128, ...; each lane folds its values in read order (Welford, `cuWelfordOnlineSum`), lanes merge by
 a shuffle-down tree and then a tree over the four warps (`cuWelfordCombine`); nvcc fuses the multiply-adds that
-`fma` and `_mul` (a product rounded on its own) spell out here. Two ways to hold that order:
-- default: one tl.reduce over the row with torch's Welford steps as its combine. Faster than torch's kernel at
-  8,192 rows (0.022 against 0.033 ms); the same bits as torch's on every row of scripts/probe_rowexact.py, but
-  another bit in ~2e-5 of outputs on probe_parity.py's row (device runs 5 and 7, 2026-12-04): somewhere Triton's
-  reduction order is not torch's.
-- `LAYA_LN_TREE=1`: the row as [LANES, S], lane by read, and the tree spelled out with splits: torch's bits on
-  every case measured (runs 3 and 4), but 3.6x slower than torch's at 8,192 rows (layout conversions).
-Branch `fast-ln-slices` holds a third way (S reads of [LANES], a lane per thread, the tree on [LANES] states),
-checked in Triton's interpreter only; the next device session measures it.
+`fma` and `_mul` (a product rounded on its own) spell out here. A row is held as [S / 4, LANES, 4], each lane's
+float4s in its own thread, folded there in order; one tl.reduce over the [LANES] states then runs Triton's shuffles
+and its tree over the warps, which for lane 0 is torch's tree. Device runs of 2026-12-04: 0 fp32 outputs differ
+from F.layer_norm on every case of scripts/probe_rowexact.py and on probe_parity.py's row; 0.0059 / 0.0088 /
+0.020 ms at 48 / 1,536 / 8,192 rows against torch's 0.0070 / 0.0104 / 0.032. Two earlier orders are gone: one
+tl.reduce over the whole row (fast, but ~2e-5 of outputs another bit: Triton's in-thread order is not torch's
+there) and the tree spelled out with splits (exact, 3.6x slower than torch).
 """
 from __future__ import annotations
-
-import os
 
 from .launch import launch
 
@@ -46,17 +42,11 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
     triton = None
 
 LANES = 128         # torch's vectorized LayerNorm: one block of 32 x 4 threads per row
-MAX_WIDTH = 1024    # rows held as [LANES, 4] or [LANES, 8]: at most two float4 reads per lane
+MAX_WIDTH = 1024    # rows held as [1 or 2, LANES, 4]: at most two float4 reads per lane
 
 if triton is not None:
     _LANES = tl.constexpr(LANES)
-    # How a row's statistics are held and reduced (module docstring): "lanes" (default), "reduce" or "tree".
-    _LN = os.environ.get("LAYA_LN", "tree" if os.environ.get("LAYA_LN_TREE") == "1" else "lanes")
-    _LN_TREE = tl.constexpr(_LN == "tree")
-    _LN_LANES = tl.constexpr(_LN == "lanes")
 
-
-if triton is not None:
     @triton.jit
     def _online(mean, m2, count, val, ok):
         """One value into each lane's running (mean, M2, count) where `ok`: torch's cuWelfordOnlineSum."""
@@ -91,58 +81,14 @@ if triton is not None:
         return tl.where(some, mean, 0.0), tl.where(some, m2, 0.0), count
 
     @triton.jit
-    def _fold(m, s, c, W: tl.constexpr, K: tl.constexpr):
-        """Lanes [W, 2K] -> [W, K]: lane l takes in lane l + K, as a shuffle down by K (or, across warps, the
-        upper half of the warps through shared memory) does in torch's tree."""
-        m_lo, m_hi = tl.split(tl.permute(tl.reshape(m, (W, 2, K)), (0, 2, 1)))
-        s_lo, s_hi = tl.split(tl.permute(tl.reshape(s, (W, 2, K)), (0, 2, 1)))
-        c_lo, c_hi = tl.split(tl.permute(tl.reshape(c, (W, 2, K)), (0, 2, 1)))
-        return _combine(m_lo, s_lo, c_lo, m_hi, s_hi, c_hi)
-
-    @triton.jit
-    def _welford(ma, sa, ca, mb, sb, cb):
-        """tl.reduce's combine: `a` is the running state, `b` the next one (a thread's next value, in order, or
-        the partner lane's state in a shuffle, in torch's orientation: cuWelfordCombine(dataB=a, dataA=b))."""
-        one = cb == 1.0          # a thread's own value (a lane's state always holds four or more)
-        om, os_, _ = _online(ma, sa, ca, mb, one)
-        cm, cs, count = _combine(ma, sa, ca, mb, sb, cb)
-        m = tl.where(one, om, cm)
-        s = tl.where(one, os_, cs)
-        m = tl.where(ca == 0.0, mb, tl.where(cb == 0.0, ma, m))   # empty lanes (rows narrower than the block)
-        s = tl.where(ca == 0.0, sb, tl.where(cb == 0.0, sa, s))
-        return m, s, count
-
-    @triton.jit
     def _row(N: tl.constexpr, S: tl.constexpr):
-        """Offsets of a row of N as the LayerNorm holds it, and which exist: with tl.reduce, [LANES * S] (four
-        warps, four contiguous values a thread: the thread-to-value map of torch's 128 threads); with the tree,
-        [LANES, S], lane by read."""
-        if _LN_LANES:
-            g = tl.arange(0, S // 4)[:, None, None]
-            lane = tl.arange(0, _LANES)[None, :, None]
-            j = tl.arange(0, 4)[None, None, :]
-            cols = (g * _LANES + lane) * 4 + j
-        elif _LN_TREE:
-            lane = tl.arange(0, _LANES)[:, None]
-            j = tl.arange(0, S)[None, :]
-            cols = ((j // 4) * _LANES + lane) * 4 + j % 4
-        else:
-            cols = tl.arange(0, _LANES * S)
+        """Offsets [S / 4, LANES, 4] of a row of N as torch's threads read it (lane l's g-th float4 holds values
+        4 (g LANES + l) ...), and which exist."""
+        g = tl.arange(0, S // 4)[:, None, None]
+        lane = tl.arange(0, _LANES)[None, :, None]
+        j = tl.arange(0, 4)[None, None, :]
+        cols = (g * _LANES + lane) * 4 + j
         return cols, cols < N
-
-    @triton.jit
-    def _stats(x, ok, N: tl.constexpr):
-        """torch's mean and biased variance of a row (`_row`), bit for bit."""
-        if _LN_LANES:
-            return _stats_lanes(x, N)
-        elif _LN_TREE:
-            return _stats_tree(x, N)
-        else:
-            # Meant to hold torch's order: Triton reduces a thread's values in order, then lanes by shuffles (xor
-            # 16 ... 1), then warps through shared memory; the device found a few outputs in 10^5 that differ
-            # (module docstring), so one of those steps is not as assumed.
-            m, s, c = tl.reduce((x, tl.zeros_like(x), ok.to(tl.float32)), 0, _welford)
-            return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
 
     @triton.jit
     def _lane_pair(ma, sa, ca, mb, sb, cb):
@@ -167,33 +113,9 @@ if triton is not None:
         return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
 
     @triton.jit
-    def _stats_tree(x, N: tl.constexpr):
-        """torch's mean and biased variance of a row held as [LANES, S] (`_row`), bit for bit."""
-        S: tl.constexpr = x.shape[1]
-        lane = tl.arange(0, _LANES)
-        zero = tl.zeros((_LANES,), tl.float32)
-        if S == 8:
-            x0, x1 = tl.split(tl.permute(tl.reshape(x, (_LANES, 2, 4)), (0, 2, 1)))
-            m, s, c = _vec4(zero, zero, zero, x0, lane * 4 < N)
-            m, s, c = _vec4(m, s, c, x1, (_LANES + lane) * 4 < N)
-        else:
-            m, s, c = _vec4(zero, zero, zero, x, lane * 4 < N)
-        m = tl.reshape(m, (4, 32))                       # warp, lane in warp
-        s = tl.reshape(s, (4, 32))
-        c = tl.reshape(c, (4, 32))
-        m, s, c = _fold(m, s, c, 4, 16)
-        m, s, c = _fold(m, s, c, 4, 8)
-        m, s, c = _fold(m, s, c, 4, 4)
-        m, s, c = _fold(m, s, c, 4, 2)
-        m, s, c = _fold(m, s, c, 4, 1)
-        m, s, c = _fold(tl.reshape(m, (1, 4)), tl.reshape(s, (1, 4)), tl.reshape(c, (1, 4)), 1, 2)
-        m, s, c = _fold(m, s, c, 1, 1)                   # [1, 1]: broadcasts over the row
-        return m, tl.math.div_rn(s, tl.full(s.shape, N, tl.float32))
-
-    @triton.jit
     def _norm(x, ok, w_ptr, b_ptr, cols, eps, N: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """torch's F.layer_norm of the fp32 row `x` ([LANES, S], `_row`), bit for bit."""
-        mean, var = _stats(x, ok, N)
+        """torch's F.layer_norm of the fp32 row `x` (`_row`), bit for bit."""
+        mean, var = _stats_lanes(x, N)
         xn = _rsqrt(var + eps) * (x - mean)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         if HAS_BIAS:
