@@ -9,6 +9,9 @@ outputs that differ, and each one's distance to an fp32 truth. An op that rounds
 shows many more differing elements than a GEMM's accumulation order alone explains.
 taps: whole forwards, fast vs the reference (invariant GEMMs, the worker path) vs the reference on cuBLAS
 (the SDK's bits) vs fp32: relative distance per tap and the answers' |dp|.
+bisect (PARITY_BISECT=1, after ops): one encoder layer of a packed batch op by op, each fast kernel fed the SDK's
+previous output (the residual stream from the SDK's own forward's tap before the layer, packed as a worker packs):
+where in a whole forward the fast path first leaves the SDK's bits when every op on `ops`' single row does not.
 """
 from __future__ import annotations
 
@@ -138,6 +141,77 @@ def ops(ck, fast, n=512):
     return res
 
 
+def bisect(ck, fast, lens, layer: int) -> dict:
+    """Layer `layer` op by op on the rows `lens` packed back to back (module docstring); fraction of outputs that
+    differ from the SDK's op on the same input, real tokens only."""
+    a = ck.arch
+    sdk = ReferenceModel(a, ck.tensors, device="cuda", dtype=torch.bfloat16, gemm="vendor")
+    inp = batch(lens, seed=len(lens))
+    got = {}
+    sdk(**inp, taps=got)
+    R, L = len(lens), max(lens)
+    valid = torch.arange(L, device="cuda")[None, :] < inp["row_len"][:, None].long()          # [R, L]
+    pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.int32) for n in lens])
+    h = got[f"encoder.{layer - 1}"][valid].contiguous()                                      # [T, d] packed
+    T, d = h.shape
+    H, D = a.heads, a.head_dim
+    lay, ref = fast.layers[layer], sdk.layers[layer]
+    res = {}
+
+    def pad(x):                                     # packed [T, ...] -> [R, L, ...] (zeros past a row's end)
+        out = x.new_zeros((R, L) + x.shape[1:])
+        out[valid] = x
+        return out
+
+    x = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
+    rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps)
+    x_sdk = F.layer_norm(h, (d,), ref["attn_norm"], None, a.norm_eps).bfloat16()
+    res["attn_norm"] = differ(x, x_sdk)
+    qkv = torch.empty(T, 3 * d, device="cuda", dtype=torch.bfloat16)
+    cos, sin = fast.rope[lay["theta"]]
+    gemm(x_sdk, lay["Wqkv_pairs"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
+    q, k, v = (pad(F.linear(x_sdk, ref["Wqkv"]).view(T, 3, H, D)[:, j]).transpose(1, 2) for j in range(3))
+    q, k = sdk._rope(q, lay["theta"], L), sdk._rope(k, lay["theta"], L)                    # [R, H, L, D]
+    qkv_sdk = torch.stack([t.transpose(1, 2)[valid] for t in (q, k, v)], 1).reshape(T, 3 * d)
+    res["qkv_rope"] = differ(qkv, qkv_sdk)
+    keep = valid
+    near = (torch.arange(L, device="cuda")[:, None] - torch.arange(L, device="cuda")[None, :]).abs() <= a.half_window
+    key_ok = keep[:, None, None, :]
+    mask = key_ok.expand(R, 1, L, L) if a.is_global(layer) else key_ok & (near[None, None] | ~keep[:, None, :, None])
+    att = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
+    attention(qkv_sdk, att, inp["row_start"], inp["row_len"], H, D, L,
+              None if a.is_global(layer) else a.half_window, D ** -0.5)
+    att_sdk = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5).transpose(1, 2)[valid]
+    att_sdk = att_sdk.reshape(T, d)
+    res["attention"] = differ(att, att_sdk)
+    for blk in range(-(-L // 128)):                 # where the differing outputs sit: by key block of the query
+        sel = pad(torch.ones(T, device="cuda", dtype=torch.bool))
+        sel[:, : blk * 128] = False
+        sel[:, (blk + 1) * 128:] = False
+        sel = sel[valid]
+        if bool(sel.any()):
+            res[f"attention, queries {blk * 128}-{blk * 128 + 127}"] = differ(att[sel], att_sdk[sel])
+    hh = h.clone()
+    gemm(att_sdk, lay["Wo"], hh, epi=Epi.RESIDUAL)
+    h_sdk = h + F.linear(att_sdk, ref["Wo"]).float()
+    res["wo_residual"] = differ(hh, h_sdk)
+    x2 = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
+    rk.layer_norm(h_sdk, lay["mlp_norm"], None, x2, a.norm_eps)
+    x2_sdk = F.layer_norm(h_sdk, (d,), ref["mlp_norm"], None, a.norm_eps).bfloat16()
+    res["mlp_norm"] = differ(x2, x2_sdk)
+    inner = torch.empty(T, a.intermediate, device="cuda", dtype=torch.bfloat16)
+    gemm(x2_sdk, lay["Wi"], inner, epi=Epi.GEGLU)
+    u, gt = F.linear(x2_sdk, ref["Wi"]).chunk(2, dim=-1)
+    inner_sdk = F.gelu(u) * gt
+    res["geglu"] = differ(inner, inner_sdk)
+    h2 = h_sdk.clone()
+    gemm(inner_sdk, lay["Wo_mlp"], h2, epi=Epi.RESIDUAL)
+    h2_sdk = h_sdk + F.linear(inner_sdk, ref["Wo_mlp"]).float()
+    res["wo_mlp_residual"] = differ(h2, h2_sdk)
+    res["layer out: SDK ops here vs the SDK's forward"] = differ(h2_sdk, got[f"encoder.{layer}"][valid])
+    return res
+
+
 def taps(ck, fast, shapes):
     a = ck.arch
     refs = {"worker": ReferenceModel(a, ck.tensors, device="cuda", dtype=torch.bfloat16),
@@ -184,6 +258,15 @@ def main() -> None:
     result = {"ops": ops(ck, fast)}
     for name, r in result["ops"].items():
         print(f"{name:36s} {r}", flush=True)
+    if os.environ.get("PARITY_BISECT") == "1":
+        result["bisect"] = {}
+        for lens in ([200, 130, 96], [512, 512]):
+            for layer in (1, 2, 3):
+                key = f"{'x'.join(map(str, lens))} layer {layer}"
+                result["bisect"][key] = bisect(ck, fast, lens, layer)
+                print(key, flush=True)
+                for name, r in result["bisect"][key].items():
+                    print(f"  {name:44s} {r['differ']:.3g}", flush=True)
     if os.environ.get("PARITY_OPS_ONLY") == "1":
         return
     result["taps"] = taps(ck, fast, [[48], [200, 130, 96], [512, 512]])
