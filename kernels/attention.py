@@ -37,7 +37,7 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          USE_GDC: tl.constexpr, ACC_IN_DOT: tl.constexpr = False, RECIP: tl.constexpr = False):
+                          USE_GDC: tl.constexpr, ACC_IN_DOT: tl.constexpr = False, DIV: tl.constexpr = 0):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -80,8 +80,13 @@ if triton is not None:
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-            if RECIP:
-                o = acc * (1.0 / l_i)[:, None]
+            # DIV (probe variants, scripts/probe_parity.py): 0 `/`, which Triton compiles to an approximate
+            # reciprocal times acc (div.full.f32); 1 an IEEE division; 2 an IEEE reciprocal, then the product (what
+            # the mem-eff kernel's epilogue does). Which one SDPA's bits need is for the device to say.
+            if DIV == 1:
+                o = tl.math.div_rn(acc, l_i[:, None])
+            elif DIV == 2:
+                o = acc * tl.math.div_rn(tl.full(l_i.shape, 1.0, tl.float32), l_i)[:, None]
             else:
                 o = acc / l_i[:, None]
             tl.store(out_ptr + (start + qi[:, None]) * so + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),

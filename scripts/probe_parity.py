@@ -111,9 +111,13 @@ def ops(ck, fast, n=512):
         attention(qkv, o, rs, rl, H, D, n, win, D ** -0.5)
         flat = lambda t: t[0].transpose(0, 1).reshape(n, d)  # noqa: E731
         res[name] = differ(o, flat(o_sdk), flat(o_true))
-        for var in ({"ACC_IN_DOT": True}, {"RECIP": True}, {"ACC_IN_DOT": True, "RECIP": True},
-                    {"bn": 32}, {"bn": 128}, {"bm": 128}, {"bm": 32, "bn": 32}, {"ACC_IN_DOT": True, "bn": 128},
-                    {"ACC_IN_DOT": True, "RECIP": True, "bn": 128}, {"ACC_IN_DOT": True, "RECIP": True, "bm": 128}):
+        if name == "attention_local":       # which SDPA kernel the SDK's call runs (cuDNN or mem-eff differ)
+            try:
+                res["sdpa backend"] = int(torch._fused_sdp_choice(q, k, v, mask[None, None], 0.0, False, D ** -0.5))
+            except Exception as e:  # noqa: BLE001 - a private torch function: report, never fail the probe
+                res["sdpa backend"] = repr(e)[:120]
+        for var in ({"DIV": 1}, {"DIV": 2}, {"ACC_IN_DOT": True, "DIV": 1}, {"ACC_IN_DOT": True, "DIV": 2},
+                    {"bn": 64}, {"bm": 128}, {"bm": 128, "DIV": 1}, {"bm": 128, "DIV": 2}):
             try:
                 o = torch.zeros(n, d, device="cuda", dtype=torch.bfloat16)
                 attention(qkv, o, rs, rl, H, D, n, win, D ** -0.5, **dict(var))
@@ -184,6 +188,11 @@ def bisect(ck, fast, lens, layer: int) -> dict:
     att_sdk = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5).transpose(1, 2)[valid]
     att_sdk = att_sdk.reshape(T, d)
     res["attention"] = differ(att, att_sdk)
+    for div in (1, 2):                              # kernels/attention.py's DIV variants
+        alt = torch.empty_like(att)
+        attention(qkv_sdk, alt, inp["row_start"], inp["row_len"], H, D, L,
+                  None if a.is_global(layer) else a.half_window, D ** -0.5, DIV=div)
+        res[f"attention DIV={div}"] = differ(alt, att_sdk)
     for blk in range(-(-L // 128)):                 # where the differing outputs sit: by key block of the query
         sel = pad(torch.ones(T, device="cuda", dtype=torch.bool))
         sel[:, : blk * 128] = False
