@@ -12,7 +12,7 @@ from typing import Any
 
 
 def frames_bytes(frames: Sequence[Any]) -> int:
-    return sum(len(f) for f in frames)
+    return sum(map(len, frames))
 
 
 class ReplyCache:

@@ -62,6 +62,14 @@ class Cmd(enum.IntEnum):
     RELOAD = 9       # operator -> broker: roll the pool onto another checkpoint (the supervisor carries it out)
 
 
+# The command of each byte value (None: unknown): a table lookup instead of `Cmd(byte)`, an enum call per message.
+_CMD_OF_BYTE: tuple[Cmd | None, ...] = tuple({int(c): c for c in Cmd}.get(b) for b in range(256))
+
+
+# Each command's frame, built once (`encode` runs for every message the broker sends).
+_CMD_FRAMES: tuple[bytes, ...] = tuple(bytes((b,)) for b in range(256))
+
+
 class ProtocolError(ValueError):
     """A message that does not follow this protocol; `field` names the part that is wrong."""
 
@@ -153,27 +161,28 @@ def encode(cmd: Cmd, header: dict[str, Any], *frames: Any) -> list[Any]:
     h = pack(header)
     if len(h) > MAX_HEADER_BYTES:
         raise ProtocolError("header", f"{len(h)} bytes exceed the limit of {MAX_HEADER_BYTES}")
-    return [PROTOCOL, bytes((int(cmd),)), h, *frames]
+    return [PROTOCOL, _CMD_FRAMES[cmd], h, *frames]
 
 
 def decode(frames: Sequence[Any], max_frames: int = 8 + MAX_TAPS) -> Message:
     """Parse the protocol frame, the command and the header; payload frames are checked by the caller."""
-    if len(frames) < 3:
+    n = len(frames)
+    if n < 3:
         if frames and bytes(_bytes(frames[0])[:4]) != PROTOCOL[:4]:
             raise ProtocolError("version", f"not a laya-pool message (first frame {_show(frames[0])})")
-        raise ProtocolError("frames", f"a message has at least 3 frames (protocol, command, header), got {len(frames)}")
-    if len(frames) > max_frames:
-        raise ProtocolError("frames", f"{len(frames)} frames exceed the limit of {max_frames}")
-    proto = bytes(_bytes(frames[0])[:32])
-    if proto != PROTOCOL:
-        raise ProtocolError("version", f"expected protocol {PROTOCOL.decode()}, got {_show(frames[0])}")
+        raise ProtocolError("frames", f"a message has at least 3 frames (protocol, command, header), got {n}")
+    if n > max_frames:
+        raise ProtocolError("frames", f"{n} frames exceed the limit of {max_frames}")
+    proto = frames[0]
+    # A bytes frame (what the broker receives) compares as it is; a zmq.Frame or a memoryview through its bytes.
+    if proto != PROTOCOL and bytes(_bytes(proto)[:32]) != PROTOCOL:
+        raise ProtocolError("version", f"expected protocol {PROTOCOL.decode()}, got {_show(proto)}")
     c = _bytes(frames[1])
     if len(c) != 1:
         raise ProtocolError("command", f"the command frame is one byte, got {len(c)} bytes")
-    try:
-        cmd = Cmd(c[0])
-    except ValueError:
-        raise ProtocolError("command", f"unknown command {c[0]}") from None
+    cmd = _CMD_OF_BYTE[c[0]]
+    if cmd is None:
+        raise ProtocolError("command", f"unknown command {c[0]}")
     header = unpack(frames[2], MAX_HEADER_BYTES)
     if not isinstance(header, dict):
         raise ProtocolError("header", f"must be a msgpack map, got {type(header).__name__}")
@@ -192,11 +201,16 @@ _MISSING = object()
 
 def get(header: dict, key: str, kind: type | tuple, *, default: Any = _MISSING, what: str = "header") -> Any:
     """`header[key]`, checked: right type (bool is never an int), strings bounded, ints non-negative."""
-    if key not in header or header[key] is None:
+    # The common case first, a value of exactly the one type asked for (the broker reads ~10 fields a message);
+    # a tuple of kinds, a bool, a missing key, anything to refuse takes the full checks below.
+    v = header.get(key)
+    t = type(v)
+    if t is kind and (t is not int or v >= 0) and (t is not str or len(v) <= MAX_STR):
+        return v
+    if v is None:
         if default is _MISSING:
             raise ProtocolError(key, f"missing from the {what}")
         return default
-    v = header[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(v, bool) and bool not in kinds:
         raise ProtocolError(key, f"must be {_kind_name(kinds)}, got a bool")
@@ -221,13 +235,18 @@ def _count(header: dict, key: str) -> int:
     return v
 
 
-def _array(frame: Any, dtype: np.dtype, count: int, name: str) -> np.ndarray:
+def _check_size(frame: Any, dtype: np.dtype, count: int, name: str) -> Any:
+    """The frame's buffer, once its byte size is exactly `count` items of `dtype`."""
     buf = _bytes(frame)
     n = buf.nbytes if isinstance(buf, memoryview) else len(buf)
     if n != count * dtype.itemsize:
         raise ProtocolError(name, f"buffer holds {n} bytes; the header's count {count} needs "
                                   f"{count * dtype.itemsize} ({dtype.itemsize}-byte {dtype.kind}{dtype.itemsize * 8})")
-    return np.frombuffer(buf, dtype=dtype, count=count)
+    return buf
+
+
+def _array(frame: Any, dtype: np.dtype, count: int, name: str) -> np.ndarray:
+    return np.frombuffer(_check_size(frame, dtype, count, name), dtype=dtype, count=count)
 
 
 def _i32(a: Any, name: str) -> np.ndarray:
@@ -299,10 +318,14 @@ class Request(Rows):
     def tag(self) -> str:
         """The request's id for log lines, `CLIENT_ID:REQUEST_ID`, the same in the broker's and the worker's
         logs (the broker forwards it as `req`, since the worker sees only the broker's job id as rid)."""
-        forwarded = self.header.get("req")
-        if isinstance(forwarded, str):
-            return forwarded[:80]
-        return f"{self.cid}:{self.rid}" if self.cid else f"job {self.rid}"
+        return _tag(self.header, self.cid, self.rid)
+
+
+def _tag(header: dict[str, Any], cid: str | None, rid: int | str) -> str:
+    forwarded = header.get("req")
+    if isinstance(forwarded, str):
+        return forwarded[:80]
+    return f"{cid}:{rid}" if cid else f"job {rid}"
 
 
 def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
@@ -343,8 +366,25 @@ def encode_request(rid: int | str, arrays: dict[str, Any], *, cid: str | None = 
     return encode(Cmd.REQUEST, header, *(a[k].data for k in REQUEST_ARRAYS))
 
 
-def parse_request(msg: Message, need_cid: bool = False) -> Request:
-    """Check a REQUEST's header and its five buffers against each other; arrays are zero-copy views."""
+class RequestHead:
+    """A REQUEST checked as `parse_request` checks it, without its arrays: what the broker routes by. Its payload
+    frames are forwarded untouched, so the broker builds no array for them (a plain class with slots: one is
+    made per request)."""
+
+    __slots__ = ("rid", "cid", "rows", "tokens", "n_markers", "worker", "mode", "taps", "budget_ms", "header")
+
+    def __init__(self, rid: int | str, cid: str | None, rows: int, tokens: int, n_markers: int, worker: str | None,
+                 mode: str | None, taps: bool, budget_ms: int | None, header: dict[str, Any]):
+        self.rid, self.cid, self.rows, self.tokens, self.n_markers = rid, cid, rows, tokens, n_markers
+        self.worker, self.mode, self.taps, self.budget_ms, self.header = worker, mode, taps, budget_ms, header
+
+    @property
+    def tag(self) -> str:
+        return _tag(self.header, self.cid, self.rid)
+
+
+def parse_request_head(msg: Message, need_cid: bool = False) -> RequestHead:
+    """Check a REQUEST's header, and its five buffers' sizes against the header's counts."""
     if msg.cmd != Cmd.REQUEST:
         raise ProtocolError("command", f"expected REQUEST, got {msg.cmd.name}")
     h = msg.header
@@ -359,15 +399,25 @@ def parse_request(msg: Message, need_cid: bool = False) -> Request:
         raise ProtocolError("mode", f"must be one of {MODES}, got {mode!r}")
     taps = get(h, "taps", bool, default=False)
     budget_ms = budget_of(h)
-    if len(msg.frames) != len(REQUEST_ARRAYS):
+    frames = msg.frames
+    if len(frames) != len(REQUEST_ARRAYS):
         raise ProtocolError("frames", f"a request carries {len(REQUEST_ARRAYS)} buffers "
-                                      f"({', '.join(REQUEST_ARRAYS)}), got {len(msg.frames)}")
-    counts = {"ids": tokens, "lengths": rows, "types": rows, "marker_counts": rows, "markers": markers}
-    arrays = {k: _array(f, I32, counts[k], k) for k, f in zip(REQUEST_ARRAYS, msg.frames)}
-    return Request(rid=rid, cid=cid, worker=worker, mode=mode, taps=taps, budget_ms=budget_ms, header=h, **arrays)
+                                      f"({', '.join(REQUEST_ARRAYS)}), got {len(frames)}")
+    for name, frame, count in zip(REQUEST_ARRAYS, frames, (tokens, rows, rows, rows, markers)):
+        _check_size(frame, I32, count, name)
+    return RequestHead(rid, cid, rows, tokens, markers, worker, mode, taps, budget_ms, h)
 
 
-def request_header_for_worker(req: Request, job: int, budget_ms: int | None = None) -> dict[str, Any]:
+def parse_request(msg: Message, need_cid: bool = False) -> Request:
+    """Check a REQUEST's header and its five buffers against each other; arrays are zero-copy views."""
+    head = parse_request_head(msg, need_cid)
+    counts = (head.tokens, head.rows, head.rows, head.rows, head.n_markers)
+    arrays = {k: np.frombuffer(_bytes(f), dtype=I32, count=n) for k, f, n in zip(REQUEST_ARRAYS, msg.frames, counts)}
+    return Request(rid=head.rid, cid=head.cid, worker=head.worker, mode=head.mode, taps=head.taps,
+                   budget_ms=head.budget_ms, header=head.header, **arrays)
+
+
+def request_header_for_worker(req: Request | RequestHead, job: int, budget_ms: int | None = None) -> dict[str, Any]:
     """The header the broker forwards: its own job id as rid, the client's cid dropped (its `CID:RID` kept as `req`,
     for log lines), the time left."""
     h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers, "req": req.tag}
@@ -491,8 +541,9 @@ def encode_error(rid: Any, status: str, message: str, *, field: str | None = Non
     return encode(cmd, h)
 
 
-def parse_reply(msg: Message) -> Reply:
-    """Check a REPLY: status, error shape, and that every buffer matches the header's counts."""
+def parse_reply(msg: Message, arrays: bool = True) -> Reply:
+    """Check a REPLY: status, error shape, and that every buffer matches the header's counts. Without `arrays`
+    (the broker, which forwards the buffers untouched) the sizes are checked but no array is built."""
     if msg.cmd != Cmd.REPLY:
         raise ProtocolError("command", f"expected REPLY, got {msg.cmd.name}")
     h = msg.header
@@ -518,8 +569,13 @@ def parse_reply(msg: Message) -> Reply:
     if len(msg.frames) != 2 + len(specs):
         raise ProtocolError("frames", f"an ok reply carries logits, act and {len(specs)} taps "
                                       f"({2 + len(specs)} buffers), got {len(msg.frames)}")
-    logits = _array(msg.frames[0], F32, m, "logits")
-    act = _array(msg.frames[1], F32, r * n_act, "act").reshape(r, n_act)
+    if arrays:
+        logits = _array(msg.frames[0], F32, m, "logits")
+        act = _array(msg.frames[1], F32, r * n_act, "act").reshape(r, n_act)
+    else:
+        logits = act = None
+        _check_size(msg.frames[0], F32, m, "logits")
+        _check_size(msg.frames[1], F32, r * n_act, "act")
     taps = None
     if specs:
         taps = {}

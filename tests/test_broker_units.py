@@ -168,3 +168,35 @@ def test_queued_describes_are_counted_through_dispatch_loss_and_expiry(broker, t
     finally:
         w.close(0)
         ctx.term()
+
+
+def _queued(rid: int, tokens: int) -> Job:
+    """A request job as on_request queues it: its checked header and its untouched buffers."""
+    rows = [(list(range(1, tokens + 1)), [0], 0)]
+    msg = wire.decode(wire.encode_request(rid, wire.pack_rows(rows), cid="c"))
+    req = wire.parse_request_head(msg, need_cid=True)
+    return Job(rid, "request", ("c", rid), [b"client"], rid, req=req, payload=msg.frames)
+
+
+def test_dispatch_leaves_the_jobs_it_passed_over_in_front_in_their_order(broker, tmp_path):
+    # dispatch stops once no worker is free and puts back only what it passed over (the rest of a deep queue is
+    # not copied per call): the order of the queue must come out as if it had been rebuilt.
+    import zmq
+    ctx = zmq.Context()
+    w = ctx.socket(zmq.DEALER)
+    w.setsockopt(zmq.IDENTITY, b"w0")
+    w.setsockopt(zmq.LINGER, 0)
+    w.connect(f"ipc://{tmp_path}/be")
+    try:
+        big, too_big, small, after = _queued(1, 50), _queued(2, 60), _queued(3, 4), _queued(4, 4)
+        broker.queue.extend([big, too_big, small, after])
+        w.send_multipart(wire.encode(wire.Cmd.READY, {
+            "id": "w0", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
+            "capacity": {"max_tokens": 10, "max_rows": 4, "max_markers": 8}}))
+        assert broker.backend.poll(5000)
+        broker._receive_all(broker.backend, broker.on_backend)   # registers, and dispatch runs
+        assert list(broker.queue) == [big, too_big, after], "the two that fit no worker stay in front, in order"
+        assert small.worker == "w0" and len(broker.inflight) == 1
+    finally:
+        w.close(0)
+        ctx.term()

@@ -242,3 +242,68 @@ def test_send_and_recv_frames_move_one_message_without_blocking():
         for s in (a, b, lonely):
             s.close(0)
         ctx.term()
+
+
+def _request_outcome(frames: list, head: bool) -> tuple:
+    """What a request parse says: the field it refuses, or the fields the broker routes by."""
+    try:
+        msg = wire.decode(frames)
+        r = wire.parse_request_head(msg, need_cid=True) if head else wire.parse_request(msg, need_cid=True)
+    except ProtocolError as e:
+        return ("refused", e.field, str(e))
+    return ("ok", r.rid, r.cid, r.rows, r.tokens, r.n_markers, r.worker, r.mode, r.taps, r.budget_ms, r.tag)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["rid", "rows", "tokens", "markers", "mode", "taps", "cid", "worker",
+                                        "budget_ms", "req"]),
+                       st.one_of(st.integers(-5, 12), st.integers(1 << 30, 1 << 40), st.text(max_size=5),
+                                 st.booleans(), st.none(), st.sampled_from(wire.MODES))),
+       st.lists(st.binary(max_size=24).filter(lambda b: len(b) % 4 == 0), min_size=4, max_size=6))
+def test_the_brokers_request_head_checks_what_parse_request_checks(header, buffers):
+    """The broker parses a request without its arrays (`parse_request_head`): same refusals, same fields."""
+    frames = [b"LAYA1", bytes([2]), msgpack.packb(header), *buffers]
+    assert _request_outcome(frames, head=True) == _request_outcome(frames, head=False)
+
+
+def test_the_brokers_request_head_on_a_good_request():
+    frames = wire.with_budget(_request(worker="0", mode="eager"), 1234)
+    assert _request_outcome(frames, head=True) == _request_outcome(frames, head=False)
+    assert _request_outcome(frames, head=True)[:6] == ("ok", 7, "c1", 2, 7, 3)
+
+
+@pytest.mark.parametrize("cut,field", [(3, "logits"), (4, "act")])
+def test_a_reply_checked_without_arrays_refuses_the_same_sizes(cut, field):
+    frames = [bytes(f) for f in wire.encode_reply(1, np.ones(3, np.float32), np.ones((2, 2), np.float32))]
+    assert wire.parse_reply(wire.decode(frames), arrays=False).logits is None
+    bad = list(frames)
+    bad[cut] = bad[cut][:4]
+    _raises(bad, field, lambda m: wire.parse_reply(m, arrays=False))
+
+
+# (header, kind, what get returns, or the field of the ProtocolError it raises)
+GET = [
+    ({"k": 5}, int, 5), ({"k": 0}, int, 0), ({"k": -1}, int, "k"), ({"k": True}, int, "k"),
+    ({"k": True}, bool, True), ({"k": "x"}, str, "x"), ({"k": "x" * (wire.MAX_STR + 1)}, str, "k"),
+    ({"k": 5}, (int, str), 5), ({"k": -5}, (int, str), "k"), ({"k": 1.5}, (int, str), "k"), ({}, int, "k"),
+    ({"k": None}, int, "k"), ({"k": {}}, dict, {}), ({"k": 2}, float, "k"), ({"k": 2.5}, float, 2.5),
+]
+
+
+@pytest.mark.parametrize("header,kind,want", GET)
+def test_get_takes_exact_types_and_refuses_the_rest(header, kind, want):
+    if want == "k":
+        with pytest.raises(ProtocolError) as e:
+            wire.get(header, "k", kind)
+        assert e.value.field == "k"
+    else:
+        assert wire.get(header, "k", kind) == want
+
+
+def test_every_command_byte_decodes_to_its_command_and_no_other():
+    for b in range(256):
+        frames = [b"LAYA1", bytes([b]), msgpack.packb({})]
+        if b in {int(c) for c in Cmd}:
+            assert wire.decode(frames).cmd is Cmd(b)
+        else:
+            _raises(frames, "command", parse=lambda m: m)

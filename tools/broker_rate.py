@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The broker's own ceiling: messages per second through its loop, with real processes and sockets.
 
-    python scripts/broker_rate.py --model DIR | --frontend EP [--kind ping,forward] [--procs 1] [--window 256]
-                                  [--seconds 5] [--pool-args "--max-batch 32"] [--json FILE]
+    python scripts/broker_rate.py --model DIR | --stub | --frontend EP [--kind ping,forward] [--procs 1]
+                                  [--window 256] [--seconds 5] [--pool-args "--max-batch 32"] [--json FILE]
 
 Starts a pool (`laya-pool up`: the broker and one worker on --device), then --procs load processes, each
 with one DEALER socket keeping --window requests in flight (raw frames built by protocol/wire, a fresh
@@ -11,6 +11,10 @@ request id each, so the broker's dedup never short-cuts one). Kinds:
 - `ping`: a client HEARTBEAT, which the broker answers itself: 2 broker messages per call (in, out);
 - `forward`: one pre-encoded 1x48 row, run by the worker: 4 broker messages per call (client in, worker
   out, worker in, client out). On a CPU worker this measures the worker unless it merges requests.
+
+`--stub` runs a bare broker and `tools/stub_worker.py` (answers at once, without a model) instead of a pool:
+the routed path's own ceiling, many messages per wake-up as on a fast GPU. A CPU worker instead wakes the broker
+for a few messages at a time while it computes: both are worth a number.
 
 Reports calls/s and broker messages/s (received + sent by the broker) over --seconds after a one-second
 warm-up, and the broker's CPU seconds per call (from /proc) when it runs on this host.
@@ -21,6 +25,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import shlex
 import sys
 import time
@@ -90,7 +95,6 @@ def _load(endpoint: str, kind: str, window: int, warmup: float, seconds: float, 
 
 
 def _cpu_seconds(pid: int) -> float:
-    import os
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -123,12 +127,37 @@ def run_kind(endpoint: str, kind: str, procs: int, window: int, seconds: float, 
     return out
 
 
+@contextlib.contextmanager
+def _stub_pool(broker_args: list[str]):
+    """A broker (`python -m laya_pool.broker.broker`) and one stub worker on private ipc sockets; the frontend."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="laya-rate-") as d:
+        fe, be = f"ipc://{d}/fe", f"ipc://{d}/be"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        procs = [subprocess.Popen([sys.executable, "-m", "laya_pool.broker.broker", "--frontend", fe, "--backend", be,
+                                   "--log-level", "WARNING", *broker_args], env=env)]
+        try:
+            time.sleep(1.0)                 # bound before the worker connects: its READY is not lost
+            procs.append(subprocess.Popen([sys.executable, "-m", "laya_pool.tools.stub_worker", "--backend", be],
+                                          env=env))
+            time.sleep(1.0)
+            yield fe
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(10)
+
+
 def main(argv: list[str] | None = None) -> int:
     from laya_pool.client.pool import Client, local_pool
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="the checkpoint for the pool this starts (not with --frontend)")
     ap.add_argument("--frontend", help="load a running pool instead of starting one")
+    ap.add_argument("--stub", action="store_true", help="a bare broker and a worker that answers without computing")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kind", default="ping,forward", help="comma-separated: ping, forward")
     ap.add_argument("--procs", type=int, default=1, help="load processes")
@@ -137,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-args", default="", help="extra `laya-pool up` arguments")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    if not args.model and not args.frontend:
-        ap.error("give --model (a pool is started) or --frontend (a running pool)")
+    if not args.model and not args.frontend and not args.stub:
+        ap.error("give --model (a pool is started), --stub (a broker and a stub worker) or --frontend (a running pool)")
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
     for k in kinds:
         if k not in MESSAGES_PER_CALL:
@@ -147,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     # A queue as deep as the load, so "busy" never answers for the worker.
     extra = ["--queue-size", str(max(1024, 2 * args.procs * args.window)), *shlex.split(args.pool_args)]
     with contextlib.ExitStack() as stack:
-        endpoint = args.frontend or stack.enter_context(local_pool(args.model, args.device, extra_args=extra)).endpoint
+        if args.frontend:
+            endpoint = args.frontend
+        elif args.stub:
+            endpoint = stack.enter_context(_stub_pool(extra))
+        else:
+            endpoint = stack.enter_context(local_pool(args.model, args.device, extra_args=extra)).endpoint
         with Client(endpoint, timeout=10) as c:
             broker_pid = _broker_pid(c.status())
         for k in kinds:
