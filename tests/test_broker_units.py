@@ -108,14 +108,30 @@ def test_requeue_goes_to_the_front_until_its_chances_are_spent(broker, lost, tim
     assert list(broker.queue) == [behind]
 
 
+def _dealer(ctx, identity: bytes, endpoint: str):
+    """A raw DEALER peer of the broker under test (a client or a worker), with `identity`."""
+    import zmq
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _register(broker, worker, max_tokens: int) -> None:
+    """`worker` (a _dealer on the backend) says READY with a credit of 1; the broker registers it and dispatches."""
+    worker.send_multipart(wire.encode(wire.Cmd.READY, {
+        "id": "w0", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
+        "capacity": {"max_tokens": max_tokens, "max_rows": 4, "max_markers": 8}}))
+    assert broker.backend.poll(5000)
+    broker._receive_all(broker.backend, broker.on_backend)
+
+
 def test_a_lost_job_fails_as_workers_lost_after_max_attempts(broker, tmp_path):
     import zmq
     from laya_pool.broker.broker import WorkerInfo
     ctx = zmq.Context()
-    client = ctx.socket(zmq.DEALER)
-    client.setsockopt(zmq.IDENTITY, b"client")
-    client.setsockopt(zmq.LINGER, 0)
-    client.connect(f"ipc://{tmp_path}/fe")
+    client = _dealer(ctx, b"client", f"ipc://{tmp_path}/fe")
     try:
         client.send_multipart(wire.encode(wire.Cmd.HEARTBEAT, {"rid": 1}))    # a ping: the broker learns the route
         assert broker.frontend.poll(5000)
@@ -141,22 +157,15 @@ def test_queued_describes_are_counted_through_dispatch_loss_and_expiry(broker, t
         assert broker.describes_queued == sum(j.kind == "describe" for j in broker.queue)
 
     ctx = zmq.Context()
-    w = ctx.socket(zmq.DEALER)
-    w.setsockopt(zmq.IDENTITY, b"w0")
-    w.setsockopt(zmq.LINGER, 0)
-    w.connect(f"ipc://{tmp_path}/be")
+    w = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")
     try:
         for rid in (1, 2):
             broker.on_describe([b"client"], wire.decode(wire.encode(wire.Cmd.DESCRIBE, {"rid": rid})))
         broker.queue.append(Job(9, "request", ("c", 9), [b"client"], 9))
         counted()
         assert broker.describes_queued == 2
-        w.send_multipart(wire.encode(wire.Cmd.READY, {
-            "id": "w0", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
-            "capacity": {"max_tokens": 100, "max_rows": 4, "max_markers": 8}}))
-        assert broker.backend.poll(5000)
-        broker._receive_all(broker.backend, broker.on_backend)   # registers: the describes (not bound by
-        counted()                                                  # its credit of 1) go, the request waits
+        _register(broker, w, max_tokens=100)      # the describes (not bound by its credit of 1) go, the request waits
+        counted()
         assert broker.describes_queued == 0 and len(broker.inflight) == 2 and len(broker.queue) == 1
         broker._worker_lost(broker.workers["w0"], WorkerState.DEAD, "test")   # the describes come back
         counted()
@@ -183,18 +192,11 @@ def test_dispatch_leaves_the_jobs_it_passed_over_in_front_in_their_order(broker,
     # not copied per call): the order of the queue must come out as if it had been rebuilt.
     import zmq
     ctx = zmq.Context()
-    w = ctx.socket(zmq.DEALER)
-    w.setsockopt(zmq.IDENTITY, b"w0")
-    w.setsockopt(zmq.LINGER, 0)
-    w.connect(f"ipc://{tmp_path}/be")
+    w = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")
     try:
         big, too_big, small, after = _queued(1, 50), _queued(2, 60), _queued(3, 4), _queued(4, 4)
         broker.queue.extend([big, too_big, small, after])
-        w.send_multipart(wire.encode(wire.Cmd.READY, {
-            "id": "w0", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
-            "capacity": {"max_tokens": 10, "max_rows": 4, "max_markers": 8}}))
-        assert broker.backend.poll(5000)
-        broker._receive_all(broker.backend, broker.on_backend)   # registers, and dispatch runs
+        _register(broker, w, max_tokens=10)
         assert list(broker.queue) == [big, too_big, after], "the two that fit no worker stay in front, in order"
         assert small.worker == "w0" and len(broker.inflight) == 1
     finally:
