@@ -89,19 +89,18 @@ def toolkit_libdevice() -> str | None:
     return None
 
 
-_NEEDS_TABLE: dict[torch.device, bool] = {}
-_DIFFER: dict[torch.device, int] = {}
+_DIFFER: dict[torch.device, int] = {}         # per device, by `prepare`: bf16 inputs whose GELU differs from torch's
 
 
 def needs_table(device: torch.device) -> bool:
     """Whether GELUs on `device` take the table (decided by `prepare`; forced by LAYA_GELU_TABLE=1)."""
-    return os.environ.get("LAYA_GELU_TABLE") == "1" or _NEEDS_TABLE.get(torch.device(device), False)
+    return os.environ.get("LAYA_GELU_TABLE") == "1" or _DIFFER.get(torch.device(device), 0) > 0
 
 
 def prepare(device: torch.device) -> dict:
     """At model load, before any of our kernels compiles: link Triton against the toolkit's libdevice unless told
     otherwise (TRITON_LIBDEVICE_PATH), make the table, and check every finite bf16 GELU input against F.gelu on
-    the device; the table is used only if some differ. Returns what it found (the worker logs it)."""
+    the device; the table is used only if some differ. Returns what it found (FastModel keeps it as `exactness`)."""
     device = torch.device(device)
     found: dict = {"libdevice": None, "gelu_differ": None}
     if device.type != "cuda" or triton is None:
@@ -114,7 +113,6 @@ def prepare(device: torch.device) -> dict:
     gelu_table(device)
     if device not in _DIFFER:
         _DIFFER[device] = gelu_differs(device, table=False)
-        _NEEDS_TABLE[device] = _DIFFER[device] > 0
     found["gelu_differ"] = _DIFFER[device]
     found["gelu_table"] = needs_table(device)
     return found

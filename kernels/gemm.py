@@ -376,13 +376,14 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
         w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
-    table = gelu_table(a.device) if epi == Epi.GEGLU or act == Act.GELU else w
+    gelu = epi == Epi.GEGLU or act == Act.GELU
+    table = gelu_table(a.device) if gelu else w
     _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
                        m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
                        split_stride or 0,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                        HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
-                       GELU_TABLE=needs_table(a.device) if table is not w else False,
+                       GELU_TABLE=gelu and needs_table(a.device),
                        **launch(a.device, grid[0] * grid[1] * grid[2]), num_warps=t.warps, num_stages=t.stages)
 
 

@@ -153,7 +153,7 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
     return rec
 
 
-def _sweep_configs(m: int, epi: Epi, half: int) -> list[Tiles]:
+def _sweep_configs(m: int, epi: Epi) -> list[Tiles]:
     """The tile configurations the sweep times at one M: around what pick_tiles picks."""
     if m <= 64:
         out = [Tiles(64, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)]
@@ -206,7 +206,7 @@ def _tile_case(name, n, k, epi, rope):
         canon = result(m, None)
         picked = pick_tiles(m, n_out, k, epi)
         row = {}
-        for t in [None] + _sweep_configs(m, epi, rope[3] // 2 if rope else 0):
+        for t in [None] + _sweep_configs(m, epi):
             label = f"picked {picked}" if t is None else str(t)
             try:
                 same = t is None or bool(torch.equal(result(m, t), canon))
