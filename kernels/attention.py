@@ -14,6 +14,8 @@ block size may therefore change without changing any result. There is no split o
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,7 @@ from .launch import launch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import libdevice
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
 
@@ -37,7 +40,8 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          USE_GDC: tl.constexpr, ACC_IN_DOT: tl.constexpr = False, DIV: tl.constexpr = 0):
+                          USE_GDC: tl.constexpr, ACC_IN_DOT: tl.constexpr = False, DIV: tl.constexpr = 0,
+                          EXP: tl.constexpr = 0, SUM: tl.constexpr = 0, REV: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -60,33 +64,81 @@ if triton is not None:
             m_i = tl.full((BM,), -1.0e30, tl.float32)      # finite: a block with no visible key is a no-op
             l_i = tl.zeros((BM,), tl.float32)
             acc = tl.zeros((BM, D), tl.float32)
-            for k0 in range(lo, hi, BN):
+            lq = tl.zeros((BM, 4), tl.float32)               # SUM=3's per-thread partial sums
+            nblk = tl.cdiv(hi - lo, BN)
+            for b in range(0, nblk):
+                if REV:                                        # REV (probe): the last key block first
+                    k0 = lo + (nblk - 1 - b) * BN
+                else:
+                    k0 = lo + b * BN
                 kj = k0 + tl.arange(0, BN)
                 k_ok = kj < n
                 k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
                 v = tl.load(base + kj[:, None] * sq + (2 * H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
+                s = tl.dot(q, tl.trans(k))
+                if EXP != 1:                       # EXP=1 keeps raw scores: max over them, scale inside the exp
+                    s = s * qk_scale
                 seen = k_ok[None, :]
                 if WINDOW >= 0:
                     gap = qi[:, None] - kj[None, :]
                     seen = seen & (gap <= WINDOW) & (gap >= -WINDOW)
                 s = tl.where(seen, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.math.exp2(m_i - m_new)
-                p = tl.math.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
+                # EXP (probe variants, scripts/probe_attn_bits.py): 0 scores in log2 units, exp2(s - m); 1 as
+                # flash-attention writes it, exp2(fma(raw, c, -m * c)); 2 natural units, exp2((s - m) * log2 e);
+                # 3 natural units, libdevice's accurate exp.
+                if EXP == 1:
+                    mc = m_new * qk_scale
+                    alpha = tl.math.exp2((m_i - m_new) * qk_scale)
+                    p = tl.math.exp2(tl.fma(s, qk_scale, -mc[:, None]))
+                elif EXP == 2:
+                    alpha = tl.math.exp2((m_i - m_new) * 1.4426950408889634)
+                    p = tl.math.exp2((s - m_new[:, None]) * 1.4426950408889634)
+                elif EXP == 3:
+                    alpha = libdevice.exp(m_i - m_new)
+                    p = libdevice.exp(s - m_new[:, None])
+                else:
+                    alpha = tl.math.exp2(m_i - m_new)
+                    p = tl.math.exp2(s - m_new[:, None])
+                if SUM == 3:    # flash-attention's order: each thread's columns 8j+2t+c in sequence, quads at the end
+                    lq = lq * alpha[:, None]
+                    p4 = tl.reshape(p, (BM, BN // 8, 4, 2))
+                    jj = tl.arange(0, BN // 8)[None, :, None, None]
+                    cc = tl.arange(0, 2)[None, None, None, :]
+                    for j in tl.static_range(BN // 8):
+                        for c in tl.static_range(2):
+                            lq = lq + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
+                elif SUM == 1:  # the row sum of the probabilities as the PV product sees them, rounded to bf16
+                    l_i = l_i * alpha + tl.sum(p.to(v.dtype).to(tl.float32), 1)
+                else:
+                    l_i = l_i * alpha + tl.sum(p, 1)
                 if ACC_IN_DOT:
                     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
+            if SUM == 3:
+                t4 = tl.arange(0, 4)[None, :]
+                l_i = ((tl.sum(tl.where(t4 == 0, lq, 0.0), 1) + tl.sum(tl.where(t4 == 2, lq, 0.0), 1))
+                       + (tl.sum(tl.where(t4 == 1, lq, 0.0), 1) + tl.sum(tl.where(t4 == 3, lq, 0.0), 1)))
             # DIV (probe variants, scripts/probe_parity.py): 0 `/`, which Triton compiles to an approximate
             # reciprocal times acc (div.full.f32); 1 an IEEE division; 2 an IEEE reciprocal, then the product (what
-            # the mem-eff kernel's epilogue does). Which one SDPA's bits need is for the device to say.
+            # the mem-eff kernel's epilogue does); 3 rcp.approx.ftz then the product (nvcc's fast-math 1.f / x);
+            # 4 `1 / l` (div.full) then the product. Which one SDPA's bits need is for the device to say.
             if DIV == 1:
                 o = tl.math.div_rn(acc, l_i[:, None])
             elif DIV == 2:
                 o = acc * tl.math.div_rn(tl.full(l_i.shape, 1.0, tl.float32), l_i)[:, None]
+            elif DIV == 3:
+                inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [l_i], dtype=tl.float32,
+                                                is_pure=True, pack=1)
+                o = acc * inv[:, None]
+            elif DIV == 5:
+                inv = tl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=f,f", [l_i], dtype=tl.float32,
+                                                is_pure=True, pack=1)
+                o = acc * inv[:, None]
+            elif DIV == 4:
+                o = acc * (1.0 / l_i)[:, None]
             else:
                 o = acc / l_i[:, None]
             tl.store(out_ptr + (start + qi[:, None]) * so + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -103,7 +155,10 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     rows = row_start.shape[0]
     bm, bn = variant.pop("bm", 64), variant.pop("bn", KEY_BLOCK)     # variants: scripts/probe_parity.py only
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
-    _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
+    variant.setdefault("DIV", int(os.environ.get("LAYA_ATTN_DIV", "0")))          # probe knob (docs/PERF.md)
+    natural = variant.get("EXP", 0) in (2, 3)                      # variants that keep scores in natural units
+    _attention_kernel[grid](qkv, out, row_start, row_len, scale if natural else scale * LOG2E, heads,
+                            qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,
                             **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=4, num_stages=2,
                             **variant)
@@ -112,27 +167,39 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
 
 class Rows:
     """The packed rows laid out [R, L] for torch's attention: each slot's token (padding slots: the spare row T
-    of [T + 1, ...] buffers), whether it is a real token, and the key mask [R, 1, L, L]. Made once per forward,
-    shape-static, no host sync."""
+    of [T + 1, ...] buffers), whether it is a real token, and the masks [R, 1, L, L] the SDK's attention gets
+    (kernels/reference.py builds the same): every real key (`mask`), and the ±window band (`band`), in which a
+    padding query sees every real key (its output is never read). The masks are additive, 0 or -inf in `dtype`:
+    what SDPA makes of a boolean mask on every call (the same values, so the same bits), made here once per
+    forward. Shape-static, no host sync."""
 
-    def __init__(self, row_start: torch.Tensor, row_len: torch.Tensor, max_row_len: int, tokens: int):
+    def __init__(self, row_start: torch.Tensor, row_len: torch.Tensor, max_row_len: int, tokens: int,
+                 half_window: int, dtype: torch.dtype):
         pos = torch.arange(max_row_len, device=row_start.device)
         self.valid = pos[None, :] < row_len[:, None]                                   # [R, L]
         self.slot = torch.where(self.valid, row_start[:, None].long() + pos[None, :], tokens).reshape(-1)
-        self.mask = self.valid[:, None, None, :].expand(-1, 1, max_row_len, -1)       # keys a query may see
+        key_ok = self.valid[:, None, None, :]
+        near = (pos[:, None] - pos[None, :]).abs() <= half_window
+        self.mask = additive(key_ok.expand(-1, 1, max_row_len, -1), dtype)
+        self.band = additive(key_ok & (near[None, None] | ~self.valid[:, None, :, None]), dtype)
+
+
+def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA converts it: 0 where True, -inf where False, dense."""
+    return torch.zeros(ok.shape, device=ok.device, dtype=dtype).masked_fill_(~ok, float("-inf"))
 
 
 def attention_sdpa(qkv: torch.Tensor, out: torch.Tensor, rows: Rows, heads: int, head_dim: int,
-                   scale: float) -> torch.Tensor:
-    """out[:T] <- softmax(q k^T * scale) v over each row's real keys, by torch's own SDPA on the [R, H, L, D]
-    layout and boolean key mask the SDK's attention gets (kernels/reference.py does the same): the SDK's bits, which
-    `attention`'s online softmax misses in ~4e-6 of outputs on rows long enough for several key blocks (device probe
-    of 2026-12-04), a difference 28 layers carry to the answers. `qkv` is [T + 1, 3 * H * D] with row T zero:
-    padding slots read it, so a masked key's value is finite (its weight is exactly 0, and 0 times a stale NaN
-    would not be); `out` is [T + 1, H * D], row T takes the padding slots' outputs."""
+                   scale: float, local: bool = False) -> torch.Tensor:
+    """out[:T] <- softmax(q k^T * scale) v over each row's real keys (the band's, `local`), by torch's own SDPA on
+    the [R, H, L, D] layout and boolean key mask the SDK's attention gets: the SDK's bits, which `attention`'s online
+    softmax misses in ~1e-5 of outputs (one fp32 ulp, device probes of 2026-12-04), a difference 28 layers carry to
+    the answers. `qkv` is [T + 1, 3 * H * D] with row T zero: padding slots read it, so a masked key's value is
+    finite (its weight is exactly 0, and 0 times a stale NaN would not be); `out` is [T + 1, H * D], row T takes the
+    padding slots' outputs."""
     R, L = rows.valid.shape
     x = qkv.index_select(0, rows.slot).view(R, L, 3, heads, head_dim)
     q, k, v = (x[:, :, n].transpose(1, 2) for n in range(3))                          # [R, H, L, D]
-    att = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=scale)
+    att = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.band if local else rows.mask, scale=scale)
     out.index_copy_(0, rows.slot, att.transpose(1, 2).reshape(R * L, heads * head_dim))
     return out

@@ -3,10 +3,12 @@
 Same inputs and outputs as `kernels.reference.ReferenceModel.forward` (docs/interfaces.md), same semantics
 (the SDK's `DecisionModel` in eval mode under bf16 autocast), different execution: the tokens stay packed
 (`T = rows x max_row_len` slots, of which the rows' real tokens are a prefix), so no op runs on padding
-inside a row and no [R, L, L] mask exists. Per encoder layer seven kernels: LayerNorm, QKV GEMM with RoPE
-in its epilogue, banded or global attention, output GEMM adding into the residual, LayerNorm, GeGLU GEMM,
-down GEMM adding into the residual. The decision head follows the same pattern with biases; the scorer and
-the act head close with a handful of small kernels.
+inside a row. Per encoder layer seven kernels: LayerNorm, QKV GEMM with RoPE in its epilogue, banded or global
+attention, output GEMM adding into the residual, LayerNorm, GeGLU GEMM, down GEMM adding into the residual.
+Attention is torch's SDPA on the SDK's padded layout and masks by default (`attention="sdpa"`): the one op whose
+bits ours (`attention="triton"`, no masks, only the band) does not yet give, in ~5e-6 of outputs, which 28 layers
+carry to 96.9% of the SDK's decisions instead of 99.2% (docs/PERF.md, tenth session). The decision head follows
+the same pattern with biases; the scorer and the act head close with a handful of small kernels.
 
 Every kernel is batch-invariant (kernels/gemm.py, kernels/attention.py, kernels/rows.py say how), so eager,
 fixed-graph and cached-graph execution, and a request merged with others, give the same bits. Everything
@@ -21,11 +23,15 @@ import torch
 from . import exact
 from . import rows as rk
 from .arch import Arch
-from .attention import Rows, attention, attention_sdpa
+from .attention import Rows, attention_sdpa
+from .attention import attention as banded
 from .gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual, rope_pairs
 from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
-__all__ = ["FastModel", "supports"]
+__all__ = ["ATTENTION", "FastModel", "supports"]
+
+# "sdpa": torch's SDPA on the SDK's layout, the SDK's bits; "triton": kernels/attention.py, packed and banded.
+ATTENTION = ("sdpa", "triton")
 
 
 def supports(arch: Arch, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -63,10 +69,15 @@ class _Taps:
 class FastModel:
     """bf16 Laya forward on CUDA over packed rows (see the module docstring)."""
 
-    def __init__(self, arch: Arch, tensors: dict[str, torch.Tensor], device="cuda", dtype=torch.bfloat16):
+    def __init__(self, arch: Arch, tensors: dict[str, torch.Tensor], device="cuda", dtype=torch.bfloat16,
+                 attention: str | None = None):
         why = supports(arch, torch.device(device), dtype)
         if why:
             raise ValueError(why)
+        attention = attention or os.environ.get("LAYA_ATTN", "sdpa")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r} (LAYA_ATTN)")
+        self.attention = attention
         self.arch, self.device, self.dtype = arch, torch.device(device), dtype
         load_weights(self, arch, tensors, self.device, dtype)
         # The toolkit's libdevice and the GELU check (kernels/exact.py), before any kernel of ours compiles; the
@@ -80,7 +91,6 @@ class FastModel:
         for theta in sorted({a.theta(i) for i in range(a.layers)}):
             cos, sin = _rope_tables(self.max_positions, a.head_dim, theta, dev)
             self.rope[theta] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
-        self.sdpa_global = os.environ.get("LAYA_ATTN") == "sdpa"
         for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
             lay["Wqkv_pairs"] = rope_pairs(lay.pop("Wqkv"), a.head_dim)
         # Whether any residual GEMM has K chunks (kernels/gemm.py), which a chunk-sum workspace then holds.
@@ -123,10 +133,7 @@ class FastModel:
         if taps is None and self.max_chunks > 1 and T <= SPLIT_MAX_M:
             parts = empty((self.max_chunks, T, d), device=dev, dtype=torch.float32)
         pending = None
-        # LAYA_ATTN=sdpa: global attention (and the head's) by torch's SDPA, in the SDK's bits (kernels/attention.py).
-        # Opt-in: it made layer 0 exact but not the answers (parity 96.11% against 96.89%, device run of 2026-12-04)
-        # and costs 14% at 1x48 (1.146 against 1.001 ms); it stays for finding where the fast path leaves the SDK.
-        rows = Rows(row_start, row_len, L, T) if self.sdpa_global else None
+        rows = Rows(row_start, row_len, L, T, a.half_window, cd) if self.attention == "sdpa" else None
         if rows is not None:
             qkv_spare[T].zero_()
 
@@ -139,10 +146,10 @@ class FastModel:
                 rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps, pending)
             cos, sin = self.rope[lay["theta"]]
             gemm(x, lay["Wqkv_pairs"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
-            if lay["global"] and rows is not None:
-                attention_sdpa(qkv_spare, spare, rows, H, D, scale)
+            if rows is not None:
+                attention_sdpa(qkv_spare, spare, rows, H, D, scale, local=not lay["global"])
             else:
-                attention(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
+                banded(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
             pending = residual(att, lay["Wo"], h, parts)
             rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)
             inner = mid[:, : a.intermediate]
@@ -165,7 +172,7 @@ class FastModel:
             if rows is not None:
                 attention_sdpa(qkv_spare, spare, rows, HH, HD, HD ** -0.5)
             else:
-                attention(qkv, att, row_start, row_len, HH, HD, L, None, HD ** -0.5)
+                banded(qkv, att, row_start, row_len, HH, HD, L, None, HD ** -0.5)
             pending = residual(att, lay["out_w"], h, parts, bias=lay["out_b"], bias_apart=True)
             rk.layer_norm(h, lay["n2_w"], lay["n2_b"], x, HEAD_NORM_EPS, pending)
             inner = mid[:, : 4 * d]

@@ -2,7 +2,7 @@
 """Device probe: where an in-process `predict` goes (encode, `Runtime.run`'s own split, decode) against the graph replay
 alone (CUDA events), at 1x48, 4x256 and 16x512, graph-cached, p50 ms.
 
-    LAYA_FORWARD=fast python3 scripts/host_split.py MODEL
+    python3 scripts/host_split.py MODEL
 """
 import os
 import statistics

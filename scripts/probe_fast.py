@@ -324,12 +324,16 @@ def _family(name: str) -> str:
     return "other: " + name[:40]
 
 
+WANT_VARIANTS = os.environ.get("PROBE_MODEL_VARIANTS", "pdl,tma,triton").split(",")
+
+
 def step_model(model_dir, report):
     from laya_pool.kernels.fast import FastModel
     from laya_pool.kernels.reference import ReferenceModel
     from laya_pool.worker.checkpoint import load_checkpoint
     ck = load_checkpoint(model_dir)
     fast = FastModel(ck.arch, ck.tensors, device="cuda")
+    banded = FastModel(ck.arch, ck.tensors, device="cuda", attention="triton") if "triton" in WANT_VARIANTS else None
     ref = ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16)
     rec = {}
     print("\n== model: fast vs reference (bf16, invariant GEMMs); graph replay ms p50/p95; kernels per forward")
@@ -342,11 +346,16 @@ def step_model(model_dir, report):
         agree = float((pf.argmax(-1) == pr.argmax(-1)).float().mean())
         t_fast = graph_time(lambda inp=inp: fast(**inp), reps=1, samples=50)
         variants = {}
-        for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"})):
+        # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma (off: the same bits?), triton (our packed attention:
+        # its time; its bits differ from SDPA's by design)
+        for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("triton attention", {})):
+            if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
+                continue
+            model = banded if not env else fast
             os.environ.update(env)
             try:
-                lv, av = fast(**inp)
-                variants[label] = (graph_time(lambda inp=inp: fast(**inp), reps=1, samples=30),
+                lv, av = model(**inp)
+                variants[label] = (graph_time(lambda inp=inp, m=model: m(**inp), reps=1, samples=30),
                                    bool(torch.equal(lv, lf) and torch.equal(av, af)))
             finally:
                 for k_ in env:

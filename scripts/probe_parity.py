@@ -145,6 +145,52 @@ def ops(ck, fast, n=512):
     return res
 
 
+class LayerInputs:
+    """Layer `layer`'s inputs in a packed batch of rows `lens`, as the SDK's own forward makes them: the residual
+    stream from its tap before the layer, packed as a worker packs, and its attention's q, k, v, mask and output."""
+
+    def __init__(self, ck, fast, sdk, lens, layer: int, got: dict, inp: dict):
+        a = ck.arch
+        R, L = len(lens), max(lens)
+        self.inp, self.lens = inp, lens
+        self.valid = valid = torch.arange(L, device="cuda")[None, :] < inp["row_len"][:, None].long()      # [R, L]
+        self.pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.int32) for n in lens])
+        self.h = got[f"encoder.{layer - 1}"][valid].contiguous()                                  # [T, d] packed
+        T, d = self.h.shape
+        H, D = a.heads, a.head_dim
+        ref = sdk.layers[layer]
+        self.x_sdk = F.layer_norm(self.h, (d,), ref["attn_norm"], None, a.norm_eps).bfloat16()
+        q, k, v = (self.pad(F.linear(self.x_sdk, ref["Wqkv"]).view(T, 3, H, D)[:, j]).transpose(1, 2)
+                   for j in range(3))
+        theta = fast.layers[layer]["theta"]
+        self.q, self.k, self.v = sdk._rope(q, theta, L), sdk._rope(k, theta, L), v              # [R, H, L, D]
+        self.qkv_sdk = torch.stack([t.transpose(1, 2)[valid] for t in (self.q, self.k, self.v)], 1).reshape(T, 3 * d)
+        near = (torch.arange(L, device="cuda")[:, None] - torch.arange(L, device="cuda")[None, :]).abs() \
+            <= a.half_window
+        key_ok = valid[:, None, None, :]
+        self.window = None if a.is_global(layer) else a.half_window
+        self.mask = key_ok.expand(R, 1, L, L) if self.window is None else key_ok & (near[None, None]
+                                                                                     | ~valid[:, None, :, None])
+        self.scale = D ** -0.5
+        self.att_sdk = self.sdpa()
+
+    def pad(self, x):                               # packed [T, ...] -> [R, L, ...] (zeros past a row's end)
+        out = x.new_zeros(tuple(self.valid.shape) + x.shape[1:])
+        out[self.valid] = x
+        return out
+
+    def sdpa(self, mask=None):                      # the SDK's attention call, packed [T, H * D]
+        att = F.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.mask if mask is None else mask,
+                                             scale=self.scale)
+        return att.transpose(1, 2)[self.valid].reshape(self.h.shape[0], -1)
+
+    def ours(self, heads: int, head_dim: int, **variant):
+        att = torch.empty_like(self.att_sdk)
+        attention(self.qkv_sdk, att, self.inp["row_start"], self.inp["row_len"], heads, head_dim,
+                  max(self.lens), self.window, self.scale, **variant)
+        return att
+
+
 def bisect(ck, fast, lens, layer: int) -> dict:
     """Layer `layer` op by op on the rows `lens` packed back to back (module docstring); fraction of outputs that
     differ from the SDK's op on the same input, real tokens only."""
@@ -153,46 +199,23 @@ def bisect(ck, fast, lens, layer: int) -> dict:
     inp = batch(lens, seed=len(lens))
     got = {}
     sdk(**inp, taps=got)
-    R, L = len(lens), max(lens)
-    valid = torch.arange(L, device="cuda")[None, :] < inp["row_len"][:, None].long()          # [R, L]
-    pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.int32) for n in lens])
-    h = got[f"encoder.{layer - 1}"][valid].contiguous()                                      # [T, d] packed
+    li = LayerInputs(ck, fast, sdk, lens, layer, got, inp)
+    h, x_sdk, qkv_sdk, valid, pad = li.h, li.x_sdk, li.qkv_sdk, li.valid, li.pad
     T, d = h.shape
-    H, D = a.heads, a.head_dim
+    L, H, D = max(lens), a.heads, a.head_dim
     lay, ref = fast.layers[layer], sdk.layers[layer]
     res = {}
-
-    def pad(x):                                     # packed [T, ...] -> [R, L, ...] (zeros past a row's end)
-        out = x.new_zeros((R, L) + x.shape[1:])
-        out[valid] = x
-        return out
-
     x = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
     rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps)
-    x_sdk = F.layer_norm(h, (d,), ref["attn_norm"], None, a.norm_eps).bfloat16()
     res["attn_norm"] = differ(x, x_sdk)
     qkv = torch.empty(T, 3 * d, device="cuda", dtype=torch.bfloat16)
     cos, sin = fast.rope[lay["theta"]]
-    gemm(x_sdk, lay["Wqkv_pairs"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
-    q, k, v = (pad(F.linear(x_sdk, ref["Wqkv"]).view(T, 3, H, D)[:, j]).transpose(1, 2) for j in range(3))
-    q, k = sdk._rope(q, lay["theta"], L), sdk._rope(k, lay["theta"], L)                    # [R, H, L, D]
-    qkv_sdk = torch.stack([t.transpose(1, 2)[valid] for t in (q, k, v)], 1).reshape(T, 3 * d)
+    gemm(x_sdk, lay["Wqkv_pairs"], qkv, epi=Epi.ROPE, rope=(li.pos, cos, sin, D, 2 * H))
     res["qkv_rope"] = differ(qkv, qkv_sdk)
-    keep = valid
-    near = (torch.arange(L, device="cuda")[:, None] - torch.arange(L, device="cuda")[None, :]).abs() <= a.half_window
-    key_ok = keep[:, None, None, :]
-    mask = key_ok.expand(R, 1, L, L) if a.is_global(layer) else key_ok & (near[None, None] | ~keep[:, None, :, None])
-    att = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
-    attention(qkv_sdk, att, inp["row_start"], inp["row_len"], H, D, L,
-              None if a.is_global(layer) else a.half_window, D ** -0.5)
-    att_sdk = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5).transpose(1, 2)[valid]
-    att_sdk = att_sdk.reshape(T, d)
+    att, att_sdk = li.ours(H, D), li.att_sdk
     res["attention"] = differ(att, att_sdk)
     for div in (1, 2):                              # kernels/attention.py's DIV variants
-        alt = torch.empty_like(att)
-        attention(qkv_sdk, alt, inp["row_start"], inp["row_len"], H, D, L,
-                  None if a.is_global(layer) else a.half_window, D ** -0.5, DIV=div)
-        res[f"attention DIV={div}"] = differ(alt, att_sdk)
+        res[f"attention DIV={div}"] = differ(li.ours(H, D, DIV=div), att_sdk)
     for blk in range(-(-L // 128)):                 # where the differing outputs sit: by key block of the query
         sel = pad(torch.ones(T, device="cuda", dtype=torch.bool))
         sel[:, : blk * 128] = False

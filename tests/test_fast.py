@@ -85,11 +85,13 @@ def test_k_chunks_are_whole_tiles_and_a_function_of_k_alone(preset, monkeypatch)
             assert (s.bm, s.bk, s.warps) == (t.bm, t.bk, t.warps) and 16 <= s.bn <= t.bn, (t, s)
 
 
-@pytest.fixture(scope="module")
-def models(tiny_ckpt):
+@pytest.fixture(scope="module", params=["triton", "sdpa"])
+def models(tiny_ckpt, request):
+    """The fast path with each attention (kernels/fast.py's ATTENTION): ours, packed and banded, and torch's
+    SDPA on the SDK's padded layout."""
     from laya_pool.kernels.fast import FastModel
     ck = load_checkpoint(tiny_ckpt)
-    return (ck, FastModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float16),
+    return (ck, FastModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float16, attention=request.param),
             ReferenceModel(ck.arch, ck.tensors, dtype=torch.float16, gemm="vendor"),
             ReferenceModel(ck.arch, ck.tensors, dtype=torch.float32))
 
@@ -196,7 +198,7 @@ def test_a_forward_with_split_gemms_answers_the_bits_of_one_without(models, monk
     monkeypatch.setattr(fast_mod, "k_chunk", gemm_mod.k_chunk)
     monkeypatch.setattr(gemm_mod, "split_tiles", lambda t, *_: t)    # one tiling: see the test above
     monkeypatch.setattr(gemm_mod, "fill_tiles", lambda t, *_: t)     # (numpy's sums change with the tile shape)
-    model = FastModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float16)
+    model = FastModel(ck.arch, ck.tensors, device="cpu", dtype=torch.float16, attention=models[1].attention)
     assert model.max_chunks > 1
     inp = _inputs([40, 25, 9], extra_rows=1)
     split = model(**inp)

@@ -143,21 +143,17 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
     torch.cuda.empty_cache()
     ref16 = _our_probs(ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16), rows)
     torch.cuda.empty_cache()
-    fast_model = FastModel(ck.arch, ck.tensors, device="cuda")
-    ours16 = _our_probs(fast_model, rows)
-    # Informative: global attention (and the head's) by torch's SDPA, the SDK's own kernel (LAYA_ATTN=sdpa)
-    sdpa, fast_model.sdpa_global = fast_model.sdpa_global, True
-    try:
-        chain16 = _our_probs(fast_model, rows)
-    finally:
-        fast_model.sdpa_global = sdpa
+    ours16 = _our_probs(FastModel(ck.arch, ck.tensors, device="cuda", attention="sdpa"), rows)
+    torch.cuda.empty_cache()
+    # Our packed attention (LAYA_ATTN=triton): faster, not yet the SDK's bits in every output
+    banded16 = _our_probs(FastModel(ck.arch, ck.tensors, device="cuda", attention="triton"), rows)
 
     decisive = [_margin(p) >= DECISIVE_MARGIN for p in sdk16]
     fp32 = _dist(ours32, sdk32)
     exact = _dist(vendor16, sdk16, decisive)
     bf16 = _dist(ref16, sdk16, decisive)               # the worker path: the reference forward on invariant GEMMs
-    fast = _dist(ours16, sdk16, decisive)              # the opt-in fast path (LAYA_FORWARD=fast)
-    chain = _dist(chain16, sdk16, decisive)
+    fast = _dist(ours16, sdk16, decisive)              # the fast path, the workers' default on CUDA
+    banded = _dist(banded16, sdk16, decisive)
     batching = _dist(sdk16_alone, sdk16, decisive)     # the SDK's bf16 against itself, batched otherwise
     precision = _dist(sdk32, sdk16, decisive)          # the SDK's bf16 autocast against its fp32
     noise = _worse(batching, precision)
@@ -165,9 +161,9 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
           f"{len(rows)} questions / {len(groups)} requests, {torch.cuda.get_device_name()}, torch {torch.__version__}]"
           f"\n  fp32 vs SDK fp32:                          {_fmt(fp32)}"
           f"\n  bf16, cuBLAS, SDK layout vs SDK bf16:      {_fmt(exact)}"
-          f"\n  bf16, worker path vs SDK bf16:             {_fmt(bf16)}"
-          f"\n  bf16, fast path (opt-in) vs SDK bf16:      {_fmt(fast)}"
-          f"\n  bf16, fast path, SDPA global vs SDK bf16: {_fmt(chain)}"
+          f"\n  bf16, reference path vs SDK bf16:          {_fmt(bf16)}"
+          f"\n  bf16, fast path (the default) vs SDK bf16: {_fmt(fast)}"
+          f"\n  bf16, fast, LAYA_ATTN=triton vs SDK bf16:  {_fmt(banded)}"
           f"\n  noise: SDK bf16 one question per forward:  {_fmt(batching)}"
           f"\n  noise: SDK fp32 vs SDK bf16:               {_fmt(precision)}"
           f"\n  ({time.perf_counter() - t0:.1f} s)")
@@ -177,10 +173,14 @@ def _parity(path, label: str, n_requests: int, seed: int) -> None:
     assert bf16["agree"] >= min(AGREE_MIN, noise["agree"] - 0.01)
     assert bf16["dp_max"] <= max(DP_MAX, NOISE_FACTOR * noise["dp_max"])
     assert bf16["dp_mean"] <= max(DP_MAX / 10, NOISE_FACTOR * noise["dp_mean"])
-    # The fast path is held to the SDK's own noise (it is a different bf16 forward, not the SDK's op order).
-    assert fast["agree_decisive"] >= AGREE_MIN
-    assert fast["dp_max"] <= max(DP_MAX, NOISE_FACTOR * noise["dp_max"])
-    assert fast["dp_mean"] <= max(DP_MAX / 10, NOISE_FACTOR * noise["dp_mean"])
+    # The fast path, the workers' default, answers as the reference path does: every op but its GEMMs' order is the
+    # SDK's, as in the reference path. Our packed attention is held to the SDK's own noise (it misses SDPA's bits in
+    # a few outputs in a million, which 28 layers carry to the answers).
+    assert fast["agree_decisive"] >= AGREE_MIN and fast["agree"] >= bf16["agree"]
+    assert fast["dp_max"] <= max(DP_MAX, bf16["dp_max"]) and fast["dp_mean"] <= max(DP_MAX / 10, bf16["dp_mean"])
+    assert banded["agree_decisive"] >= AGREE_MIN
+    assert banded["dp_max"] <= max(DP_MAX, NOISE_FACTOR * noise["dp_max"])
+    assert banded["dp_mean"] <= max(DP_MAX / 10, NOISE_FACTOR * noise["dp_mean"])
 
 
 def test_parity_tiny(tiny_ckpt):

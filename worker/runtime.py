@@ -173,12 +173,12 @@ class Runtime:
         cap = Capacity(cap.max_tokens, cap.max_rows, cap.max_markers, min(cap.row_markers, arch.max_len))
         self.capacity = cap
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
-        # The fast path is opt-in (LAYA_FORWARD=fast) while its bf16 answers sit further from the SDK's than the
-        # reference path's (large preset: 96.1-97.3% of decisions agree against 99.2%; every decisive one agrees in
-        # both; docs/PERF.md, ninth session: every encoder op gives the SDK's bits alone, a whole forward not yet).
+        # The fast path wherever it runs (CUDA, bf16): with SDPA attention its answers are the reference path's
+        # (large preset: 99.22% of the SDK's decisions, every decisive one) at 2.8x the speed at 1x48 (docs/PERF.md,
+        # tenth session). LAYA_FORWARD=reference keeps the reference forward.
         self.why_reference = supports(arch, self.device, self.dtype)
-        if self.why_reference is None and os.environ.get("LAYA_FORWARD", "reference") != "fast":
-            self.why_reference = "the fast path is opt-in: LAYA_FORWARD=fast"
+        if self.why_reference is None and os.environ.get("LAYA_FORWARD", "fast") == "reference":
+            self.why_reference = "LAYA_FORWARD=reference"
         if self.why_reference is None:
             self.model = FastModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
         else:
