@@ -2,7 +2,7 @@
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
 #                                brokerrate]...
-#   (default: probe tests; LAYA_FORWARD=fast in the environment for the fast path)
+#   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

@@ -30,13 +30,24 @@ from laya_pool.kernels.reference import ReferenceModel  # noqa: E402
 from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
 from probe_parity import LayerInputs, batch  # noqa: E402
 
-LENS = [512] * 6 + [300, 200, 130, 96, 48]
+LENS = [512] * 6 + [300, 200, 130, 96, 48] + [128, 100, 77, 64, 33] * 4
 # Call 2 of 2026-12-04 tried EXP 0-3 x SUM 0/3 x fusion on/off: EXP=0 SUM=0 (the default) was nearest (36 of 7.9 M
 # global, 80 of 15.8 M local outputs differ); every other form 100-2,900. Now the division, the sum's rounding, the
 # block order and the query block.
 # Call 3: the row sum of bf16-rounded probabilities 1.8-3.0% of outputs, the key blocks in reverse 18-27%, the
 # query block 128 the same bits as 64. Now the division (3, 5: rcp.approx then the product, as nvcc's fast math).
-VARIANTS = [dict(DIV=v, ACC_IN_DOT=a) for v, a in itertools.product((0, 1, 2, 3, 4, 5), (False, True))]
+# Call 4: every division (0-5) and accumulating PV in the dot or after it give the same counts. Rows of a single
+# key block differ too (no rescale there): the block's row sum is left. Now its orders (kernels/attention.py SUM).
+# Call 5: SUM=2 = SUM=0 (Triton's own order: each thread j-major, then quads xor 2, xor 1); SUM=4 (quads xor 1, then
+# xor 2) gives SDPA's bits on every one-block row (0 of 1.8 M, local and global), 18-23 of 5.6 M left on longer rows.
+# Now: the sum carried across blocks per thread (SUM=8), and SUM=4's order from Triton's own reduction with keys
+# swapped in the loads (PERM), which also reorders the PV product's K inside an MMA.
+# Call 6: PERM = SUM=4 exactly (0 on one-block rows; the key swap inside an MMA changes no bit); SUM=8 worse (49).
+# Call 7, keys swapped: the running sum's product rounded apart (LFMA=2) 23 -> 18 global, local 19 whatever the
+# update's form; an FMA rescale of the output (AFMA=1) 700 / 104; the rescale from raw maxima (ALPHA=1) 126 / 65.
+# Call 8: a running max kept until a block's exceeds it (flash-attention 4's lazy rescale): 5-15% of outputs.
+# Next: PERM and LFMA=2 as the defaults, once timed (this sweep and `timing` compare them with the default).
+VARIANTS = [{}, dict(PERM=True, LFMA=2)]
 
 
 def count(a, b) -> int:
@@ -51,28 +62,30 @@ def bits(ck, fast, layers) -> dict:
     sdk(**inp, taps=got)
     tally = {}                                        # (kind, name) -> [differing, outputs]
 
-    def add(kind, name, n):
-        t = tally.setdefault(f"{kind:6s} {name}", [0, 0])
-        t[0] += n
-        t[1] += li.att_sdk.numel()
+    def add(kind, name, got):
+        """Counts the outputs of `got` that differ from the SDK's, and apart those of rows of one key block."""
+        for part, sel in (("", slice(None)), (" [one-block rows]", short)):
+            t = tally.setdefault(f"{kind:6s} {name}{part}", [0, 0])
+            t[0] += count(got[sel], li.att_sdk[sel])
+            t[1] += li.att_sdk[sel].numel()
     for layer in layers:
         li = LayerInputs(ck, fast, sdk, LENS, layer, got, inp)
+        short = torch.cat([torch.full((n,), n <= 128, device="cuda") for n in LENS])     # one key block of 128
         kind = "local" if li.window is not None else "global"
-        add(kind, "SDPA default again", count(li.sdpa(), li.att_sdk))
+        add(kind, "SDPA default again", li.sdpa())
         for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
             try:
                 with sdpa_kernel([b]):
-                    add(kind, f"SDPA {b.name}", count(li.sdpa(), li.att_sdk))
+                    add(kind, f"SDPA {b.name}", li.sdpa())
             except Exception as e:  # noqa: BLE001 - a backend that refuses these inputs: say so
                 tally[f"{kind:6s} SDPA {b.name}"] = repr(e)[:100]
         rows = Rows(inp["row_start"], inp["row_len"], max(LENS), li.h.shape[0], a.half_window, torch.bfloat16)
-        add(kind, "SDPA, additive masks (Rows)", count(li.sdpa(mask=rows.band if li.window else rows.mask),
-                                                       li.att_sdk))
+        add(kind, "SDPA, additive masks (Rows)", li.sdpa(mask=rows.band if li.window else rows.mask))
         diagnose(li, kind, a, tally)
         for var in VARIANTS:
-            name = " ".join(f"{k}={v}" for k, v in var.items()).replace("enable_fp_fusion", "fuse")
+            name = " ".join(f"{k}={v}" for k, v in var.items()).replace("enable_fp_fusion", "fuse") or "default"
             try:
-                add(kind, name, count(li.ours(a.heads, a.head_dim, **var), li.att_sdk))
+                add(kind, name, li.ours(a.heads, a.head_dim, **var))
             except Exception as e:  # noqa: BLE001 - a variant Triton cannot build
                 tally[f"{kind:6s} {name}"] = repr(e)[:100]
         print(f"layer {layer} ({kind}) done", flush=True)
@@ -123,6 +136,8 @@ def timing(ck, shapes) -> dict:
         rows = Rows(start, length, L, T, a.half_window, torch.bfloat16)
         for kind, win in (("local", a.half_window), ("global", None)):
             runs = {"ours": functools.partial(attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5),
+                    "ours, PERM LFMA=2": functools.partial(
+                        attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5, PERM=True, LFMA=2),
                     "sdpa": functools.partial(attention_sdpa, qkv, att, rows, H, D, D ** -0.5, local=win is not None)}
             for name, fn in runs.items():
                 for _ in range(10):
