@@ -7,7 +7,7 @@ queries, a global layer (and the decision head) every block of the row's real le
 other rows are never read.
 
 Bits: this is SDPA's (cuDNN's, the SDK's attention) online softmax in the orders the device probes found
-(scripts/probe_attn_bits.py: scores in log2 units, blocks of 128 keys from the row's start; with PERM and LFMA=2,
+(scripts/probe_attn_bits.py: scores in log2 units, blocks of 128 keys from the row's start; with PERM and ROUND_SUM,
 not yet the defaults, a block's row sum with cuDNN's pairing and the running sum's product rounded apart, which
 give its bits on rows of one key block). Longer rows differ in ~3-6e-6 of outputs, by one bf16 ulp, so the fast
 path runs SDPA itself by default (kernels/fast.py).
@@ -29,7 +29,6 @@ from .launch import launch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import libdevice
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
 
@@ -43,45 +42,9 @@ KEY_BLOCK = 128
 
 if triton is not None:
     @triton.jit
-    def _thread_sums(p, BM: tl.constexpr, BN: tl.constexpr, CMAJOR: tl.constexpr):
-        """Probe: the row sums an MMA thread t of a quad holds, over its columns 8j + 2t + c, [BM, 4], each in
-        sequence, j-major (or c-major)."""
-        p4 = tl.reshape(p, (BM, BN // 8, 4, 2))
-        jj = tl.arange(0, BN // 8)[None, :, None, None]
-        cc = tl.arange(0, 2)[None, None, None, :]
-        acc = tl.zeros((BM, 4), tl.float32)
-        if CMAJOR:
-            for c in range(2):
-                for j in range(BN // 8):
-                    acc = acc + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
-        else:
-            for j in range(BN // 8):
-                for c in range(2):
-                    acc = acc + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
-        return acc
-
-    @triton.jit
-    def _quad(lq, PAIRS_02: tl.constexpr):
-        """Probe: a quad's four partial sums combined as shuffles xor 2 then 1, (s0 + s2) + (s1 + s3), or xor 1 then
-        2, (s0 + s1) + (s2 + s3)."""
-        t4 = tl.arange(0, 4)[None, :]
-        s0 = tl.sum(tl.where(t4 == 0, lq, 0.0), 1)
-        s1 = tl.sum(tl.where(t4 == 1, lq, 0.0), 1)
-        s2 = tl.sum(tl.where(t4 == 2, lq, 0.0), 1)
-        s3 = tl.sum(tl.where(t4 == 3, lq, 0.0), 1)
-        if PAIRS_02:
-            r = (s0 + s2) + (s1 + s3)
-        else:
-            r = (s0 + s1) + (s2 + s3)
-        return r
-
-    @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          USE_GDC: tl.constexpr, ACC_IN_DOT: tl.constexpr = False, DIV: tl.constexpr = 0,
-                          EXP: tl.constexpr = 0, SUM: tl.constexpr = 0, REV: tl.constexpr = False,
-                          PERM: tl.constexpr = False, LFMA: tl.constexpr = 0, AFMA: tl.constexpr = 0,
-                          ALPHA: tl.constexpr = 0, LAZY: tl.constexpr = 0.0):
+                          USE_GDC: tl.constexpr, PERM: tl.constexpr = False, ROUND_SUM: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -104,113 +67,31 @@ if triton is not None:
             m_i = tl.full((BM,), -1.0e30, tl.float32)      # finite: a block with no visible key is a no-op
             l_i = tl.zeros((BM,), tl.float32)
             acc = tl.zeros((BM, D), tl.float32)
-            lq = tl.zeros((BM, 4), tl.float32)               # SUM=3's per-thread partial sums
-            r_i = tl.full((BM,), -1.0e30, tl.float32)        # ALPHA=1's raw running max
-            nblk = tl.cdiv(hi - lo, BN)
-            for b in range(0, nblk):
-                if REV:                                        # REV (probe): the last key block first
-                    k0 = lo + (nblk - 1 - b) * BN
-                else:
-                    k0 = lo + b * BN
-                kj = k0 + tl.arange(0, BN)
-                if PERM:    # probe: keys 2,3 and 4,5 of every 8 swap places, so the row sum's quads pair as SDPA's
+            for b in range(0, tl.cdiv(hi - lo, BN)):
+                kj = lo + b * BN + tl.arange(0, BN)
+                if PERM:
+                    # Keys 2,3 and 4,5 of every 8 swap places: Triton's row sum then pairs the four partial sums of
+                    # an MMA quad as cuDNN's does, (s0 + s1) + (s2 + s3). The swap inside an MMA's K changes no bit.
                     kj = (kj & ~6) | ((kj & 2) << 1) | ((kj & 4) >> 1)
                 k_ok = kj < n
                 k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
                 v = tl.load(base + kj[:, None] * sq + (2 * H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k))
-                raw = s
-                if EXP != 1:                       # EXP=1 keeps raw scores: max over them, scale inside the exp
-                    s = s * qk_scale
+                s = tl.dot(q, tl.trans(k)) * qk_scale
                 seen = k_ok[None, :]
                 if WINDOW >= 0:
                     gap = qi[:, None] - kj[None, :]
                     seen = seen & (gap <= WINDOW) & (gap >= -WINDOW)
                 s = tl.where(seen, s, float("-inf"))
-                if LAZY > 0:        # probe: keep the running max unless a block's exceeds it by more than LAZY
-                    m_blk = tl.max(s, 1)
-                    m_new = tl.where(m_blk - m_i > LAZY, m_blk, m_i)
-                else:
-                    m_new = tl.maximum(m_i, tl.max(s, 1))
-                # EXP (probe variants, scripts/probe_attn_bits.py): 0 scores in log2 units, exp2(s - m); 1 as
-                # flash-attention writes it, exp2(fma(raw, c, -m * c)); 2 natural units, exp2((s - m) * log2 e);
-                # 3 natural units, libdevice's accurate exp.
-                if EXP == 1:
-                    mc = m_new * qk_scale
-                    alpha = tl.math.exp2((m_i - m_new) * qk_scale)
-                    p = tl.math.exp2(tl.fma(s, qk_scale, -mc[:, None]))
-                elif EXP == 2:
-                    alpha = tl.math.exp2((m_i - m_new) * 1.4426950408889634)
-                    p = tl.math.exp2((s - m_new[:, None]) * 1.4426950408889634)
-                elif EXP == 3:
-                    alpha = libdevice.exp(m_i - m_new)
-                    p = libdevice.exp(s - m_new[:, None])
-                else:
-                    alpha = tl.math.exp2(m_i - m_new)
-                    p = tl.math.exp2(s - m_new[:, None])
-                if ALPHA == 1:      # probe: the rescale from the raw (unscaled) maxima
-                    r_new = tl.maximum(r_i, tl.max(tl.where(seen, raw, float("-inf")), 1))
-                    alpha = tl.math.exp2((r_i - r_new) * qk_scale)
-                    r_i = r_new
-                if SUM == 3 or SUM == 8:    # each thread's columns 8j+2t+c in sequence across blocks, quads at the end
-                    lq = lq * alpha[:, None]
-                    p4 = tl.reshape(p, (BM, BN // 8, 4, 2))
-                    jj = tl.arange(0, BN // 8)[None, :, None, None]
-                    cc = tl.arange(0, 2)[None, None, None, :]
-                    for j in tl.static_range(BN // 8):
-                        for c in tl.static_range(2):
-                            lq = lq + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
-                elif SUM == 2:  # per block: threads in sequence j-major, quads xor 2 then 1
-                    l_i = l_i * alpha + _quad(_thread_sums(p, BM, BN, False), True)
-                elif SUM == 4:  # per block: threads in sequence j-major, quads xor 1 then 2
-                    l_i = l_i * alpha + _quad(_thread_sums(p, BM, BN, False), False)
-                elif SUM == 6:  # per block: threads in sequence c-major, quads xor 2 then 1
-                    l_i = l_i * alpha + _quad(_thread_sums(p, BM, BN, True), True)
-                elif SUM == 7:  # per block: all BN columns in sequence
-                    cols = tl.arange(0, BN)[None, :]
-                    blk = tl.zeros((BM,), tl.float32)
-                    for i in range(BN):
-                        blk = blk + tl.sum(tl.where(cols == i, p, 0.0), 1)
-                    l_i = l_i * alpha + blk
-                elif SUM == 1:  # the row sum of the probabilities as the PV product sees them, rounded to bf16
-                    l_i = l_i * alpha + tl.sum(p.to(v.dtype).to(tl.float32), 1)
-                elif LFMA == 1:     # probe: the running sum's update as one FMA, or (2) its product rounded apart
-                    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
-                elif LFMA == 2:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[:, None])
+                if ROUND_SUM:   # the running sum's product rounded on its own, never fused into the add
                     l_i = exact.mul(l_i, alpha) + tl.sum(p, 1)
                 else:
                     l_i = l_i * alpha + tl.sum(p, 1)
-                if ACC_IN_DOT:
-                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-                elif AFMA == 1:     # probe: the output's rescale and add as one FMA, or (2) its product rounded apart
-                    acc = tl.fma(acc, alpha[:, None], tl.dot(p.to(v.dtype), v))
-                elif AFMA == 2:
-                    acc = libdevice.mul_rn(acc, alpha[:, None]) + tl.dot(p.to(v.dtype), v)
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-            if SUM == 3 or SUM == 8:
-                l_i = _quad(lq, SUM == 3)
-            # DIV (probe variants, scripts/probe_attn_bits.py): 0 `/`, which Triton compiles to an approximate
-            # reciprocal times acc (div.full.f32); 1 an IEEE division; 2 an IEEE reciprocal, then the product; 3 and
-            # 5 rcp.approx (.ftz) then the product (nvcc's fast-math 1.f / x); 4 `1 / l` then the product. 0, 3, 4
-            # and 5 give the same bits; 1 and 2 leave SDPA's in more outputs (device probe of 2026-12-04).
-            if DIV == 1:
-                o = tl.math.div_rn(acc, l_i[:, None])
-            elif DIV == 2:
-                o = acc * tl.math.div_rn(tl.full(l_i.shape, 1.0, tl.float32), l_i)[:, None]
-            elif DIV == 3:
-                inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [l_i], dtype=tl.float32,
-                                                is_pure=True, pack=1)
-                o = acc * inv[:, None]
-            elif DIV == 5:
-                inv = tl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=f,f", [l_i], dtype=tl.float32,
-                                                is_pure=True, pack=1)
-                o = acc * inv[:, None]
-            elif DIV == 4:
-                o = acc * (1.0 / l_i)[:, None]
-            else:
-                o = acc / l_i[:, None]
+            o = acc / l_i[:, None]
             tl.store(out_ptr + (start + qi[:, None]) * so + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=q_ok[:, None])
 
@@ -220,18 +101,15 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
               **variant) -> torch.Tensor:
     """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None.
 
-    Tokens outside every row are left as they are (never read by a real row downstream).
+    Tokens outside every row are left as they are (never read by a real row downstream). `variant`: the probes'
+    (bm, bn, PERM, ROUND_SUM). PERM and ROUND_SUM bring the bits nearer SDPA's (device probes of 2026-12-04,
+    scripts/probe_attn_bits.py: every row of one key block exact; 34 -> 18 global and 23 -> 19 local differing
+    outputs of 5.6 M); not yet the defaults: their time and the gpu tests are still to run.
     """
     rows = row_start.shape[0]
-    bm, bn = variant.pop("bm", 64), variant.pop("bn", KEY_BLOCK)     # variants: scripts/probe_parity.py only
+    bm, bn = variant.pop("bm", 64), variant.pop("bn", KEY_BLOCK)
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
-    # Nearer SDPA's (cuDNN's) bits, measured in the device probes of 2026-12-04 (scripts/probe_attn_bits.py) but not
-    # yet timed or through the gpu tests, so not yet the default: PERM=True (a block's row sum pairs its quads'
-    # partial sums as cuDNN does: every row of one key block gives SDPA's bits) and LFMA=2 (the running sum's
-    # product rounded apart): 34 -> 18 (global) and 23 -> 19 (local) differing outputs in 5.6 M.
-    natural = variant.get("EXP", 0) in (2, 3)                      # variants that keep scores in natural units
-    _attention_kernel[grid](qkv, out, row_start, row_len, scale if natural else scale * LOG2E, heads,
-                            qkv.stride(0), out.stride(0),
+    _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,
                             **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=4, num_stages=2,
                             **variant)

@@ -6,9 +6,11 @@
 The fast path's attention (kernels/attention.py) leaves SDPA's bf16 outputs in ~1e-5 of them (one fp32 ulp that
 bf16 rounding shows 2^-16 of the time), and 28 layers carry that to the answers. On several layers of a packed
 batch (inputs from the SDK's own forward, scripts/probe_parity.py's LayerInputs), this counts the outputs that
-differ from the default SDPA call for: each SDPA backend forced, and each variant of our kernel (the exp's form,
-the row sum's order, the final division, FMA contraction). A variant with 0 over millions of outputs is the order
-to adopt. Then the time of ours against SDPA's masked call (the SDK's layout), per layer kind and shape.
+differ from the default SDPA call for: each SDPA backend forced, the additive masks kernels/fast.py makes, and
+each variant of our kernel (`VARIANTS`; the ones tried and dropped are listed there), with rows of one key block
+apart; then where ours differs (`diagnose`) and whether SDPA's answer for a row depends on its batch
+(`invariance`). A variant with 0 over millions of outputs is the order to adopt. Then the time of ours against
+SDPA's masked call (the SDK's layout), per layer kind and shape.
 """
 from __future__ import annotations
 
@@ -31,23 +33,12 @@ from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
 from probe_parity import LayerInputs, batch  # noqa: E402
 
 LENS = [512] * 6 + [300, 200, 130, 96, 48] + [128, 100, 77, 64, 33] * 4
-# Call 2 of 2026-12-04 tried EXP 0-3 x SUM 0/3 x fusion on/off: EXP=0 SUM=0 (the default) was nearest (36 of 7.9 M
-# global, 80 of 15.8 M local outputs differ); every other form 100-2,900. Now the division, the sum's rounding, the
-# block order and the query block.
-# Call 3: the row sum of bf16-rounded probabilities 1.8-3.0% of outputs, the key blocks in reverse 18-27%, the
-# query block 128 the same bits as 64. Now the division (3, 5: rcp.approx then the product, as nvcc's fast math).
-# Call 4: every division (0-5) and accumulating PV in the dot or after it give the same counts. Rows of a single
-# key block differ too (no rescale there): the block's row sum is left. Now its orders (kernels/attention.py SUM).
-# Call 5: SUM=2 = SUM=0 (Triton's own order: each thread j-major, then quads xor 2, xor 1); SUM=4 (quads xor 1, then
-# xor 2) gives SDPA's bits on every one-block row (0 of 1.8 M, local and global), 18-23 of 5.6 M left on longer rows.
-# Now: the sum carried across blocks per thread (SUM=8), and SUM=4's order from Triton's own reduction with keys
-# swapped in the loads (PERM), which also reorders the PV product's K inside an MMA.
-# Call 6: PERM = SUM=4 exactly (0 on one-block rows; the key swap inside an MMA changes no bit); SUM=8 worse (49).
-# Call 7, keys swapped: the running sum's product rounded apart (LFMA=2) 23 -> 18 global, local 19 whatever the
-# update's form; an FMA rescale of the output (AFMA=1) 700 / 104; the rescale from raw maxima (ALPHA=1) 126 / 65.
-# Call 8: a running max kept until a block's exceeds it (flash-attention 4's lazy rescale): 5-15% of outputs.
-# Next: PERM and LFMA=2 as the defaults, once timed (this sweep and `timing` compare them with the default).
-VARIANTS = [{}, dict(PERM=True, LFMA=2)]
+# What the device calls of 2026-12-04 found (counts of differing outputs, docs/PERF.md, tenth session): scores in
+# log2 units (kept), not natural units or flash-attention's FMA form; any final division; the PV product in the dot
+# or after it; blocks in order, not reversed; a row sum of fp32 probabilities, not bf16; quads paired (s0+s1)+(s2+s3)
+# (PERM: every one-block row exact), not Triton's (s0+s2)+(s1+s3) nor carried per thread across blocks; the running
+# sum's product rounded apart (ROUND_SUM); no lazy rescale. Longer rows still differ: 18 of 5.6 M (global), 19 (local).
+VARIANTS = [{}, dict(PERM=True), dict(PERM=True, ROUND_SUM=True)]
 
 
 def count(a, b) -> int:
@@ -136,8 +127,9 @@ def timing(ck, shapes) -> dict:
         rows = Rows(start, length, L, T, a.half_window, torch.bfloat16)
         for kind, win in (("local", a.half_window), ("global", None)):
             runs = {"ours": functools.partial(attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5),
-                    "ours, PERM LFMA=2": functools.partial(
-                        attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5, PERM=True, LFMA=2),
+                    "ours, PERM ROUND_SUM": functools.partial(
+                        attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5, PERM=True,
+                        ROUND_SUM=True),
                     "sdpa": functools.partial(attention_sdpa, qkv, att, rows, H, D, D ** -0.5, local=win is not None)}
             for name, fn in runs.items():
                 for _ in range(10):

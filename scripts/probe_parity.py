@@ -116,8 +116,7 @@ def ops(ck, fast, n=512):
                 res["sdpa backend"] = int(torch._fused_sdp_choice(q, k, v, mask[None, None], 0.0, False, D ** -0.5))
             except Exception as e:  # noqa: BLE001 - a private torch function: report, never fail the probe
                 res["sdpa backend"] = repr(e)[:120]
-        for var in ({"DIV": 1}, {"DIV": 2}, {"ACC_IN_DOT": True, "DIV": 1}, {"ACC_IN_DOT": True, "DIV": 2},
-                    {"bn": 64}, {"bm": 128}, {"bm": 128, "DIV": 1}, {"bm": 128, "DIV": 2}):
+        for var in ({"PERM": True}, {"PERM": True, "ROUND_SUM": True}, {"bn": 64}, {"bm": 128}):
             try:
                 o = torch.zeros(n, d, device="cuda", dtype=torch.bfloat16)
                 attention(qkv, o, rs, rl, H, D, n, win, D ** -0.5, **dict(var))
@@ -214,8 +213,7 @@ def bisect(ck, fast, lens, layer: int) -> dict:
     res["qkv_rope"] = differ(qkv, qkv_sdk)
     att, att_sdk = li.ours(H, D), li.att_sdk
     res["attention"] = differ(att, att_sdk)
-    for div in (1, 2):                              # kernels/attention.py's DIV variants
-        res[f"attention DIV={div}"] = differ(li.ours(H, D, DIV=div), att_sdk)
+    res["attention PERM ROUND_SUM"] = differ(li.ours(H, D, PERM=True, ROUND_SUM=True), att_sdk)
     for blk in range(-(-L // 128)):                 # where the differing outputs sit: by key block of the query
         sel = pad(torch.ones(T, device="cuda", dtype=torch.bool))
         sel[:, : blk * 128] = False

@@ -246,3 +246,30 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn):
     assert torch.allclose(out.float().view(m, 3 * heads, d), want, atol=2e-3, rtol=2e-3)
     # Value columns: the GEMM alone (numpy's sums may round an ulp apart from torch's, so not bit for bit here).
     assert torch.allclose(out.float().view(m, 3 * heads, d)[:, 2 * heads:], y[:, 2 * heads:], atol=1e-3, rtol=1e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("variant", [{}, {"PERM": True, "ROUND_SUM": True}])
+@pytest.mark.parametrize("window", [8, None])
+def test_packed_attention_is_softmax_attention_row_by_row(variant, window):
+    """kernels/attention.py over three packed rows (one longer than a key block, so the online softmax rescales),
+    banded and global, in the default order and in the probes' PERM / ROUND_SUM order: each row's output is
+    SDPA's on that row alone in fp32, within fp16's rounding; tokens past the rows stay untouched."""
+    from laya_pool.kernels.attention import attention
+    g = torch.Generator().manual_seed(3)
+    heads, dim, lens = 2, 32, [150, 9, 40]
+    starts = [0, 150, 159]
+    total = sum(lens)
+    qkv = torch.randn(total + 4, 3 * heads * dim, generator=g).half()
+    out = torch.full((total + 4, heads * dim), 7.0).half()
+    attention(qkv, out, torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), heads, dim,
+              max(lens), window, dim ** -0.5, **variant)
+    for s0, n in zip(starts, lens):
+        x = qkv[s0:s0 + n].float().view(n, 3, heads, dim)
+        q, k, v = (x[:, j].transpose(0, 1) for j in range(3))
+        pos = torch.arange(n)
+        band = (pos[:, None] - pos[None, :]).abs() <= (n if window is None else window)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=dim ** -0.5)
+        got = out[s0:s0 + n].float()
+        assert float((got - want.transpose(0, 1).reshape(n, -1)).abs().max()) < 2e-3, (s0, n)
+    assert torch.all(out[total:] == 7.0)
