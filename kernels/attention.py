@@ -44,7 +44,8 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          USE_GDC: tl.constexpr, PERM: tl.constexpr = False, ROUND_SUM: tl.constexpr = False):
+                          USE_GDC: tl.constexpr, PERM: tl.constexpr = False, ROUND_SUM: tl.constexpr = False,
+                          TWO_PASS: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -67,6 +68,19 @@ if triton is not None:
             m_i = tl.full((BM,), -1.0e30, tl.float32)      # finite: a block with no visible key is a no-op
             l_i = tl.zeros((BM,), tl.float32)
             acc = tl.zeros((BM, D), tl.float32)
+            if TWO_PASS:
+                # Probe: each row's maximum over all its keys first, so the loop below never rescales (its factor
+                # is exactly 1): the bits of a softmax that sees the whole row before it exponentiates.
+                for b in range(0, tl.cdiv(hi - lo, BN)):
+                    kj = lo + b * BN + tl.arange(0, BN)
+                    k_ok = kj < n
+                    k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
+                    s = tl.dot(q, tl.trans(k)) * qk_scale
+                    seen = k_ok[None, :]
+                    if WINDOW >= 0:
+                        gap = qi[:, None] - kj[None, :]
+                        seen = seen & (gap <= WINDOW) & (gap >= -WINDOW)
+                    m_i = tl.maximum(m_i, tl.max(tl.where(seen, s, float("-inf")), 1))
             for b in range(0, tl.cdiv(hi - lo, BN)):
                 kj = lo + b * BN + tl.arange(0, BN)
                 if PERM:
@@ -102,7 +116,7 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None.
 
     Tokens outside every row are left as they are (never read by a real row downstream). `variant`: the probes'
-    (bm, bn, PERM, ROUND_SUM). PERM and ROUND_SUM bring the bits nearer SDPA's (device probes of 2026-12-04,
+    (bm, bn, PERM, ROUND_SUM, TWO_PASS). PERM and ROUND_SUM bring the bits nearer SDPA's (device probes of 2026-12-04,
     scripts/probe_attn_bits.py: every row of one key block exact; 34 -> 18 global and 23 -> 19 local differing
     outputs of 5.6 M); not yet the defaults: their time and the gpu tests are still to run.
     """
