@@ -782,6 +782,11 @@ class Broker:
         header = msg.header                 # this message's own map: the client's rid and the worker's id go in
         header["rid"] = job.client_rid
         header["worker"] = w.id
+        if rep.metrics:
+            # The broker's own stamps beside the worker's (this host's monotonic clock): where a pooled call's
+            # hops and hand-offs go (scripts/overhead.py splits the legs with them).
+            rep.metrics["broker_in"], rep.metrics["broker_out"], rep.metrics["broker_back"] = (
+                job.arrived, job.dispatched, now)
         self._finish(job, wire.encode(Cmd.REPLY, header, *msg.frames))
         # After the reply is on its way: the metering is ours, the client need not wait for it.
         self.meter.answered(w.id, rep.status, reason, job.req.rows, job.req.tokens, now - job.arrived,

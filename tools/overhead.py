@@ -39,11 +39,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 # What is timed: three kinds of call, then the parts of one pooled forward, in the order a request meets them
 # (the worker stamps each on this host's monotonic clock: compute.py `_answer`).
-PARTS = ("ping", "forward", "in-process", "up", "queue", "worker", "launch", "device wait", "wake", "down")
-PART_NOTES = {"up": " (client -> worker's I/O thread)", "queue": " (-> compute thread, admit)",
+PARTS = ("ping", "forward", "in-process", "up", "up: to the broker", "up: in the broker", "up: to the worker",
+         "queue", "worker", "launch", "device wait", "wake", "down", "down: to the broker", "down: to the client")
+PART_NOTES = {"up": " (client -> worker's I/O thread)", "up: to the broker": " (encode, send, hop, broker wakes)",
+              "up: in the broker": " (parse, queue, dispatch)", "up: to the worker": " (send, hop, I/O thread)",
+              "queue": " (-> compute thread, admit)",
               "worker": " (received -> reply built)", "launch": " (merge, pack, upload, launch)",
               "device wait": " (launched -> readback landed)", "wake": " (landed -> answers cut, reply built)",
-              "down": " (reply -> client)"}
+              "down": " (reply -> client)", "down: to the broker": " (hand-off, I/O send, hop)",
+              "down: to the client": " (broker, hop, client wakes)"}
 
 from laya_pool.client.pool import Client, local_pool  # noqa: E402
 from laya_pool.protocol import wire  # noqa: E402
@@ -151,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             if "received_at" in m:             # workers before this script did not say
                 samples["up"].append((m["received_at"] - t) * 1e3)
                 samples["down"].append((end - m["done_at"]) * 1e3)
+            if "broker_in" in m:              # the broker's stamps (brokers before this script did not say)
+                samples["up: to the broker"].append((m["broker_in"] - t) * 1e3)
+                samples["up: in the broker"].append((m["broker_out"] - m["broker_in"]) * 1e3)
+                samples["up: to the worker"].append((m["received_at"] - m["broker_out"]) * 1e3)
+                samples["down: to the broker"].append((m["broker_back"] - m["done_at"]) * 1e3)
+                samples["down: to the client"].append((end - m["broker_back"]) * 1e3)
             if "landed_at" in m:
                 samples["launch"].append((m["launched_at"] - m["started_at"]) * 1e3)
                 samples["device wait"].append((m["landed_at"] - m["launched_at"]) * 1e3)
@@ -176,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     out["config"] = {"model": args.model, "device": args.device, "transport": args.transport,
                      "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
                      "worker": status["workers"][0]["device"]}
-    print(f"{'':52} {'p50 ms':>8} {'p95 ms':>8}")
+    print(f"{'':60} {'p50 ms':>8} {'p95 ms':>8}")
     for k in (k for k in PARTS if k in out):
-        print(f"{k + PART_NOTES.get(k, ''):52} {out[k]['p50']:8.3f} {out[k]['p95']:8.3f}")
-    print(f"{'pool adds (forward - in-process, p50)':52} {out['added']:8.3f}")
+        print(f"{k + PART_NOTES.get(k, ''):60} {out[k]['p50']:8.3f} {out[k]['p95']:8.3f}")
+    print(f"{'pool adds (forward - in-process, p50)':60} {out['added']:8.3f}")
     for k, v in out["steps"].items():
-        print(f"{k:52} {v['p50']:8.4f} {v['p95']:8.4f}")
+        print(f"{k:60} {v['p50']:8.4f} {v['p95']:8.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
