@@ -42,10 +42,23 @@ KEY_BLOCK = 128
 
 if triton is not None:
     @triton.jit
+    def _thread_sums(p, BM: tl.constexpr, BN: tl.constexpr):
+        """Probe (CARRY): the sums each thread t of an MMA quad holds over its columns 8j + 2t + c, each in sequence
+        (j, then c), [BM, 4]. A select and a sum per column: slow, exact in order."""
+        p4 = tl.reshape(p, (BM, BN // 8, 4, 2))
+        jj = tl.arange(0, BN // 8)[None, :, None, None]
+        cc = tl.arange(0, 2)[None, None, None, :]
+        acc = tl.zeros((BM, 4), tl.float32)
+        for j in range(BN // 8):
+            for c in range(2):
+                acc = acc + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
+        return acc
+
+    @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           USE_GDC: tl.constexpr, PERM: tl.constexpr = False, ROUND_SUM: tl.constexpr = False,
-                          TWO_PASS: tl.constexpr = False):
+                          TWO_PASS: tl.constexpr = False, CARRY: tl.constexpr = False):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -68,6 +81,7 @@ if triton is not None:
             m_i = tl.full((BM,), -1.0e30, tl.float32)      # finite: a block with no visible key is a no-op
             l_i = tl.zeros((BM,), tl.float32)
             acc = tl.zeros((BM, D), tl.float32)
+            lq = tl.zeros((BM, 4), tl.float32)              # CARRY's per-thread sums
             if TWO_PASS:
                 # Probe: each row's maximum over all its keys first, so the loop below never rescales (its factor
                 # is exactly 1): the bits of a softmax that sees the whole row before it exponentiates.
@@ -99,12 +113,20 @@ if triton is not None:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.math.exp2(m_i - m_new)
                 p = tl.math.exp2(s - m_new[:, None])
-                if ROUND_SUM:   # the running sum's product rounded on its own, never fused into the add
+                if CARRY:
+                    # Probe: each thread's sum carried across blocks (scaled, then its block's own partial added),
+                    # the quad's four joined only at the end, (s0 + s1) + (s2 + s3). Needs PERM off.
+                    lq = exact.mul(lq, alpha[:, None]) + _thread_sums(p, BM, BN)
+                elif ROUND_SUM:   # the running sum's product rounded on its own, never fused into the add
                     l_i = exact.mul(l_i, alpha) + tl.sum(p, 1)
                 else:
                     l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
+            if CARRY:
+                t4 = tl.arange(0, 4)[None, :]
+                l_i = ((tl.sum(tl.where(t4 == 0, lq, 0.0), 1) + tl.sum(tl.where(t4 == 1, lq, 0.0), 1))
+                       + (tl.sum(tl.where(t4 == 2, lq, 0.0), 1) + tl.sum(tl.where(t4 == 3, lq, 0.0), 1)))
             o = acc / l_i[:, None]
             tl.store(out_ptr + (start + qi[:, None]) * so + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=q_ok[:, None])
@@ -116,9 +138,10 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None.
 
     Tokens outside every row are left as they are (never read by a real row downstream). `variant`: the probes'
-    (bm, bn, PERM, ROUND_SUM, TWO_PASS). PERM and ROUND_SUM bring the bits nearer SDPA's (device probes of 2026-12-04,
-    scripts/probe_attn_bits.py: every row of one key block exact; 34 -> 18 global and 23 -> 19 local differing
-    outputs of 5.6 M); not yet the defaults: their time and the gpu tests are still to run.
+    (bm, bn, PERM, ROUND_SUM, TWO_PASS, CARRY). PERM and ROUND_SUM bring the bits nearer SDPA's (device probes of
+    2026-12-04, scripts/probe_attn_bits.py: every row of one key block exact; 34 -> 18 global and 23 -> 19 local
+    differing outputs of 5.6 M); not yet the defaults: their time and the gpu tests are still to run. TWO_PASS and
+    CARRY are the next candidates for the rows of several key blocks, not yet run on the device.
     """
     rows = row_start.shape[0]
     bm, bn = variant.pop("bm", 64), variant.pop("bn", KEY_BLOCK)

@@ -38,9 +38,10 @@ LENS = [512] * 6 + [300, 200, 130, 96, 48] + [128, 100, 77, 64, 33] * 4
 # or after it; blocks in order, not reversed; a row sum of fp32 probabilities, not bf16; quads paired (s0+s1)+(s2+s3)
 # (PERM: every one-block row exact), not Triton's (s0+s2)+(s1+s3) nor carried per thread across blocks; the running
 # sum's product rounded apart (ROUND_SUM); no lazy rescale. Longer rows still differ: 18 of 5.6 M (global), 19 (local).
-# Untried: every row's maximum found first, so no rescale at all (TWO_PASS): cuDNN may see a 512-key row whole.
+# Untried: every row's maximum found first, so no rescale at all (TWO_PASS); each thread's sum carried across
+# blocks with its block's own partial added to it (CARRY; the carried form tried before added element by element).
 VARIANTS = [{}, dict(PERM=True), dict(PERM=True, ROUND_SUM=True), dict(PERM=True, TWO_PASS=True),
-            dict(PERM=True, TWO_PASS=True, ROUND_SUM=True)]
+            dict(PERM=True, TWO_PASS=True, ROUND_SUM=True), dict(CARRY=True), dict(CARRY=True, TWO_PASS=True)]
 
 
 def count(a, b) -> int:
