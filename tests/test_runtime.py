@@ -74,6 +74,13 @@ def _rows(seed: int, n: int, vocab: int):
     return make_rows(seed, n, length=(12, 60), markers=(1, 5), vocab=vocab)
 
 
+def test_the_runtime_says_which_forward_it_runs_and_why(runtime):
+    """On the CPU the reference forward, and the reason (the fast path needs CUDA); the status carries it."""
+    assert runtime.forward_name == "reference"
+    assert runtime.forward_detail.startswith("reference (") and "CUDA" in runtime.forward_detail
+    assert runtime.stats()["forward_detail"] == runtime.forward_detail
+
+
 def test_workspace_is_reused_by_address(runtime):
     ws = runtime.workspace
     addrs = (ws.host_address, ws.device_address, ws.out_logits.ctypes.data)

@@ -47,6 +47,20 @@ def runtime(ckpt, mode, dtype="bf16", **kw) -> Runtime:
     return rt
 
 
+def test_a_cuda_worker_runs_the_fast_path_with_sdpa_attention_by_default(ckpt, monkeypatch):
+    """The default on CUDA in bf16 (docs/PERF.md, tenth session); LAYA_FORWARD=reference and LAYA_ATTN=triton
+    choose otherwise, and the runtime says so."""
+    for env, want in (({}, "fast (attention sdpa"), ({"LAYA_ATTN": "triton"}, "fast (attention triton"),
+                      ({"LAYA_FORWARD": "reference"}, "reference (LAYA_FORWARD=reference)")):
+        for k in ("LAYA_ATTN", "LAYA_FORWARD"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        rt = Runtime(ckpt, device="cuda", config=RuntimeConfig(mode="eager", capacity=CAP))
+        assert rt.forward_detail.startswith(want), (env, rt.forward_detail)
+        rt.close()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_modes_are_byte_identical(ckpt, tiny_ckpt, dtype):
     batches = frozen_batches(tiny_ckpt)

@@ -184,6 +184,13 @@ class Runtime:
         else:
             self.model = ReferenceModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
         self.forward_name = "fast" if self.why_reference is None else "reference"
+        # What an operator reads in the start-up log and the status: which forward, and for the fast path its
+        # attention and GELU (kernels/fast.py, kernels/exact.py); for the reference, why.
+        if self.why_reference is None:
+            gelu = "table" if self.model.exactness.get("gelu_table") else "libdevice"
+            self.forward_detail = f"fast (attention {self.model.attention}, GELU {gelu})"
+        else:
+            self.forward_detail = f"reference ({self.why_reference})"
         # Two slots let the host pack group N+1 while group N computes; the CPU computes inside launch: one.
         overlap = self.is_cuda if cfg.overlap is None else cfg.overlap
         self.workspace = Workspace(cap, arch.n_act, self.device, slots=2 if overlap else 1)
@@ -510,6 +517,7 @@ class Runtime:
     def stats(self) -> dict[str, Any]:
         return {"served": self.served, "mode": self.config.mode, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "forward": self.forward_name,
+                "forward_detail": self.forward_detail,
                 "cache": asdict(self.cache.counters),
                 "cached_shapes": [list(asdict(k).values()) for k in self.cache.keys()],
                 "first_call_ms": dict(self.first_call_ms), "fixed_failed": self.fixed_failed,

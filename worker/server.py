@@ -544,8 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         rt, warm_ms = _build_runtime(cfg, torch_device, warm, phases, _open_context(torch, torch_device))
     except _Exit as e:
         return e.code
-    log.info("worker %s: %s (%s), mode %s, threads %s, cpus %s, GIL switch %.2f ms, warm-up %.0f ms", cfg.id, label,
-             torch_device, cfg.mode, torch.get_num_threads(), pinned, sys.getswitchinterval() * 1e3, warm_ms)
+    log.info("worker %s: %s (%s), mode %s, forward %s, threads %s, cpus %s, GIL switch %.2f ms, warm-up %.0f ms",
+             cfg.id, label, torch_device, cfg.mode, rt.forward_detail, torch.get_num_threads(), pinned,
+             sys.getswitchinterval() * 1e3, warm_ms)
     log.info("worker %s: started in %.2f s (%s ms)", cfg.id, time.monotonic() - _STARTED,
              ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
     if early["signal"] is not None:
