@@ -143,6 +143,8 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     differing outputs of 5.6 M); not yet the defaults: their time and the gpu tests are still to run. TWO_PASS and
     CARRY are the next candidates for the rows of several key blocks, not yet run on the device.
     """
+    if variant.get("CARRY") and (variant.get("PERM") or variant.get("ROUND_SUM")):
+        raise ValueError("CARRY sums in the loads' own key order and rounds as it goes: not with PERM or ROUND_SUM")
     rows = row_start.shape[0]
     bm, bn = variant.pop("bm", 64), variant.pop("bn", KEY_BLOCK)
     grid = (rows, triton.cdiv(max_row_len, bm), heads)

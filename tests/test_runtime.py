@@ -75,9 +75,9 @@ def _rows(seed: int, n: int, vocab: int):
 
 
 def test_the_runtime_says_which_forward_it_runs_and_why(runtime):
-    """On the CPU the reference forward, and the reason (the fast path needs CUDA); the status carries it."""
-    assert runtime.forward_name == "reference"
-    assert runtime.forward_detail.startswith("reference (") and "CUDA" in runtime.forward_detail
+    """On the CPU the reference forward, and the reason (the fast path needs CUDA and bf16); the status carries it."""
+    assert runtime.forward_name == "reference" and runtime.why_reference
+    assert runtime.forward_detail == f"reference ({runtime.why_reference})"
     assert runtime.stats()["forward_detail"] == runtime.forward_detail
 
 

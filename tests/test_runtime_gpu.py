@@ -57,8 +57,10 @@ def test_a_cuda_worker_runs_the_fast_path_with_sdpa_attention_by_default(ckpt, m
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         rt = Runtime(ckpt, device="cuda", config=RuntimeConfig(mode="eager", capacity=CAP))
-        assert rt.forward_detail.startswith(want), (env, rt.forward_detail)
-        rt.close()
+        try:
+            assert rt.forward_detail.startswith(want), (env, rt.forward_detail)
+        finally:
+            rt.close()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

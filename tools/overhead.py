@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             if "received_at" in m:             # workers before this script did not say
                 samples["up"].append((m["received_at"] - t) * 1e3)
                 samples["down"].append((end - m["done_at"]) * 1e3)
-            if "broker_in" in m:              # the broker's stamps (brokers before this script did not say)
+            if "broker_in" in m and "received_at" in m:     # the broker's stamps (older brokers did not say)
                 samples["up: to the broker"].append((m["broker_in"] - t) * 1e3)
                 samples["up: in the broker"].append((m["broker_out"] - m["broker_in"]) * 1e3)
                 samples["up: to the worker"].append((m["received_at"] - m["broker_out"]) * 1e3)

@@ -176,8 +176,11 @@ class Runtime:
         # The fast path wherever it runs (CUDA, bf16): with SDPA attention its answers are the reference path's
         # (large preset: 99.22% of the SDK's decisions, every decisive one) at 2.8x the speed at 1x48 (docs/PERF.md,
         # tenth session). LAYA_FORWARD=reference keeps the reference forward.
+        forward = os.environ.get("LAYA_FORWARD", "fast")
+        if forward not in ("fast", "reference"):
+            raise ValueError(f"LAYA_FORWARD must be 'fast' or 'reference', got {forward!r}")
         self.why_reference = supports(arch, self.device, self.dtype)
-        if self.why_reference is None and os.environ.get("LAYA_FORWARD", "fast") == "reference":
+        if self.why_reference is None and forward == "reference":
             self.why_reference = "LAYA_FORWARD=reference"
         if self.why_reference is None:
             self.model = FastModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
