@@ -58,7 +58,7 @@ if triton is not None:
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           USE_GDC: tl.constexpr, PERM: tl.constexpr = False, ROUND_SUM: tl.constexpr = False,
-                          TWO_PASS: tl.constexpr = False, CARRY: tl.constexpr = False):
+                          TWO_PASS: tl.constexpr = False, CARRY: tl.constexpr = False, STEP: tl.constexpr = 128):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -73,7 +73,7 @@ if triton is not None:
             base = qkv_ptr + start * sq
             q = tl.load(base + qi[:, None] * sq + h * D + d[None, :], mask=q_ok[:, None], other=0.0)
             if WINDOW >= 0:
-                lo = (tl.maximum(q0 - WINDOW, 0) // BN) * BN
+                lo = (tl.maximum(q0 - WINDOW, 0) // STEP) * STEP
                 hi = tl.minimum(n, q0 + BM + WINDOW)
             else:
                 lo = 0
@@ -85,9 +85,11 @@ if triton is not None:
             if TWO_PASS:
                 # Probe: each row's maximum over all its keys first, so the loop below never rescales (its factor
                 # is exactly 1): the bits of a softmax that sees the whole row before it exponentiates.
-                for b in range(0, tl.cdiv(hi - lo, BN)):
-                    kj = lo + b * BN + tl.arange(0, BN)
+                for b in range(0, tl.cdiv(hi - lo, STEP)):
+                    kj = lo + b * STEP + tl.arange(0, BN)
                     k_ok = kj < n
+                    if STEP != BN:
+                        k_ok = k_ok & (tl.arange(0, BN) < STEP)
                     k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
                     s = tl.dot(q, tl.trans(k)) * qk_scale
                     seen = k_ok[None, :]
@@ -95,13 +97,15 @@ if triton is not None:
                         gap = qi[:, None] - kj[None, :]
                         seen = seen & (gap <= WINDOW) & (gap >= -WINDOW)
                     m_i = tl.maximum(m_i, tl.max(tl.where(seen, s, float("-inf")), 1))
-            for b in range(0, tl.cdiv(hi - lo, BN)):
-                kj = lo + b * BN + tl.arange(0, BN)
+            for b in range(0, tl.cdiv(hi - lo, STEP)):
+                kj = lo + b * STEP + tl.arange(0, BN)
                 if PERM:
                     # Keys 2,3 and 4,5 of every 8 swap places: Triton's row sum then pairs the four partial sums of
                     # an MMA quad as cuDNN's does, (s0 + s1) + (s2 + s3). The swap inside an MMA's K changes no bit.
                     kj = (kj & ~6) | ((kj & 2) << 1) | ((kj & 4) >> 1)
                 k_ok = kj < n
+                if STEP != BN:      # probe: blocks of STEP keys (< BN) in a tile of BN, the rest masked
+                    k_ok = k_ok & (tl.arange(0, BN) < STEP)
                 k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
                 v = tl.load(base + kj[:, None] * sq + (2 * H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -138,7 +142,7 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None.
 
     Tokens outside every row are left as they are (never read by a real row downstream). `variant`: the probes'
-    (bm, bn, PERM, ROUND_SUM, TWO_PASS, CARRY). PERM and ROUND_SUM bring the bits nearer SDPA's (device probes of
+    (bm, bn, STEP, PERM, ROUND_SUM, TWO_PASS, CARRY). PERM and ROUND_SUM bring the bits nearer SDPA's (device probes of
     2026-12-04, scripts/probe_attn_bits.py: every row of one key block exact; 34 -> 18 global and 23 -> 19 local
     differing outputs of 5.6 M); not yet the defaults: their time and the gpu tests are still to run. TWO_PASS and
     CARRY are the next candidates for the rows of several key blocks, not yet run on the device.
@@ -147,6 +151,7 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
         raise ValueError("CARRY sums in the loads' own key order and rounds as it goes: not with PERM or ROUND_SUM")
     rows = row_start.shape[0]
     bm, bn = variant.pop("bm", 64), variant.pop("bn", KEY_BLOCK)
+    variant.setdefault("STEP", bn)          # keys per block: the tile's width but for the probes
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
     _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=bn,

@@ -41,10 +41,12 @@ LENS = [512] * 6 + [300, 200, 130, 96, 48] + [128, 100, 77, 64, 33] * 4
 # Untried: every row's maximum found first, so no rescale at all (TWO_PASS); each thread's sum carried across
 # blocks with its block's own partial added to it (CARRY; the carried form tried before added element by element);
 # the max and sums taken over 256 keys at a time (bn=256: a one-block row cannot tell 128 from 256, since the
-# masked columns add exact zeros, so the calls so far could not either).
+# masked columns add exact zeros, so the calls so far could not either); and 192 (STEP=192 in a tile of 256:
+# flash-attention 3's key block for head dim 64).
 VARIANTS = [{}, dict(PERM=True), dict(PERM=True, ROUND_SUM=True), dict(PERM=True, TWO_PASS=True),
             dict(PERM=True, TWO_PASS=True, ROUND_SUM=True), dict(CARRY=True), dict(CARRY=True, TWO_PASS=True),
-            dict(PERM=True, bn=256), dict(PERM=True, bn=256, ROUND_SUM=True)]
+            dict(PERM=True, bn=256), dict(PERM=True, bn=256, ROUND_SUM=True),
+            dict(PERM=True, bn=256, STEP=192), dict(PERM=True, bn=256, STEP=192, ROUND_SUM=True)]
 
 
 def count(a, b) -> int:
