@@ -254,8 +254,8 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn):
 @pytest.mark.parametrize("window", [8, None])
 def test_packed_attention_is_softmax_attention_row_by_row(variant, window):
     """kernels/attention.py over three packed rows (one longer than a key block, so the online softmax rescales),
-    banded and global, in the default order and in the probes' (PERM, ROUND_SUM, TWO_PASS, CARRY, STEP): each row's output is
-    SDPA's on that row alone in fp32, within fp16's rounding; tokens past the rows stay untouched."""
+    banded and global, in the default order and in the probes' (PERM, ROUND_SUM, TWO_PASS, CARRY, STEP): each row's
+    output is SDPA's on that row alone in fp32, within fp16's rounding; tokens past the rows stay untouched."""
     from laya_pool.kernels.attention import attention
     g = torch.Generator().manual_seed(3)
     heads, dim, lens = 2, 32, [150, 9, 40]
