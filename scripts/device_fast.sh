@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits]...
+#                                brokerrate|attnbits|launch]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -44,6 +44,8 @@ for step in ${*:-probe tests}; do
           timeout ${SERVING_TIMEOUT:-150} python3 scripts/serving_probe.py --model /tmp/large --device cuda \
             --requests 4000 2>&1 | grep -vE "Warning|warn" | tail -14 ;;
     profile) timeout 200 python3 devtools/profile_forward.py /tmp/large 2>&1 | tail -30 ;;
+    launch) # what a launch costs the host: our wrapper, Triton's dispatch, the compiled kernel alone (eager mode)
+          timeout 120 python3 scripts/probe_launch.py --m 48 2>&1 | grep -v Warning | tail -5 ;;
     attnbits) # our attention's variants against SDPA's (cuDNN's) bits, and their time (ATTN_STEPS: timing,bits,...)
           ATTN_STEPS=${ATTN_STEPS:-timing,bits} timeout ${ATTN_TIMEOUT:-200} python3 scripts/probe_attn_bits.py \
             --model /tmp/large --out "$OUT" --layers ${ATTN_LAYERS:-1,3} 2>&1 | grep -vE "Warning|diag" \
