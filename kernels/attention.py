@@ -173,10 +173,19 @@ class Rows:
         pos = torch.arange(max_row_len, device=row_start.device)
         self.valid = pos[None, :] < row_len[:, None]                                   # [R, L]
         self.slot = torch.where(self.valid, row_start[:, None].long() + pos[None, :], tokens).reshape(-1)
-        key_ok = self.valid[:, None, None, :]
-        near = (pos[:, None] - pos[None, :]).abs() <= half_window
-        self.mask = additive(key_ok.expand(-1, 1, max_row_len, -1), dtype)
-        self.band = additive(key_ok & (near[None, None] | ~self.valid[:, None, :, None]), dtype)
+        every, band = sdk_masks(self.valid, half_window)
+        self.mask, self.band = additive(every, dtype), additive(band, dtype)
+
+
+def sdk_masks(keys: torch.Tensor, half_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SDK's boolean attention masks [R, 1, L, L] (True: may attend) for rows whose real keys are `keys` [R, L]:
+    every real key (global layers, the decision head), and the keys within ±half_window (local layers), in which a
+    padding query sees every real key (it may have none in its window; its output is never read)."""
+    L = keys.shape[1]
+    pos = torch.arange(L, device=keys.device)
+    near = (pos[:, None] - pos[None, :]).abs() <= half_window                        # [L, L]
+    key_ok = keys[:, None, None, :]                                                  # [R, 1, 1, L]
+    return key_ok.expand(-1, 1, L, -1), key_ok & (near[None, None] | ~keys[:, None, :, None])
 
 
 def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -187,7 +196,7 @@ def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def attention_sdpa(qkv: torch.Tensor, out: torch.Tensor, rows: Rows, heads: int, head_dim: int,
                    scale: float, local: bool = False) -> torch.Tensor:
     """out[:T] <- softmax(q k^T * scale) v over each row's real keys (the band's, `local`), by torch's own SDPA on
-    the [R, H, L, D] layout and boolean key mask the SDK's attention gets: the SDK's bits, which `attention`'s online
+    the [R, H, L, D] layout and masks the SDK's attention gets (`Rows`): the SDK's bits, which `attention`'s online
     softmax misses in ~1e-5 of outputs (one fp32 ulp, device probes of 2026-12-04), a difference 28 layers carry to
     the answers. `qkv` is [T + 1, 3 * H * D] with row T zero: padding slots read it, so a masked key's value is
     finite (its weight is exactly 0, and 0 times a stale NaN would not be); `out` is [T + 1, H * D], row T takes the

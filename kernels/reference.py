@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .arch import Arch
+from .attention import sdk_masks
 from .linear import linear
 
 __all__ = ["ReferenceModel", "ABSENT_LOGIT", "HEAD_NORM_EPS", "load_weights", "weight_bytes"]
@@ -181,13 +182,8 @@ class ReferenceModel:
         gidx = (row_start[:, None] + pos[None, :]).clamp(0, flat.shape[0] - 1)
         tok = torch.where(valid, flat[gidx], torch.full_like(gidx, a.pad_id))
 
-        # ---- attention masks (True = may attend)
-        key_ok = keep[:, None, None, :]                                      # [R, 1, 1, L]
-        near = (pos[:, None] - pos[None, :]).abs() <= a.half_window          # [L, L]
-        # A padding query position may have no real key inside its window; let it see every real
-        # key (its output is never read, and it never feeds a real position: keys are masked).
-        local_ok = key_ok & (near[None, None] | ~keep[:, None, :, None])     # [R, 1, L, L]
-        global_ok = key_ok.expand(R, 1, L, L)
+        # ---- attention masks (True = may attend), [R, 1, L, L]
+        global_ok, local_ok = sdk_masks(keep, a.half_window)
 
         # ---- encoder
         h = self._norm(F.embedding(tok, self.tok_emb), self.emb_norm, None, a.norm_eps)   # [R, L, d] fp32

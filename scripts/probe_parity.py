@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from laya_pool.kernels import rows as rk  # noqa: E402
-from laya_pool.kernels.attention import attention  # noqa: E402
+from laya_pool.kernels.attention import attention, sdk_masks  # noqa: E402
 from laya_pool.kernels.fast import FastModel  # noqa: E402
 from laya_pool.kernels.gemm import Epi, gemm  # noqa: E402
 from laya_pool.kernels.reference import ReferenceModel, _rotate_half  # noqa: E402
@@ -150,7 +150,7 @@ class LayerInputs:
 
     def __init__(self, ck, fast, sdk, lens, layer: int, got: dict, inp: dict):
         a = ck.arch
-        R, L = len(lens), max(lens)
+        L = max(lens)
         self.inp, self.lens = inp, lens
         self.valid = valid = torch.arange(L, device="cuda")[None, :] < inp["row_len"][:, None].long()      # [R, L]
         self.pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.int32) for n in lens])
@@ -164,12 +164,9 @@ class LayerInputs:
         theta = fast.layers[layer]["theta"]
         self.q, self.k, self.v = sdk._rope(q, theta, L), sdk._rope(k, theta, L), v              # [R, H, L, D]
         self.qkv_sdk = torch.stack([t.transpose(1, 2)[valid] for t in (self.q, self.k, self.v)], 1).reshape(T, 3 * d)
-        near = (torch.arange(L, device="cuda")[:, None] - torch.arange(L, device="cuda")[None, :]).abs() \
-            <= a.half_window
-        key_ok = valid[:, None, None, :]
         self.window = None if a.is_global(layer) else a.half_window
-        self.mask = key_ok.expand(R, 1, L, L) if self.window is None else key_ok & (near[None, None]
-                                                                                     | ~valid[:, None, :, None])
+        every, band = sdk_masks(valid, a.half_window)
+        self.mask = every if self.window is None else band
         self.scale = D ** -0.5
         self.att_sdk = self.sdpa()
 
