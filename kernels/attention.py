@@ -42,23 +42,34 @@ KEY_BLOCK = 128
 
 if triton is not None:
     @triton.jit
-    def _thread_sums(p, BM: tl.constexpr, BN: tl.constexpr):
-        """Probe (CARRY): the sums each thread t of an MMA quad holds over its columns 8j + 2t + c, each in sequence
-        (j, then c), [BM, 4]. A select and a sum per column: slow, exact in order."""
+    def _thread_sums(p, BM: tl.constexpr, BN: tl.constexpr, C_MAJOR: tl.constexpr):
+        """Probe (CARRY=1, 5): the sums each thread t of an MMA quad holds over its columns 8j + 2t + c, each in
+        sequence (j, then c; C_MAJOR: c, then j), [BM, 4]. A select and a sum per column: slow, exact in order."""
         p4 = tl.reshape(p, (BM, BN // 8, 4, 2))
         jj = tl.arange(0, BN // 8)[None, :, None, None]
         cc = tl.arange(0, 2)[None, None, None, :]
         acc = tl.zeros((BM, 4), tl.float32)
-        for j in range(BN // 8):
+        if C_MAJOR:
             for c in range(2):
-                acc = acc + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
+                for j in range(BN // 8):
+                    acc = acc + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
+        else:
+            for j in range(BN // 8):
+                for c in range(2):
+                    acc = acc + tl.sum(tl.sum(tl.where((jj == j) & (cc == c), p4, 0.0), 3), 1)
         return acc
+
+    @triton.jit
+    def _group_sum(p, g, G: tl.constexpr):
+        """The sum over one quad thread's columns (8j + 2G + c) of a row, in Triton's own in-thread order: the other
+        threads' columns add exact zeros, so the quad's shuffle adds nothing to it."""
+        return tl.sum(tl.where((g == G)[None, :], p, 0.0), 1)
 
     @triton.jit
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           USE_GDC: tl.constexpr, PERM: tl.constexpr = False, ROUND_SUM: tl.constexpr = False,
-                          TWO_PASS: tl.constexpr = False, CARRY: tl.constexpr = False, STEP: tl.constexpr = 128):
+                          TWO_PASS: tl.constexpr = False, CARRY: tl.constexpr = 0, STEP: tl.constexpr = 128):
         if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -81,7 +92,12 @@ if triton is not None:
             m_i = tl.full((BM,), -1.0e30, tl.float32)      # finite: a block with no visible key is a no-op
             l_i = tl.zeros((BM,), tl.float32)
             acc = tl.zeros((BM, D), tl.float32)
-            lq = tl.zeros((BM, 4), tl.float32)              # CARRY's per-thread sums
+            lq = tl.zeros((BM, 4), tl.float32)              # CARRY's per-thread sums (1, 5)
+            l0 = tl.zeros((BM,), tl.float32)                # ... and (2-4), one per quad thread
+            l1 = tl.zeros((BM,), tl.float32)
+            l2 = tl.zeros((BM,), tl.float32)
+            l3 = tl.zeros((BM,), tl.float32)
+            g = (tl.arange(0, BN) % 8) // 2                 # the quad thread that holds a column
             if TWO_PASS:
                 # Probe: each row's maximum over all its keys first, so the loop below never rescales (its factor
                 # is exactly 1): the bits of a softmax that sees the whole row before it exponentiates.
@@ -117,20 +133,34 @@ if triton is not None:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.math.exp2(m_i - m_new)
                 p = tl.math.exp2(s - m_new[:, None])
-                if CARRY:
+                if CARRY == 1 or CARRY == 5:
                     # Probe: each thread's sum carried across blocks (scaled, then its block's own partial added),
                     # the quad's four joined only at the end, (s0 + s1) + (s2 + s3). Needs PERM off.
-                    lq = exact.mul(lq, alpha[:, None]) + _thread_sums(p, BM, BN)
+                    lq = exact.mul(lq, alpha[:, None]) + _thread_sums(p, BM, BN, CARRY == 5)
+                elif CARRY == 3:   # as 2, the product fused into the add
+                    l0 = l0 * alpha + _group_sum(p, g, 0)
+                    l1 = l1 * alpha + _group_sum(p, g, 1)
+                    l2 = l2 * alpha + _group_sum(p, g, 2)
+                    l3 = l3 * alpha + _group_sum(p, g, 3)
+                elif CARRY != 0:   # 2, 4: as 1 in Triton's in-thread order, four row sums a block
+                    l0 = exact.mul(l0, alpha) + _group_sum(p, g, 0)
+                    l1 = exact.mul(l1, alpha) + _group_sum(p, g, 1)
+                    l2 = exact.mul(l2, alpha) + _group_sum(p, g, 2)
+                    l3 = exact.mul(l3, alpha) + _group_sum(p, g, 3)
                 elif ROUND_SUM:   # the running sum's product rounded on its own, never fused into the add
                     l_i = exact.mul(l_i, alpha) + tl.sum(p, 1)
                 else:
                     l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-            if CARRY:
+            if CARRY == 1 or CARRY == 5:
                 t4 = tl.arange(0, 4)[None, :]
                 l_i = ((tl.sum(tl.where(t4 == 0, lq, 0.0), 1) + tl.sum(tl.where(t4 == 1, lq, 0.0), 1))
                        + (tl.sum(tl.where(t4 == 2, lq, 0.0), 1) + tl.sum(tl.where(t4 == 3, lq, 0.0), 1)))
+            elif CARRY == 4:
+                l_i = (l0 + l2) + (l1 + l3)
+            elif CARRY != 0:
+                l_i = (l0 + l1) + (l2 + l3)
             o = acc / l_i[:, None]
             tl.store(out_ptr + (start + qi[:, None]) * so + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=q_ok[:, None])

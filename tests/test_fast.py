@@ -250,7 +250,8 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn):
 
 @interpreted
 @pytest.mark.parametrize("variant", [{}, {"PERM": True, "ROUND_SUM": True}, {"PERM": True, "TWO_PASS": True},
-                                     {"CARRY": True}, {"PERM": True, "bn": 256, "STEP": 192}])
+                                     {"CARRY": 1}, {"CARRY": 2}, {"CARRY": 4},
+                                     {"PERM": True, "bn": 256, "STEP": 192}])
 @pytest.mark.parametrize("window", [8, None])
 def test_packed_attention_is_softmax_attention_row_by_row(variant, window):
     """kernels/attention.py over three packed rows (one longer than a key block, so the online softmax rescales),
