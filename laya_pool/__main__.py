@@ -23,6 +23,7 @@ TOOLS = {
     "check-cache-gpu": ("check_cache_gpu", "graph-cache policies on a real GPU"),
     "overhead": ("overhead", "where the pool's time goes, stage by stage"),
     "broker-rate": ("broker_rate", "the broker's messages per second"),
+    "topology": ("topology", "what each hop, hand-off and wake-up costs a round trip on this host"),
     "client-speed": ("client_speed", "client encode/decode speed"),
 }
 # Modules only the server extra brings (laya-pool[server]): a command that needs one says so instead of a traceback.

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""What each hop, hand-off and wake-up costs a round trip on this host: the pool's request path from bare parts.
+
+    python scripts/topology.py [--samples 2000] [--bytes 400] [--spin-us 0,300] [--json FILE]
+
+Issue 12 asks the pool to add <= 0.25 ms to a request; on the H200 host it adds ~1.7 ms, nearly all of it wake-ups
+(docs/PERF.md). Before the architecture changes, this measures what each option would leave, with real processes
+and ZeroMQ sockets over loopback tcp and no model: a client process sends one message of --bytes and waits for the
+answer, one at a time, through
+
+- path `broker`: client DEALER -> a forwarding process (ROUTER front and back, one Python loop, as the broker's)
+  -> worker DEALER, and back; or `direct`: client DEALER -> worker ROUTER, and back;
+- a worker that answers from the thread that received (`inline`), or as ours does (`handoff`: the I/O thread puts
+  the request on a queue, a compute thread takes it and sends the answer back through an inproc PAIR to the I/O
+  thread, which sends it);
+- every loop blocking in poll (spin 0), or polling without blocking for up to --spin-us after its last message
+  before it blocks (a busy-poll window: a core kept awake while traffic is likely).
+
+Prints p50 / p95 round trip (ms) per combination and writes --json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import queue
+import statistics
+import threading
+import time
+from typing import Any
+
+import zmq
+
+
+def _wait(poller: zmq.Poller, spin_s: float, timeout_ms: int = 1000) -> dict:
+    """poll: without blocking for up to spin_s first (the busy-poll window), then blocking."""
+    if spin_s > 0:
+        end = time.perf_counter() + spin_s
+        while time.perf_counter() < end:
+            events = poller.poll(0)
+            if events:
+                return dict(events)
+    return dict(poller.poll(timeout_ms))
+
+
+def _take(q: queue.Queue, spin_s: float) -> Any:
+    if spin_s > 0:
+        end = time.perf_counter() + spin_s
+        while time.perf_counter() < end:
+            try:
+                return q.get_nowait()
+            except queue.Empty:
+                pass
+    return q.get()
+
+
+def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float) -> None:
+    """Answers every message with itself (the envelope kept), until it gets b"stop"."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER if direct else zmq.DEALER)
+    if direct:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+        sock.send(b"ready")
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if handoff:
+        pair_io, pair_compute = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        pair_io.bind("inproc://answers")
+        pair_compute.connect("inproc://answers")
+        poller.register(pair_io, zmq.POLLIN)
+        todo: queue.Queue = queue.Queue()
+
+        def compute() -> None:
+            while True:
+                frames = _take(todo, spin_s)
+                if frames is None:
+                    return
+                pair_compute.send_multipart(frames)
+        threading.Thread(target=compute, daemon=True).start()
+    while True:
+        events = _wait(poller, spin_s)
+        if handoff and events.get(pair_io):
+            sock.send_multipart(pair_io.recv_multipart())
+        if events.get(sock):
+            frames = sock.recv_multipart()
+            if frames[-1] == b"stop":
+                if handoff:
+                    todo.put(None)
+                return
+            if handoff:
+                todo.put(frames)
+            else:
+                sock.send_multipart(frames)
+
+
+def forwarder(front_ep: str, back_ep: str, spin_s: float) -> None:
+    """The broker's routing reduced to its hops: a request to the one worker, an answer to its client."""
+    ctx = zmq.Context()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    front.bind(front_ep)
+    back.bind(back_ep)
+    who = back.recv_multipart()[0]                    # the worker's "ready"
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    while True:
+        events = _wait(poller, spin_s)
+        if events.get(front):
+            client, payload = front.recv_multipart()
+            back.send_multipart([who, client, payload])
+            if payload == b"stop":
+                return
+        if events.get(back):
+            _, client, payload = back.recv_multipart()
+            front.send_multipart([client, payload])
+
+
+def round_trips(endpoint: str, samples: int, warmup: int, size: int, spin_s: float,
+                expect: bytes | None = None) -> list[float]:
+    """Round trips (ms) of one message at a time; each answer must be `expect` (default: the message sent)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    payload = bytes(size)
+    expect = payload if expect is None else expect
+    out = []
+    try:
+        for i in range(warmup + samples):
+            t0 = time.perf_counter()
+            sock.send(payload)
+            if not _wait(poller, spin_s, timeout_ms=5000):
+                raise RuntimeError(f"no answer in 5 s at call {i}")
+            if sock.recv() != expect:
+                raise RuntimeError(f"call {i}: the answer is not the message sent")
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        sock.send(b"stop")
+        sock.close(1000)
+    return out
+
+
+def measure(path: str, handoff: bool, spin_us: float, ports: tuple[int, int], samples: int, warmup: int,
+            size: int, expect: bytes | None = None) -> dict[str, float]:
+    """p50 / p95 round trip (ms) through `path` ("broker" or "direct"), the forwarder and worker in their own
+    processes on loopback `ports` (front, back)."""
+    mpc = mp.get_context("spawn")
+    spin_s = spin_us / 1e6
+    front = f"tcp://127.0.0.1:{ports[0]}"
+    procs = []
+    if path == "direct":
+        procs.append(mpc.Process(target=worker, args=(front, True, handoff, spin_s), daemon=True))
+    else:
+        back = f"tcp://127.0.0.1:{ports[1]}"
+        procs.append(mpc.Process(target=forwarder, args=(front, back, spin_s), daemon=True))
+        procs.append(mpc.Process(target=worker, args=(back, False, handoff, spin_s), daemon=True))
+    for p in procs:
+        p.start()
+    try:
+        xs = sorted(round_trips(front, samples, warmup, size, spin_s, expect))
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--bytes", type=int, default=400, help="message size (a 1x48 request is ~400 bytes)")
+    ap.add_argument("--spin-us", default="0,300", help="busy-poll windows to try, microseconds")
+    ap.add_argument("--port", type=int, default=5720)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    result = {}
+    port = a.port
+    for spin in (float(s) for s in a.spin_us.split(",")):
+        for path in ("broker", "direct"):
+            for handoff in (True, False):
+                name = f"{path:6s} {'handoff' if handoff else 'inline ':7s} spin {spin:g} us"
+                result[name] = measure(path, handoff, spin, (port, port + 1), a.samples, a.warmup, a.bytes)
+                port += 2
+                print(f"{name:34s} {result[name]['p50']:8.4f} {result[name]['p95']:8.4f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
