@@ -5,9 +5,10 @@ Same inputs and outputs as `kernels.reference.ReferenceModel.forward` (docs/inte
 (`T = rows x max_row_len` slots, of which the rows' real tokens are a prefix), so no op runs on padding
 inside a row. Per encoder layer seven kernels: LayerNorm, QKV GEMM with RoPE in its epilogue, banded or global
 attention, output GEMM adding into the residual, LayerNorm, GeGLU GEMM, down GEMM adding into the residual.
-Attention is torch's SDPA on the SDK's padded layout and masks by default (`attention="sdpa"`): the one op whose
-bits ours (`attention="triton"`, no masks, only the band) does not yet give, in ~5e-6 of outputs, which 28 layers
-carry to 96.9% of the SDK's decisions instead of 99.2% (docs/PERF.md, tenth session). The decision head follows
+Attention is ours by default (`attention="triton"`, kernels/attention.py: packed, no masks, a local layer only its
+band), in the SDK's bits (cuDNN's order, found by the device probes: docs/PERF.md, eleventh session);
+`attention="sdpa"` runs torch's SDPA itself on the SDK's padded layout and masks (the same bits, 0.25 ms slower at
+1x48 and 2.2 ms at 16x512). The decision head follows
 the same pattern with biases; the scorer and the act head close with a handful of small kernels.
 
 Every kernel is batch-invariant (kernels/gemm.py, kernels/attention.py, kernels/rows.py say how), so eager,
@@ -30,7 +31,7 @@ from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, 
 
 __all__ = ["ATTENTION", "FastModel", "supports"]
 
-# "sdpa": torch's SDPA on the SDK's layout, the SDK's bits; "triton": kernels/attention.py, packed and banded.
+# "triton": kernels/attention.py, packed and banded; "sdpa": torch's SDPA on the SDK's layout. Both the SDK's bits.
 ATTENTION = ("sdpa", "triton")
 
 
@@ -74,7 +75,7 @@ class FastModel:
         why = supports(arch, torch.device(device), dtype)
         if why:
             raise ValueError(why)
-        attention = attention or os.environ.get("LAYA_ATTN", "sdpa")
+        attention = attention or os.environ.get("LAYA_ATTN", "triton")
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r} (LAYA_ATTN)")
         self.attention = attention

@@ -7,7 +7,7 @@ The fast path's attention (kernels/attention.py) leaves SDPA's bf16 outputs in ~
 bf16 rounding shows 2^-16 of the time), and 28 layers carry that to the answers. On several layers of a packed
 batch (inputs from the SDK's own forward, scripts/probe_parity.py's LayerInputs), this counts the outputs that
 differ from the default SDPA call for: each SDPA backend forced, the additive masks kernels/fast.py makes, and
-each variant of our kernel (`VARIANTS`; the ones tried and dropped are listed there), with rows of one key block
+our kernel (the orders tried and dropped on the way are listed below), with rows of one key block
 apart; then where ours differs (`diagnose`) and whether SDPA's answer for a row depends on its batch
 (`invariance`). A variant with 0 over millions of outputs is the order to adopt. Then the time of ours against
 SDPA's masked call (the SDK's layout), per layer kind and shape.
@@ -33,22 +33,15 @@ from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
 from probe_parity import LayerInputs, batch  # noqa: E402
 
 LENS = [512] * 6 + [300, 200, 130, 96, 48] + [128, 100, 77, 64, 33] * 4
-# What the device calls of 2026-12-04 found (counts of differing outputs, docs/PERF.md, tenth session): scores in
-# log2 units (kept), not natural units or flash-attention's FMA form; any final division; the PV product in the dot
-# or after it; blocks in order, not reversed; a row sum of fp32 probabilities, not bf16; quads paired (s0+s1)+(s2+s3)
-# (PERM: every one-block row exact), not Triton's (s0+s2)+(s1+s3) nor carried per thread across blocks; the running
-# sum's product rounded apart (ROUND_SUM); no lazy rescale. Longer rows still differ: 18 of 5.6 M (global), 19 (local).
-# Untried: every row's maximum found first, so no rescale at all (TWO_PASS); each thread's sum carried across
-# blocks with its block's own partial added to it (CARRY; the carried form tried before added element by element);
-# the max and sums taken over 256 keys at a time (bn=256: a one-block row cannot tell 128 from 256, since the
-# masked columns add exact zeros, so the calls so far could not either); and 192 (STEP=192 in a tile of 256:
-# flash-attention 3's key block for head dim 64).
-# The eleventh session's call 1: CARRY (each quad thread's sum carried across blocks, its block's partial added to
-# the rescaled carry, the four joined (s0+s1)+(s2+s3) at the end) leaves 6 (global) / 5 (local) of 5.6 M, every
-# one-block row exact; TWO_PASS, bn=256 and STEP=192 are far off (0.2-0.7 M). Now CARRY's forms: 1 the explicit
-# sequence (j, then c), 2 Triton's own in-thread order (four masked row sums: the fast form), 3 as 2 with the
-# product fused, 4 as 2 joined (s0+s2)+(s1+s3), 5 as 1 in the order (c, then j).
-VARIANTS = [{}, dict(PERM=True, ROUND_SUM=True)] + [dict(CARRY=c) for c in (1, 2, 3, 4, 5)]
+# How our kernel came to cuDNN's order (device calls of 2026-12-04, docs/PERF.md, tenth and eleventh sessions; the
+# variants were constexpr switches of the kernel, removed once one was exact): scores in log2 units, not natural
+# units or flash-attention's FMA form; blocks of 128 keys from the row's start, in order; any final division; a row
+# sum of fp32 probabilities. Row sums: Triton's tl.sum (each thread's columns in sequence, the quad joined
+# (t0+t2)+(t1+t3)) left 34 (global) / 23 (local) of 5.6 M outputs; the quad joined (t0+t1)+(t2+t3) made every row of
+# one key block exact (18 / 19 left); each thread's sum carried across blocks, its block's partial added: with the
+# product rounded apart 6 / 5, **fused into one FMA 0 / 0** (the kernel's order now); element by element onto the
+# carry 49-54; c-major within a thread 39 / 41; a first pass for each row's maximum (no rescale) 0.7 M; blocks of
+# 256 or 192 keys 0.2-0.5 M; lazy rescale 0.3-0.8 M.
 
 
 def count(a, b) -> int:
@@ -83,12 +76,7 @@ def bits(ck, fast, layers) -> dict:
         rows = Rows(inp["row_start"], inp["row_len"], max(LENS), li.h.shape[0], a.half_window, torch.bfloat16)
         add(kind, "SDPA, additive masks (Rows)", li.sdpa(mask=rows.band if li.window else rows.mask))
         diagnose(li, kind, a, tally)
-        for var in VARIANTS:
-            name = " ".join(f"{k}={v}" for k, v in var.items()).replace("enable_fp_fusion", "fuse") or "default"
-            try:
-                add(kind, name, li.ours(a.heads, a.head_dim, **var))
-            except Exception as e:  # noqa: BLE001 - a variant Triton cannot build
-                tally[f"{kind:6s} {name}"] = repr(e)[:100]
+        add(kind, "ours", li.ours(a.heads, a.head_dim))
         print(f"layer {layer} ({kind}) done", flush=True)
     return tally
 
@@ -137,8 +125,6 @@ def timing(ck, shapes) -> dict:
         rows = Rows(start, length, L, T, a.half_window, torch.bfloat16)
         for kind, win in (("local", a.half_window), ("global", None)):
             runs = {"ours": functools.partial(attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5),
-                    "ours, CARRY=2": functools.partial(
-                        attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5, CARRY=2),
                     "sdpa": functools.partial(attention_sdpa, qkv, att, rows, H, D, D ** -0.5, local=win is not None)}
             for name, fn in runs.items():
                 for _ in range(10):

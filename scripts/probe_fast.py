@@ -324,7 +324,7 @@ def _family(name: str) -> str:
     return "other: " + name[:40]
 
 
-WANT_VARIANTS = os.environ.get("PROBE_MODEL_VARIANTS", "pdl,tma,triton").split(",")
+WANT_VARIANTS = os.environ.get("PROBE_MODEL_VARIANTS", "pdl,tma,sdpa").split(",")
 
 
 def step_model(model_dir, report):
@@ -333,7 +333,7 @@ def step_model(model_dir, report):
     from laya_pool.worker.checkpoint import load_checkpoint
     ck = load_checkpoint(model_dir)
     fast = FastModel(ck.arch, ck.tensors, device="cuda")
-    banded = FastModel(ck.arch, ck.tensors, device="cuda", attention="triton") if "triton" in WANT_VARIANTS else None
+    banded = FastModel(ck.arch, ck.tensors, device="cuda", attention="sdpa") if "sdpa" in WANT_VARIANTS else None
     ref = ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16)
     rec = {}
     print("\n== model: fast vs reference (bf16, invariant GEMMs); graph replay ms p50/p95; kernels per forward")
@@ -346,9 +346,9 @@ def step_model(model_dir, report):
         agree = float((pf.argmax(-1) == pr.argmax(-1)).float().mean())
         t_fast = graph_time(lambda inp=inp: fast(**inp), reps=1, samples=50)
         variants = {}
-        # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma (off: the same bits?), triton (our packed attention:
-        # its time; its bits differ from SDPA's by design)
-        for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("triton attention", {})):
+        # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma (off: the same bits?), sdpa (torch's SDPA on the SDK's
+        # layout instead of our attention: its time, and whether the whole forward gives the same bits)
+        for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {})):
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
                 continue
             model = banded if not env else fast

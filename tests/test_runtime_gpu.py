@@ -47,10 +47,10 @@ def runtime(ckpt, mode, dtype="bf16", **kw) -> Runtime:
     return rt
 
 
-def test_a_cuda_worker_runs_the_fast_path_with_sdpa_attention_by_default(ckpt, monkeypatch):
-    """The default on CUDA in bf16 (docs/PERF.md, tenth session); LAYA_FORWARD=reference and LAYA_ATTN=triton
+def test_a_cuda_worker_runs_the_fast_path_with_its_own_attention_by_default(ckpt, monkeypatch):
+    """The default on CUDA in bf16 (docs/PERF.md, eleventh session); LAYA_FORWARD=reference and LAYA_ATTN=sdpa
     choose otherwise, and the runtime says so."""
-    for env, want in (({}, "fast (attention sdpa"), ({"LAYA_ATTN": "triton"}, "fast (attention triton"),
+    for env, want in (({}, "fast (attention triton"), ({"LAYA_ATTN": "sdpa"}, "fast (attention sdpa"),
                       ({"LAYA_FORWARD": "reference"}, "reference (LAYA_FORWARD=reference)")):
         for k in ("LAYA_ATTN", "LAYA_FORWARD"):
             monkeypatch.delenv(k, raising=False)
