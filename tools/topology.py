@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What each hop, hand-off and wake-up costs a round trip on this host: the pool's request path from bare parts.
 
-    python scripts/topology.py [--samples 2000] [--bytes 400] [--spin-us 0,300] [--json FILE]
+    python scripts/topology.py [--samples 2000] [--bytes 400] [--spin-us 0,300] [--think-us 0,1300]
+                               [--json FILE]
 
 Issue 12 asks the pool to add <= 0.25 ms to a request; on the H200 host it adds ~1.7 ms, nearly all of it wake-ups
 (docs/PERF.md). Before the architecture changes, this measures what each option would leave, with real processes
@@ -14,19 +15,27 @@ answer, one at a time, through
   the request on a queue, a compute thread takes it and sends the answer back through an inproc PAIR to the I/O
   thread, which sends it);
 - every loop blocking in poll (spin 0), or polling without blocking for up to --spin-us after its last message
-  before it blocks (a busy-poll window: a core kept awake while traffic is likely).
+  before it blocks (a busy-poll window: a core kept awake while traffic is likely);
+- the answering thread answering at once, or after --think-us (as a worker waits on its GPU: every other thread
+  of the path idle meanwhile, so its core may sink into a deep sleep state that takes long to leave; the answering
+  thread itself spins, so the think time is exact and not a sleep's overshoot);
+- and, where this host lets us (/dev/cpu_dma_latency, Linux PM QoS), all of it again with the cores held out of
+  their deep sleep states for the run (`qos`).
 
-Prints p50 / p95 round trip (ms) per combination and writes --json.
+Prints p50 / p95 round trip less the think time (ms) per combination and writes --json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import queue
 import statistics
+import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -54,8 +63,14 @@ def _take(q: queue.Queue, spin_s: float) -> Any:
     return q.get()
 
 
-def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float) -> None:
-    """Answers every message with itself (the envelope kept), until it gets b"stop"."""
+def _think(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float, think_s: float = 0.0) -> None:
+    """Answers every message with itself (the envelope kept), after think_s, until it gets b"stop"."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER if direct else zmq.DEALER)
     if direct:
@@ -77,6 +92,7 @@ def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float) -> None:
                 frames = _take(todo, spin_s)
                 if frames is None:
                     return
+                _think(think_s)
                 pair_compute.send_multipart(frames)
         threading.Thread(target=compute, daemon=True).start()
     while True:
@@ -92,6 +108,7 @@ def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float) -> None:
             if handoff:
                 todo.put(frames)
             else:
+                _think(think_s)
                 sock.send_multipart(frames)
 
 
@@ -145,23 +162,23 @@ def round_trips(endpoint: str, samples: int, warmup: int, size: int, spin_s: flo
 
 
 def measure(path: str, handoff: bool, spin_us: float, ports: tuple[int, int], samples: int, warmup: int,
-            size: int, expect: bytes | None = None) -> dict[str, float]:
-    """p50 / p95 round trip (ms) through `path` ("broker" or "direct"), the forwarder and worker in their own
-    processes on loopback `ports` (front, back)."""
+            size: int, expect: bytes | None = None, think_us: float = 0.0) -> dict[str, float]:
+    """p50 / p95 round trip less think_us (ms) through `path` ("broker" or "direct"), the forwarder and worker in
+    their own processes on loopback `ports` (front, back)."""
     mpc = mp.get_context("spawn")
     spin_s = spin_us / 1e6
     front = f"tcp://127.0.0.1:{ports[0]}"
     procs = []
     if path == "direct":
-        procs.append(mpc.Process(target=worker, args=(front, True, handoff, spin_s), daemon=True))
+        procs.append(mpc.Process(target=worker, args=(front, True, handoff, spin_s, think_us / 1e6), daemon=True))
     else:
         back = f"tcp://127.0.0.1:{ports[1]}"
         procs.append(mpc.Process(target=forwarder, args=(front, back, spin_s), daemon=True))
-        procs.append(mpc.Process(target=worker, args=(back, False, handoff, spin_s), daemon=True))
+        procs.append(mpc.Process(target=worker, args=(back, False, handoff, spin_s, think_us / 1e6), daemon=True))
     for p in procs:
         p.start()
     try:
-        xs = sorted(round_trips(front, samples, warmup, size, spin_s, expect))
+        xs = sorted(x - think_us / 1e3 for x in round_trips(front, samples, warmup, size, spin_s, expect))
     finally:
         for p in procs:
             p.join(5)
@@ -170,24 +187,49 @@ def measure(path: str, handoff: bool, spin_us: float, ports: tuple[int, int], sa
     return {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
 
 
+@contextlib.contextmanager
+def cpu_latency_held() -> Iterator[bool]:
+    """Linux PM QoS: while /dev/cpu_dma_latency is held open with 0 written to it, no core enters a sleep state
+    slower to leave than 0 us. Yields whether this process could (it needs write access, usually root)."""
+    try:
+        f = open("/dev/cpu_dma_latency", "wb", buffering=0)
+    except OSError:
+        yield False
+        return
+    try:
+        f.write(struct.pack("i", 0))
+        yield True
+    finally:
+        f.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--bytes", type=int, default=400, help="message size (a 1x48 request is ~400 bytes)")
     ap.add_argument("--spin-us", default="0,300", help="busy-poll windows to try, microseconds")
+    ap.add_argument("--think-us", default="0", help="the answering thread's sleeps to try, microseconds")
     ap.add_argument("--port", type=int, default=5720)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     result = {}
     port = a.port
-    for spin in (float(s) for s in a.spin_us.split(",")):
-        for path in ("broker", "direct"):
-            for handoff in (True, False):
-                name = f"{path:6s} {'handoff' if handoff else 'inline ':7s} spin {spin:g} us"
-                result[name] = measure(path, handoff, spin, (port, port + 1), a.samples, a.warmup, a.bytes)
-                port += 2
-                print(f"{name:34s} {result[name]['p50']:8.4f} {result[name]['p95']:8.4f}", flush=True)
+    for qos in (False, True):
+        with (cpu_latency_held() if qos else contextlib.nullcontext(True)) as held:
+            if not held:
+                print("qos: /dev/cpu_dma_latency is not writable here; skipped", flush=True)
+                continue
+            for think in (float(t) for t in a.think_us.split(",")):
+                for spin in (float(s) for s in a.spin_us.split(",")):
+                    for path in ("broker", "direct"):
+                        for handoff in (True, False):
+                            name = (f"{path:6s} {'handoff' if handoff else 'inline ':7s} spin {spin:g} us, think "
+                                    f"{think:g} us{', qos' if qos else ''}")
+                            result[name] = measure(path, handoff, spin, (port, port + 1), a.samples, a.warmup,
+                                                   a.bytes, think_us=think)
+                            port += 2
+                            print(f"{name:52s} {result[name]['p50']:8.4f} {result[name]['p95']:8.4f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
