@@ -29,6 +29,9 @@ def _has_triton() -> bool:
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not _has_triton(),
                                  reason="needs Triton's CPU interpreter (machines without CUDA)")
 
+# The interpreter runs a whole forward in minutes; the first test to use a `models` fixture also builds it.
+pytestmark = pytest.mark.timeout(900)
+
 PRESET_SHAPES = {"tiny": (128, 192), "large": (1024, 2624), "multilingual": (768, 1152)}
 
 
