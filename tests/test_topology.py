@@ -1,6 +1,9 @@
 """tools/topology.py: each path it times carries the message there and back (real processes and sockets)."""
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import pytest
 from conftest import free_port
 from laya_pool.tools import topology
@@ -17,3 +20,13 @@ def test_an_answer_other_than_the_one_expected_stops_the_run():
     with pytest.raises(RuntimeError, match="not the message sent"):
         topology.measure("broker", True, 0.0, (free_port(), free_port()), samples=5, warmup=0, size=64,
                          expect=b"\x01" * 64)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_idle_spinners_run_at_the_lowest_class_and_are_gone_after():
+    with topology.idle_spinners() as ok:
+        assert ok
+        spinners = multiprocessing.active_children()
+        assert len(spinners) == len(os.sched_getaffinity(0))
+        assert all(os.sched_getscheduler(p.pid) == os.SCHED_IDLE for p in spinners)
+    assert not any(p.is_alive() for p in spinners)

@@ -2,7 +2,7 @@
 """What each hop, hand-off and wake-up costs a round trip on this host: the pool's request path from bare parts.
 
     python scripts/topology.py [--samples 2000] [--bytes 400] [--spin-us 0,300] [--think-us 0,1300]
-                               [--json FILE]
+                               [--awake none,qos,idle] [--json FILE]
 
 Issue 12 asks the pool to add <= 0.25 ms to a request; on the H200 host it adds ~1.7 ms, nearly all of it wake-ups
 (docs/PERF.md). Before the architecture changes, this measures what each option would leave, with real processes
@@ -19,8 +19,10 @@ answer, one at a time, through
 - the answering thread answering at once, or after --think-us (as a worker waits on its GPU: every other thread
   of the path idle meanwhile, so its core may sink into a deep sleep state that takes long to leave; the answering
   thread itself spins, so the think time is exact and not a sleep's overshoot);
-- and, where this host lets us (/dev/cpu_dma_latency, Linux PM QoS), all of it again with the cores held out of
-  their deep sleep states for the run (`qos`).
+- and all of it again with the cores kept from idling (--awake): `qos` holds /dev/cpu_dma_latency at 0 (Linux PM
+  QoS: no deep sleep state; where writable), `idle` runs one spinning process per core at the lowest scheduling
+  class (SCHED_IDLE: it runs only when nothing else wants the core, which then never halts; on a VM a halted vCPU is
+  the hypervisor's to wake, which PM QoS inside the guest does not reach).
 
 Prints p50 / p95 round trip less the think time (ms) per combination and writes --json.
 """
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import struct
@@ -203,6 +206,36 @@ def cpu_latency_held() -> Iterator[bool]:
         f.close()
 
 
+def _spin_on(cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def idle_spinners() -> Iterator[bool]:
+    """One SCHED_IDLE busy loop per core this process may use, for the block (Linux). Yields whether it could."""
+    if not hasattr(os, "SCHED_IDLE"):
+        yield False
+        return
+    mpc = mp.get_context("spawn")
+    procs = [mpc.Process(target=_spin_on, args=(cpu,), daemon=True) for cpu in sorted(os.sched_getaffinity(0))]
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(0.5)                       # the spinners start (spawned interpreters) before anything is timed
+        yield True
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join(5)
+
+
+AWAKE = {"none": lambda: contextlib.nullcontext(True), "qos": cpu_latency_held, "idle": idle_spinners}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=2000)
@@ -210,22 +243,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes", type=int, default=400, help="message size (a 1x48 request is ~400 bytes)")
     ap.add_argument("--spin-us", default="0,300", help="busy-poll windows to try, microseconds")
     ap.add_argument("--think-us", default="0", help="the answering thread's sleeps to try, microseconds")
+    ap.add_argument("--awake", default="none,qos,idle", help=f"ways to keep the cores from idling: {','.join(AWAKE)}")
     ap.add_argument("--port", type=int, default=5720)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     result = {}
     port = a.port
-    for qos in (False, True):
-        with (cpu_latency_held() if qos else contextlib.nullcontext(True)) as held:
+    for awake in a.awake.split(","):
+        if awake not in AWAKE:
+            ap.error(f"--awake: {awake!r} is not one of {', '.join(AWAKE)}")
+    for awake in a.awake.split(","):
+        with AWAKE[awake]() as held:
             if not held:
-                print("qos: /dev/cpu_dma_latency is not writable here; skipped", flush=True)
+                print(f"{awake}: not available on this host (not writable, or not Linux); skipped", flush=True)
                 continue
             for think in (float(t) for t in a.think_us.split(",")):
                 for spin in (float(s) for s in a.spin_us.split(",")):
                     for path in ("broker", "direct"):
                         for handoff in (True, False):
                             name = (f"{path:6s} {'handoff' if handoff else 'inline ':7s} spin {spin:g} us, think "
-                                    f"{think:g} us{', qos' if qos else ''}")
+                                    f"{think:g} us{'' if awake == 'none' else ', ' + awake}")
                             result[name] = measure(path, handoff, spin, (port, port + 1), a.samples, a.warmup,
                                                    a.bytes, think_us=think)
                             port += 2
