@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch]...
+#                                brokerrate|attnbits|launch|ready|topology|awake]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -50,6 +50,26 @@ for step in ${*:-probe tests}; do
           ATTN_STEPS=${ATTN_STEPS:-timing,bits} timeout ${ATTN_TIMEOUT:-200} python3 scripts/probe_attn_bits.py \
             --model /tmp/large --out "$OUT" --layers ${ATTN_LAYERS:-1,3} 2>&1 | grep -vE "Warning|diag" \
             | tee "$OUT/attnbits.log" | grep -vE "SDPA (EFFICIENT|MATH)" | tail -60 ;;
+    ready) # a pool's start to READY with a cold Triton cache (issue 12: <= 20 s for the large preset); run it first
+          rm -rf /tmp/tc_ready; t=$(date +%s.%N)
+          TRITON_CACHE_DIR=/tmp/tc_ready python3 -m laya_pool up --model /tmp/large --devices cuda:0 \
+            --frontend tcp://127.0.0.1:5598 > "$OUT/ready.log" 2>&1 & UP=$!
+          for i in $(seq 300); do python3 -m laya_pool status --frontend tcp://127.0.0.1:5598 --json 2>/dev/null \
+            | grep -q '"state": "ready"' && break; sleep 0.5; done
+          echo "pool ready $(python3 -c "import time; print(round(time.time() - $t, 1))") s after up (cold Triton cache)"
+          grep -E "started in" "$OUT/ready.log" | tail -1; kill -TERM $UP; wait $UP ;;
+    topology) # the bare transport: broker/direct, hand-off/inline, a GPU-long think, the cores kept from idling
+          timeout ${TOPOLOGY_TIMEOUT:-120} python3 scripts/topology.py --samples 800 --spin-us ${SPIN_US:-0} \
+            --think-us 0,1300 --awake ${AWAKE:-none,idle} --json "$OUT/topology.json" 2>&1 | tail -24 ;;
+    awake) # the pool's overhead with one SCHED_IDLE spinner per core (tools/topology.py idle_spinners): is the
+           # after-idle wake-up the pool's cost on this host?
+          python3 -c "import time; from laya_pool.tools.topology import idle_spinners
+with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep(${AWAKE_S:-150})" & AW=$!
+          # (the spinners die with their parent: PR_SET_PDEATHSIG)
+          sleep 2
+          timeout ${OVERHEAD_TIMEOUT:-120} python3 scripts/overhead.py --model /tmp/large --device cuda --samples 200 \
+            --json "$OUT/overhead-awake.json" 2>&1 | grep -vE "Warning|warn" | tail -18
+          kill $AW; wait $AW ;;
     brokerrate) # the broker's routed ceiling on this host: a bare broker and a worker that answers at once
           timeout 120 python3 scripts/broker_rate.py --stub --kind ping,forward --seconds 5 2>&1 | tail -8 ;;
   esac

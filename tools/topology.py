@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import struct
 import threading
@@ -207,6 +209,10 @@ def cpu_latency_held() -> Iterator[bool]:
 
 
 def _spin_on(cpu: int) -> None:
+    try:    # Linux: die with the parent, however it ends (a spinner left behind would skew whatever runs next)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     os.sched_setaffinity(0, {cpu})
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     while True:
