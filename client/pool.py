@@ -547,14 +547,20 @@ class Client(_Base):
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
-                 calibration: str | os.PathLike | dict[str, Any] | None = None):
+                 calibration: str | os.PathLike | dict[str, Any] | None = None, spin_ms: float = 0.0):
         """`timeout`: each call's deadline in seconds (a call may override it), retries included; `retries`:
         re-sends within it; `connect_timeout`: with no connection to the pool this long, a call raises
         `PoolUnreachable`. `operator`: the pool's operator secret (what `laya-pool drain` reads), needed only
         by `drain`; `key_role="operator"` connects with the operator CURVE key pair in `keys`;
         `lang_temperatures` (per-language temperatures for `predict(..., lang=)`) and `calibration` (a file
-        `Agent.save_calibration` wrote) as `laya.load` takes them: they change how answers are decoded here."""
+        `Agent.save_calibration` wrote) as `laya.load` takes them: they change how answers are decoded here.
+        `spin_ms`: wait for a reply by polling without sleeping for up to this long first (0: sleep at once). A
+        thread that sleeps through a forward may wake 0.1-0.2 ms late (measured on our H200 host, docs/PERF.md,
+        eleventh session); polling keeps it awake, at the price of a core while a call waits."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
+        if spin_ms < 0:
+            raise ValueError(f"spin_ms must be >= 0, got {spin_ms}")
+        self.spin = spin_ms / 1000.0
         self.operator, self.key_role = operator, key_role
         self._set_decoding(lang_temperatures, calibration)
         self._ctx = context or zmq.Context.instance()
@@ -762,7 +768,7 @@ class Client(_Base):
         """Poll up to `wait_ms`; hand every reply that came to its call, and a new broker to every waiting call."""
         if self._sock is None:
             raise PoolError("the client is closed")
-        ready = dict(self._poller.poll(wait_ms))
+        ready = self._poll(wait_ms)
         if ready.get(self._mon) and self._events():     # a new broker: what was sent died with the old one
             for rid, f in list(flights.items()):
                 if rid in flights and not f.backing_off:
@@ -817,6 +823,20 @@ class Client(_Base):
                 else:
                     raise attempts.error(self.endpoint)
 
+    def _poll(self, wait_ms: int) -> dict[Any, int]:
+        """The sockets ready within `wait_ms`, polling without sleeping for the first `spin_ms` of it."""
+        if self.spin:
+            end = time.perf_counter() + min(self.spin, wait_ms / 1000.0)
+            while True:
+                ready = self._poller.poll(0)
+                if ready:
+                    return dict(ready)
+                left = end - time.perf_counter()
+                if left <= 0:
+                    break
+            wait_ms = max(0, wait_ms - int(self.spin * 1000))
+        return dict(self._poller.poll(wait_ms))
+
     def _send(self, frames: list[Any], attempts: Attempts) -> Step:
         try:
             wire.send_frames(self._sock, wire.with_budget(frames, attempts.budget_ms()), copy=False)
@@ -832,7 +852,7 @@ class Client(_Base):
     def _wait(self, rid: int, deadline: float) -> Any:
         while True:
             remaining = deadline - time.monotonic()
-            ready = dict(self._poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            ready = self._poll(max(1, int(remaining * 1000))) if remaining > 0 else {}
             if ready.get(self._mon) and self._events():
                 return _RECONNECTED
             if not ready.get(self._sock):

@@ -198,6 +198,25 @@ def test_forward_equals_runtime_on_every_worker(tcp_pool, runtime, tiny_ckpt):
         assert {"agent_config", "tokenizer_json", "tokenizer_config", "vocab_size"} <= set(card)
 
 
+def test_a_spinning_client_polls_without_sleeping_and_gets_the_same_answers(tcp_pool, runtime):
+    """`spin_ms`: the reply is waited for by non-blocking polls first (observed on the client's real poller), and
+    the answers are the sleeping client's; spin 0 never polls without blocking."""
+    rows = make_rows(2)
+    want_logits, want_act = _reference(runtime, rows)
+    for spin_ms, spins in ((50.0, True), (0.0, False)):
+        with tcp_pool.client(timeout=30, spin_ms=spin_ms) as c:
+            zero_waits = []
+            real = c._poller.poll
+            c._poller.poll = lambda timeout=None, real=real, seen=zero_waits: (seen.append(timeout == 0),
+                                                                               real(timeout))[1]
+            logits, act = c.forward(rows)
+            np.testing.assert_allclose(np.concatenate(logits), want_logits, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(act, want_act, rtol=1e-5, atol=1e-6)
+            assert any(zero_waits) is spins, (spin_ms, zero_waits[:10])
+    with pytest.raises(ValueError, match="spin_ms"):
+        tcp_pool.client(spin_ms=-1)
+
+
 def test_async_client(ipc_pool, expected):
     async def go():
         async with AsyncClient(ipc_pool.endpoint, timeout=30) as c:

@@ -2,6 +2,7 @@
 """Where the pool's overhead goes: one small row through a live pool against the same row run in-process.
 
     python scripts/overhead.py --model DIR [--device cpu] [--samples 1000] [--threads 1] [--transport ipc|tcp]
+                               [--client-spin-ms 0]
                                [--pool-args "..."] [--json FILE]
 
 Starts a pool (one worker on --device), and in this process the same runtime the worker runs. After
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                          "the neighbours' load more than the pool)")
     ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     ap.add_argument("--pool-args", default="", help="extra `laya-pool up` arguments")
+    ap.add_argument("--client-spin-ms", type=float, default=0.0,
+                    help="the client polls for its reply without sleeping this long first (Client's spin_ms)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[float]] = {k: [] for k in PARTS}
     extra = ["--threads", str(args.threads), *shlex.split(args.pool_args)]
     with local_pool(args.model, args.device, frontend=frontend, extra_args=extra) as pool, \
-            Client(pool.endpoint, timeout=30) as c:
+            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms) as c:
         def forward() -> None:
             t = time.monotonic()
             res = c.forward(rows)
