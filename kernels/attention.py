@@ -11,7 +11,7 @@ found piece by piece (scripts/probe_attn_bits.py, docs/PERF.md, tenth and eleven
 blocks of 128 keys from the row's start, and cuDNN's row sum: each thread of an MMA quad carries its own sum of its
 columns (8j + 2t + c) across key blocks, the block's partial added to the rescaled carry in one FMA, the quad's four
 joined (t0 + t1) + (t2 + t3) only at the end. 0 of 11.2 M outputs differ from the SDK's SDPA call on a global and a
-local layer (eleventh session, call 2). The order holds for the tiles measured (64 queries, 128 keys, 4 warps).
+local layer (eleventh session, call 3). The order holds for the tiles measured (64 queries, 128 keys, 4 warps).
 
 Batch invariance: key blocks are aligned to the row's own start (keys 0..BN-1 of the row, then BN..2BN-1,
 ...), so a query's keys are reduced in one order whatever else is in the batch and wherever the row sits
@@ -153,11 +153,11 @@ def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def attention_sdpa(qkv: torch.Tensor, out: torch.Tensor, rows: Rows, heads: int, head_dim: int,
                    scale: float, local: bool = False) -> torch.Tensor:
     """out[:T] <- softmax(q k^T * scale) v over each row's real keys (the band's, `local`), by torch's own SDPA on
-    the [R, H, L, D] layout and masks the SDK's attention gets (`Rows`): the SDK's bits, which `attention`'s online
-    softmax misses in ~1e-5 of outputs (one fp32 ulp, device probes of 2026-12-04), a difference 28 layers carry to
-    the answers. `qkv` is [T + 1, 3 * H * D] with row T zero: padding slots read it, so a masked key's value is
-    finite (its weight is exactly 0, and 0 times a stale NaN would not be); `out` is [T + 1, H * D], row T takes the
-    padding slots' outputs."""
+    the [R, H, L, D] layout and masks the SDK's attention gets (`Rows`): the SDK's bits, as `attention`'s (device
+    probes of 2026-12-04), slower (it reads every key block of the padded row, and the masks). `qkv` is
+    [T + 1, 3 * H * D] with row T zero: padding slots read it, so a masked key's value is finite (its weight is
+    exactly 0, and 0 times a stale NaN would not be); `out` is [T + 1, H * D], row T takes the padding slots'
+    outputs."""
     R, L = rows.valid.shape
     x = qkv.index_select(0, rows.slot).view(R, L, 3, heads, head_dim)
     q, k, v = (x[:, :, n].transpose(1, 2) for n in range(3))                          # [R, H, L, D]

@@ -47,7 +47,7 @@ for step in ${*:-probe tests}; do
     profile) timeout 200 python3 devtools/profile_forward.py /tmp/large 2>&1 | tail -30 ;;
     launch) # what a launch costs the host: our wrapper, Triton's dispatch, the compiled kernel alone (eager mode)
           timeout 120 python3 scripts/probe_launch.py --m 48 2>&1 | grep -v Warning | tail -5 ;;
-    attnbits) # our attention's variants against SDPA's (cuDNN's) bits, and their time (ATTN_STEPS: timing,bits,...)
+    attnbits) # our attention against SDPA's (cuDNN's) bits, and both times (ATTN_STEPS: timing,bits,invariance)
           ATTN_STEPS=${ATTN_STEPS:-timing,bits} timeout ${ATTN_TIMEOUT:-200} python3 scripts/probe_attn_bits.py \
             --model /tmp/large --out "$OUT" --layers ${ATTN_LAYERS:-1,3} 2>&1 | grep -vE "Warning|diag" \
             | tee "$OUT/attnbits.log" | grep -vE "SDPA (EFFICIENT|MATH)" | tail -60 ;;
@@ -55,9 +55,10 @@ for step in ${*:-probe tests}; do
           rm -rf /tmp/tc_ready; t=$(date +%s.%N)
           TRITON_CACHE_DIR=/tmp/tc_ready python3 -m laya_pool up --model /tmp/large --devices cuda:0 \
             --frontend tcp://127.0.0.1:5598 > "$OUT/ready.log" 2>&1 & UP=$!
-          for i in $(seq 300); do python3 -m laya_pool status --frontend tcp://127.0.0.1:5598 --json 2>/dev/null \
-            | grep -q '"state": "ready"' && break; sleep 0.5; done
-          echo "pool ready $(python3 -c "import time; print(round(time.time() - $t, 1))") s after up (cold Triton cache)"
+          up=0; for i in $(seq 300); do python3 -m laya_pool status --frontend tcp://127.0.0.1:5598 --json 2>/dev/null \
+            | grep -q '"state": "ready"' && { up=1; break; }; sleep 0.5; done
+          [ $up = 1 ] && echo "pool ready $(python3 -c "import time; print(round(time.time() - $t, 1))") s after up" \
+            "(cold Triton cache; +- one status call, ~0.5 s)" || echo "pool NOT ready after ~150 s (see $OUT/ready.log)"
           grep -E "started in" "$OUT/ready.log" | tail -1; kill -TERM $UP; wait $UP ;;
     topology) # the bare transport: broker/direct, hand-off/inline, a GPU-long think, the cores kept from idling
           timeout ${TOPOLOGY_TIMEOUT:-120} python3 scripts/topology.py --samples 800 --spin-us ${SPIN_US:-0} \

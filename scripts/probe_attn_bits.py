@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
-"""Device probe: which online softmax gives the bits of the SDK's attention (torch SDPA with a boolean mask).
+"""Device probe: does our attention give the bits of the SDK's attention (torch SDPA with a boolean mask)?
 
     python3 scripts/probe_attn_bits.py --model /tmp/large [--out DIR]
 
-The fast path's attention (kernels/attention.py) leaves SDPA's bf16 outputs in ~1e-5 of them (one fp32 ulp that
-bf16 rounding shows 2^-16 of the time), and 28 layers carry that to the answers. On several layers of a packed
+The fast path's attention (kernels/attention.py) must give SDPA's bf16 outputs bit for bit: one fp32 ulp that
+bf16 rounding shows 2^-16 of the time is enough for 28 layers to carry it to the answers. On several layers of a packed
 batch (inputs from the SDK's own forward, scripts/probe_parity.py's LayerInputs), this counts the outputs that
 differ from the default SDPA call for: each SDPA backend forced, the additive masks kernels/fast.py makes, and
 our kernel (the orders tried and dropped on the way are listed below), with rows of one key block
 apart; then where ours differs (`diagnose`) and whether SDPA's answer for a row depends on its batch
-(`invariance`). A variant with 0 over millions of outputs is the order to adopt. Then the time of ours against
-SDPA's masked call (the SDK's layout), per layer kind and shape.
+(`invariance`). Ours must show 0 over millions of outputs (it has since the eleventh session). Then the time of
+ours against SDPA's masked call (the SDK's layout), per layer kind and shape.
 """
 from __future__ import annotations
 

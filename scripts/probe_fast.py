@@ -332,8 +332,9 @@ def step_model(model_dir, report):
     from laya_pool.kernels.reference import ReferenceModel
     from laya_pool.worker.checkpoint import load_checkpoint
     ck = load_checkpoint(model_dir)
-    fast = FastModel(ck.arch, ck.tensors, device="cuda")
-    banded = FastModel(ck.arch, ck.tensors, device="cuda", attention="sdpa") if "sdpa" in WANT_VARIANTS else None
+    # explicit, so LAYA_ATTN in the environment cannot make the default and the variant the same model
+    fast = FastModel(ck.arch, ck.tensors, device="cuda", attention="triton")
+    sdpa_model = FastModel(ck.arch, ck.tensors, device="cuda", attention="sdpa") if "sdpa" in WANT_VARIANTS else None
     ref = ReferenceModel(ck.arch, ck.tensors, device="cuda", dtype=torch.bfloat16)
     rec = {}
     print("\n== model: fast vs reference (bf16, invariant GEMMs); graph replay ms p50/p95; kernels per forward")
@@ -351,7 +352,7 @@ def step_model(model_dir, report):
         for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {})):
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
                 continue
-            model = banded if not env else fast
+            model = sdpa_model if not env else fast
             os.environ.update(env)
             try:
                 lv, av = model(**inp)

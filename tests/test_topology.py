@@ -1,10 +1,10 @@
 """tools/topology.py: each path it times carries the message there and back (real processes and sockets)."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import pytest
+import zmq
 from conftest import free_port
 from laya_pool.tools import topology
 
@@ -24,9 +24,20 @@ def test_an_answer_other_than_the_one_expected_stops_the_run():
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 def test_the_idle_spinners_run_at_the_lowest_class_and_are_gone_after():
-    with topology.idle_spinners() as ok:
-        assert ok
-        spinners = multiprocessing.active_children()
+    with topology.idle_spinners() as spinners:
         assert len(spinners) == len(os.sched_getaffinity(0))
         assert all(os.sched_getscheduler(p.pid) == os.SCHED_IDLE for p in spinners)
     assert not any(p.is_alive() for p in spinners)
+
+
+def test_a_path_whose_port_is_taken_fails_before_timing():
+    """A forwarder that cannot bind (the port is held here) stops the run with its exit code, not a timed echo
+    from whoever holds the port."""
+    ctx = zmq.Context.instance()
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            topology.measure("broker", True, 0.0, (port, free_port()), samples=5, warmup=0, size=64)
+    finally:
+        taken.close(0)

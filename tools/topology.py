@@ -74,8 +74,11 @@ def _think(seconds: float) -> None:
         pass
 
 
-def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float, think_s: float = 0.0) -> None:
+def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float, think_s: float = 0.0,
+           parent: int | None = None, ready: Any = None) -> None:
     """Answers every message with itself (the envelope kept), after think_s, until it gets b"stop"."""
+    if parent is not None:
+        _die_with(parent)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER if direct else zmq.DEALER)
     if direct:
@@ -83,6 +86,8 @@ def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float, think_s: f
     else:
         sock.connect(endpoint)
         sock.send(b"ready")
+    if ready is not None:
+        ready.release()
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     if handoff:
@@ -117,12 +122,16 @@ def worker(endpoint: str, direct: bool, handoff: bool, spin_s: float, think_s: f
                 sock.send_multipart(frames)
 
 
-def forwarder(front_ep: str, back_ep: str, spin_s: float) -> None:
+def forwarder(front_ep: str, back_ep: str, spin_s: float, parent: int | None = None, ready: Any = None) -> None:
     """The broker's routing reduced to its hops: a request to the one worker, an answer to its client."""
+    if parent is not None:
+        _die_with(parent)
     ctx = zmq.Context()
     front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
     front.bind(front_ep)
     back.bind(back_ep)
+    if ready is not None:
+        ready.release()
     who = back.recv_multipart()[0]                    # the worker's "ready"
     poller = zmq.Poller()
     poller.register(front, zmq.POLLIN)
@@ -147,7 +156,8 @@ def round_trips(endpoint: str, samples: int, warmup: int, size: int, spin_s: flo
     sock.connect(endpoint)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    payload = bytes(size)
+    # A fresh payload each run: an echo from some other run's process left on the port cannot pass the check.
+    payload = os.urandom(size)
     expect = payload if expect is None else expect
     out = []
     try:
@@ -170,19 +180,25 @@ def measure(path: str, handoff: bool, spin_us: float, ports: tuple[int, int], sa
             size: int, expect: bytes | None = None, think_us: float = 0.0) -> dict[str, float]:
     """p50 / p95 round trip less think_us (ms) through `path` ("broker" or "direct"), the forwarder and worker in
     their own processes on loopback `ports` (front, back)."""
+    if samples < 1:
+        raise ValueError("samples must be >= 1")
     mpc = mp.get_context("spawn")
     spin_s = spin_us / 1e6
     front = f"tcp://127.0.0.1:{ports[0]}"
+    ready, me = mpc.Semaphore(0), os.getpid()
     procs = []
     if path == "direct":
-        procs.append(mpc.Process(target=worker, args=(front, True, handoff, spin_s, think_us / 1e6), daemon=True))
+        procs.append(mpc.Process(target=worker, args=(front, True, handoff, spin_s, think_us / 1e6, me, ready),
+                                 daemon=True))
     else:
         back = f"tcp://127.0.0.1:{ports[1]}"
-        procs.append(mpc.Process(target=forwarder, args=(front, back, spin_s), daemon=True))
-        procs.append(mpc.Process(target=worker, args=(back, False, handoff, spin_s, think_us / 1e6), daemon=True))
-    for p in procs:
-        p.start()
+        procs.append(mpc.Process(target=forwarder, args=(front, back, spin_s, me, ready), daemon=True))
+        procs.append(mpc.Process(target=worker, args=(back, False, handoff, spin_s, think_us / 1e6, me, ready),
+                                 daemon=True))
     try:
+        for p in procs:
+            p.start()
+        _started(procs, ready, f"the {path} path's processes")   # a port in use fails here, not in the timing
         xs = sorted(x - think_us / 1e3 for x in round_trips(front, samples, warmup, size, spin_s, expect))
     finally:
         for p in procs:
@@ -190,6 +206,16 @@ def measure(path: str, handoff: bool, spin_us: float, ports: tuple[int, int], sa
             if p.is_alive():
                 p.kill()
     return {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
+
+
+def _started(procs: list, ready: Any, what: str, timeout: float = 30.0) -> None:
+    """Wait until every process in `procs` released `ready` once; raise if one exits first or time runs out."""
+    deadline, n = time.monotonic() + timeout, 0
+    while n < len(procs):
+        if ready.acquire(timeout=0.05):
+            n += 1
+        elif any(p.exitcode is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start: exit codes {[p.exitcode for p in procs]}")
 
 
 @contextlib.contextmanager
@@ -202,36 +228,52 @@ def cpu_latency_held() -> Iterator[bool]:
         yield False
         return
     try:
-        f.write(struct.pack("i", 0))
+        try:
+            f.write(struct.pack("i", 0))
+        except OSError:
+            yield False
+            return
         yield True
     finally:
         f.close()
 
 
-def _spin_on(cpu: int) -> None:
-    try:    # Linux: die with the parent, however it ends (a spinner left behind would skew whatever runs next)
+def _die_with(parent: int) -> None:
+    """Linux: this process dies with its parent, however the parent ends (a child left behind would hold its port,
+    or spin, and skew whatever runs next)."""
+    try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:                              # the parent died before prctl took
+        os._exit(1)
+
+
+def _spin_on(cpu: int, parent: int, ready: Any) -> None:
+    _die_with(parent)
     os.sched_setaffinity(0, {cpu})
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    ready.release()
     while True:
         pass
 
 
 @contextlib.contextmanager
-def idle_spinners() -> Iterator[bool]:
-    """One SCHED_IDLE busy loop per core this process may use, for the block (Linux). Yields whether it could."""
+def idle_spinners() -> Iterator[list]:
+    """One SCHED_IDLE busy loop per core this process may use, for the block (Linux): yields the spinning
+    processes, each at the idle class and spinning by then (none where this is not Linux)."""
     if not hasattr(os, "SCHED_IDLE"):
-        yield False
+        yield []
         return
     mpc = mp.get_context("spawn")
-    procs = [mpc.Process(target=_spin_on, args=(cpu,), daemon=True) for cpu in sorted(os.sched_getaffinity(0))]
-    for p in procs:
-        p.start()
+    ready, me = mpc.Semaphore(0), os.getpid()
+    procs = [mpc.Process(target=_spin_on, args=(cpu, me, ready), daemon=True)
+             for cpu in sorted(os.sched_getaffinity(0))]
     try:
-        time.sleep(0.5)                       # the spinners start (spawned interpreters) before anything is timed
-        yield True
+        for p in procs:
+            p.start()
+        _started(procs, ready, "the idle spinners")
+        yield procs
     finally:
         for p in procs:
             p.kill()
@@ -244,11 +286,11 @@ AWAKE = {"none": lambda: contextlib.nullcontext(True), "qos": cpu_latency_held, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--samples", type=int, default=2000, help="timed round trips per combination (>= 1)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--bytes", type=int, default=400, help="message size (a 1x48 request is ~400 bytes)")
     ap.add_argument("--spin-us", default="0,300", help="busy-poll windows to try, microseconds")
-    ap.add_argument("--think-us", default="0", help="the answering thread's sleeps to try, microseconds")
+    ap.add_argument("--think-us", default="0", help="the answering thread's busy time to try, microseconds")
     ap.add_argument("--awake", default="none,qos,idle", help=f"ways to keep the cores from idling: {','.join(AWAKE)}")
     ap.add_argument("--port", type=int, default=5720)
     ap.add_argument("--json")

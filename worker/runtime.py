@@ -173,9 +173,9 @@ class Runtime:
         cap = Capacity(cap.max_tokens, cap.max_rows, cap.max_markers, min(cap.row_markers, arch.max_len))
         self.capacity = cap
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
-        # The fast path wherever it runs (CUDA, bf16): with SDPA attention its answers are the reference path's
-        # (large preset: 99.22% of the SDK's decisions, every decisive one) at 2.8x the speed at 1x48 (docs/PERF.md,
-        # tenth session). LAYA_FORWARD=reference keeps the reference forward.
+        # The fast path wherever it runs (CUDA, bf16): its answers are the reference path's (large preset: 99.22% of
+        # the SDK's decisions, every decisive one) at 3.7x the speed at 1x48 (docs/PERF.md, eleventh session).
+        # LAYA_FORWARD=reference keeps the reference forward.
         forward = os.environ.get("LAYA_FORWARD", "fast")
         if forward not in ("fast", "reference"):
             raise ValueError(f"LAYA_FORWARD must be 'fast' or 'reference', got {forward!r}")
