@@ -831,8 +831,7 @@ class Client(_Base):
                 ready = self._poller.poll(0)
                 if ready:
                     return dict(ready)
-                left = end - time.perf_counter()
-                if left <= 0:
+                if time.perf_counter() >= end:
                     break
             wait_ms = max(0, wait_ms - int(self.spin * 1000))
         return dict(self._poller.poll(wait_ms))

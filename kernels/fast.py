@@ -8,8 +8,8 @@ attention, output GEMM adding into the residual, LayerNorm, GeGLU GEMM, down GEM
 Attention is ours by default (`attention="triton"`, kernels/attention.py: packed, no masks, a local layer only its
 band), in the SDK's bits (cuDNN's order, found by the device probes: docs/PERF.md, eleventh session);
 `attention="sdpa"` runs torch's SDPA itself on the SDK's padded layout and masks (the same bits, 0.25 ms slower at
-1x48 and 2.2 ms at 16x512). The decision head follows
-the same pattern with biases; the scorer and the act head close with a handful of small kernels.
+1x48 and 2.2 ms at 16x512). The decision head follows the same pattern with biases; the scorer and the act head
+close with a handful of small kernels.
 
 Every kernel is batch-invariant (kernels/gemm.py, kernels/attention.py, kernels/rows.py say how), so eager,
 fixed-graph and cached-graph execution, and a request merged with others, give the same bits. Everything
