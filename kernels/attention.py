@@ -29,6 +29,8 @@ from .launch import launch
 try:
     import triton
     import triton.language as tl
+
+    from .launch import wait_turn
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
 
@@ -51,9 +53,7 @@ if triton is not None:
     def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           USE_GDC: tl.constexpr):
-        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         r, qb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(len_ptr + r)
         q0 = qb * BM

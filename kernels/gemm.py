@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .exact import gelu_table, needs_table
-from .launch import launch, sms
+from .launch import launch, prefetching, sms
 
 try:
     import triton
@@ -48,6 +48,7 @@ try:
 
     from .exact import gelu as _gelu
     from .exact import mul as _mul
+    from .launch import prefetch, wait_turn
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = TensorDescriptor = None
 
@@ -143,14 +144,21 @@ if triton is not None:
                      EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
                      HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False,
-                     GELU_TABLE: tl.constexpr = False):
+                     GELU_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                     W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128):
         # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
         # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
         CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
-        if USE_GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if PREFETCH:
+            # This program's weight rows (contiguous: w is [N, K]) into L2 while the kernels before it finish
+            # (kernels/launch.py); one row block of programs asks, the others read the same rows.
+            if pid_m == 0:
+                nbytes = tl.minimum(BN, N_OUT - pid_n * BN) * K * W_BYTES
+                prefetch(w_ptr + pid_n * BN * swn, nbytes, PIECES)
+                if EPI == 2:
+                    prefetch(w_ptr + (PARTNER + pid_n * BN) * swn, nbytes, PIECES)
+        wait_turn(USE_GDC)
         rm = pid_m * BM + tl.arange(0, BM)
         rk = tl.arange(0, BK)
         cols = pid_n * BN + tl.arange(0, BN)
@@ -378,13 +386,15 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
     gelu = epi == Epi.GEGLU or act == Act.GELU
     table = gelu_table(a.device) if gelu else w
+    options = launch(a.device, grid[0] * grid[1] * grid[2])
+    ahead = prefetching(options) and not tma and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0
     _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
                        m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
                        split_stride or 0,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                        HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
-                       GELU_TABLE=gelu and needs_table(a.device),
-                       **launch(a.device, grid[0] * grid[1] * grid[2]), num_warps=t.warps, num_stages=t.stages)
+                       GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
+                       PIECES=32 * t.warps, **options, num_warps=t.warps, num_stages=t.stages)
 
 
 TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off

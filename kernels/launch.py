@@ -3,14 +3,29 @@
 Programmatic dependent launch (PDL, Hopper and later): each kernel is launched while its predecessor is
 still finishing, and waits (`griddepcontrol.wait`) before it touches memory, so the launch latency and the
 block scheduling of ~200 small kernels overlap the kernels before them. Every kernel of the fast path waits
-first thing, so no kernel reads or writes anything before all earlier kernels have finished: the result is
-the same bits with or without it. `LAYA_PDL=0` turns it off (for measuring the difference).
+before it reads or writes any activation, so no kernel sees anything before all earlier kernels have finished: the
+result is the same bits with or without it. `LAYA_PDL=0` turns it off (for measuring the difference).
+
+While it waits, a GEMM asks L2 for its own slice of the weights (`prefetch`): weights never depend on an earlier
+kernel, so at small M, where a forward is the weights streaming through one GEMM after another, each GEMM's read
+from HBM overlaps the kernels before it instead of starting when they end. A hint to the cache, so the same bits;
+`LAYA_PREFETCH=0` turns it off.
+
+Tried and dropped (device run of 2026-12-04, twelfth session): letting the successor launch before a kernel's own
+wait, so a chain of waiting kernels and their prefetches runs ahead: 1x48 1.151 ms against 0.966 (the waiting
+blocks and their prefetches crowd the kernel that computes), no gain at larger shapes.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
+    triton = None
 
 
 def gdc(device: torch.device) -> bool:
@@ -34,6 +49,12 @@ def launch(device: torch.device, programs: int) -> dict:
     return {"USE_GDC": wait, "launch_pdl": wait and programs <= sms(device)}
 
 
+def prefetching(options: dict) -> bool:
+    """Whether a GEMM launched with `options` (from `launch`) should prefetch its weights while it waits: only
+    when it is launched early, so that there is a predecessor to overlap."""
+    return options["launch_pdl"] and os.environ.get("LAYA_PREFETCH", "1") != "0"
+
+
 _SMS: dict[int, int] = {}
 
 
@@ -44,3 +65,24 @@ def sms(device: torch.device) -> int:
     if i not in _SMS:
         _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SMS[i]
+
+
+if triton is not None:
+    @triton.jit
+    def wait_turn(USE_GDC: tl.constexpr):
+        """A kernel's first step under PDL: wait for every earlier kernel, then let the next one launch."""
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch(base, nbytes, PIECES: tl.constexpr):
+        """Ask L2 to fetch the `nbytes` bytes at `base` (16-byte aligned, a multiple of 16), in PIECES bulk requests
+        (sm_90's cp.async.bulk.prefetch.L2: no registers, no shared memory, nothing to wait for)."""
+        piece = ((nbytes + PIECES - 1) // PIECES + 15) // 16 * 16
+        off = tl.arange(0, PIECES) * piece
+        size = tl.minimum(tl.maximum(nbytes - off, 0), piece)
+        addr = base.to(tl.pointer_type(tl.int8)).to(tl.int64, bitcast=True) + off
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)

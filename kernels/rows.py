@@ -38,6 +38,7 @@ try:
 
     from .exact import mul as _mul
     from .exact import rsqrt as _rsqrt
+    from .launch import wait_turn
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
 
@@ -142,9 +143,7 @@ if triton is not None:
     def _embed_kernel(ids_ptr, start_ptr, len_ptr, emb_ptr, w_ptr, h_ptr, x_ptr, pos_ptr, row_ptr,
                       R, n_ids, pad_id, eps, N: tl.constexpr, S: tl.constexpr, RB: tl.constexpr,
                       USE_GDC: tl.constexpr):
-        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         t = tl.program_id(0)
         r = tl.arange(0, RB)
         r_ok = r < R
@@ -167,9 +166,7 @@ if triton is not None:
     def _layer_norm_kernel(h_ptr, w_ptr, b_ptr, x_ptr, eps, p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr,
                            S: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr,
                            PENDING: tl.constexpr = False, P_BIAS: tl.constexpr = False, P_APART: tl.constexpr = False):
-        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         t = tl.program_id(0).to(tl.int64)
         cols, ok = _row(N, S)
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
@@ -183,9 +180,7 @@ if triton is not None:
     def _head_entry_kernel(h_ptr, row_ptr, qtype_ptr, fw_ptr, temb_ptr, w1_ptr, b1_ptr, x_ptr, eps, eps1,
                            p_ptr, pb_ptr, CHUNKS, sps, N: tl.constexpr, S: tl.constexpr, USE_GDC: tl.constexpr,
                            PENDING: tl.constexpr = False, P_BIAS: tl.constexpr = False, P_APART: tl.constexpr = False):
-        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         t = tl.program_id(0).to(tl.int64)
         cols, ok = _row(N, S)
         h = tl.load(h_ptr + t * N + cols, mask=ok, other=0.0)
@@ -202,9 +197,7 @@ if triton is not None:
     @triton.jit
     def _gather_norm_kernel(h_ptr, start_ptr, mk_ptr, w_ptr, b_ptr, x_ptr, K, L, T, eps,
                             N: tl.constexpr, S: tl.constexpr, USE_GDC: tl.constexpr):
-        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         i = tl.program_id(0)
         r = i // K
         at = tl.minimum(tl.maximum(tl.load(mk_ptr + i), 0), L - 1)
@@ -218,9 +211,7 @@ if triton is not None:
     @triton.jit
     def _features_kernel(score_ptr, mk_ptr, h_ptr, start_ptr, logits_ptr, act_in_ptr, K, T, absent, s_act,
                          N: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr, USE_GDC: tl.constexpr):
-        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         r = tl.program_id(0)
         j = tl.arange(0, WIDE)
         in_k = j < K
@@ -250,9 +241,7 @@ if triton is not None:
 
     @triton.jit
     def _softmax_kernel(x_ptr, y_ptr, C, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
-        if USE_GDC:   # kernels/launch.py: wait for every earlier kernel before touching memory
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         r = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < C

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -72,6 +72,11 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
           timeout ${OVERHEAD_TIMEOUT:-120} python3 scripts/overhead.py --model /tmp/large --device cuda --samples 200 \
             --json "$OUT/overhead-awake.json" 2>&1 | grep -vE "Warning|warn" | tail -18
           kill $AW; wait $AW ;;
+    hostsplit) # where an in-process predict goes (encode, run's parts, decode) against the replay alone; the tokenizer's
+          # thread pool on (its default) and off
+          for par in true false; do echo "== TOKENIZERS_PARALLELISM=$par"
+            TOKENIZERS_PARALLELISM=$par timeout 120 python3 scripts/host_split.py /tmp/large 2>&1 | grep -vE "Warning|warn"
+          done ;;
     brokerrate) # the broker's routed ceiling on this host: a bare broker and a worker that answers at once
           timeout 120 python3 scripts/broker_rate.py --stub --kind ping,forward --seconds 5 2>&1 | tail -8 ;;
   esac

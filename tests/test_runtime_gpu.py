@@ -4,6 +4,7 @@ Run on the device: `python -m pytest -q -m gpu tests/test_runtime_gpu.py -s`.
 """
 import gc
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -196,3 +197,46 @@ def test_staging_is_pinned_and_steady_state_allocates_nothing(ckpt, tiny_ckpt):
         assert rt.run(b).metrics["graph"] == "hit"
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocs, "a hit must not allocate on the device"
     assert (rt.workspace.host_address, rt.workspace.device_address) == addrs
+
+
+_COMPILE_AHEAD = r"""
+import json, os, sys
+from pathlib import Path
+from laya_pool.worker.checkpoint import load_checkpoint
+from laya_pool.worker.runtime import Runtime, RuntimeConfig
+from laya_pool.worker.workspace import Capacity, Shape
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+shapes = (Shape(4, 128, 4), Shape(1, 64, 2))
+rt = Runtime(load_checkpoint(sys.argv[1]), device="cuda", config=RuntimeConfig(
+    mode="graph-cached", capacity=Capacity(max_tokens=2048, max_rows=8, max_markers=64, row_markers=8),
+    warmup_shapes=shapes, compile_procs=0))
+ahead = rt._compile_ahead([Shape(1, 64, 2), *shapes], 3) if sys.argv[2] == "ahead" else None
+before = {p.name for p in cache.rglob("*.cubin")}
+rt.warmup()
+after = {p.name for p in cache.rglob("*.cubin")}
+print(json.dumps({"ahead": ahead, "compiled_in_warmup": len(after - before)}))
+"""
+
+
+def test_kernels_compiled_ahead_leave_nothing_for_the_warm_up_to_compile(tiny_ckpt, tmp_path):
+    """A cold Triton cache (a fresh machine): the recorded kernels compiled by three child processes are every
+    kernel the warm-up needs (it compiles none); without them it compiles many (the check can fail); a second
+    start finds the marker and starts no children."""
+    import subprocess
+    import sys
+
+    def start(cache: Path, how: str) -> dict:
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PYTHONPATH=os.pathsep.join(sys.path))
+        r = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD, str(tiny_ckpt), how], env=env, capture_output=True,
+                           text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    ahead = start(tmp_path / "a", "ahead")
+    print("compiled ahead:", ahead)
+    assert ahead["ahead"]["failed"] == 0 and ahead["ahead"]["kernels"] >= 8, ahead
+    assert ahead["compiled_in_warmup"] == 0, ahead
+    plain = start(tmp_path / "b", "plain")
+    assert plain["compiled_in_warmup"] >= 8, plain
+    again = start(tmp_path / "a", "ahead")
+    assert again["ahead"] == {"kernels": ahead["ahead"]["kernels"], "cached": True} and again["compiled_in_warmup"] == 0

@@ -146,6 +146,16 @@ class RuntimeConfig:
     # Two staging slots, so group N+1 launches before N finishes. Default: on CUDA; not on the CPU, whose forward
     # runs inside launch (nothing to overlap; tests turn it on there to drive the two-group loop).
     overlap: bool | None = None
+    # Processes that compile the warm-up's kernels in parallel before it runs (kernels/compile.py): a cold Triton cache
+    # costs ~30 s of start-up compiled in one process. None: one per spare core, at most 8; 0 or 1: off.
+    compile_procs: int | None = None
+
+
+def compile_procs(asked: int | None) -> int:
+    """How many compile processes a warm-up starts for `asked` (RuntimeConfig.compile_procs)."""
+    if asked is not None:
+        return max(0, asked)
+    return max(0, min(8, len(os.sched_getaffinity(0)) - 1))
 
 
 class Runtime:
@@ -316,16 +326,23 @@ class Runtime:
         say = progress or (lambda i, n, what: None)
         cached = self.warmup_plan() if self.config.mode == "graph-cached" else []
         fixed = self.config.mode == "graph-fixed" and self.fixed is None and self.fixed_failed is None
-        n = 1 + fixed + len(cached)
-        say(1, n, "eager forward")
+        first = Shape(1, ROW_LEN_STEP, 2)
+        procs = compile_procs(self.config.compile_procs)
+        n = 1 + (procs > 1) + fixed + len(cached)
+        if procs > 1:
+            say(1, n, f"kernels, compiled in {procs} processes")
+            t = time.perf_counter()
+            out["compile"] = self._compile_ahead([first] + ([self.fixed_shape] if fixed else []) + cached, procs)
+            out["compile ms"] = (time.perf_counter() - t) * 1e3
+        say(1 + (procs > 1), n, "eager forward")
         t = time.perf_counter()
         with torch.cuda.stream(self.stream):
-            shape = Shape(1, ROW_LEN_STEP, 2)
-            self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
+            self.model.forward(*self.workspace.blank_views(first), first.row_len)
         self.stream.synchronize()
         out["eager"] = (time.perf_counter() - t) * 1e3
+        fixed_step = 2 + (procs > 1)
         if fixed:
-            say(2, n, f"fixed graph {_shape_text(self.fixed_shape)}")
+            say(fixed_step, n, f"fixed graph {_shape_text(self.fixed_shape)}")
             t = time.perf_counter()
             try:
                 self.fixed = self._capture(self.fixed_shape)
@@ -333,11 +350,25 @@ class Runtime:
                 self.fixed_failed = str(e)
             out[f"fixed {self.fixed_shape}"] = (time.perf_counter() - t) * 1e3
         for i, shape in enumerate(cached):
-            say(2 + fixed + i, n, f"bucket {_shape_text(shape)}")
+            say(fixed_step + fixed + i, n, f"bucket {_shape_text(shape)}")
             t = time.perf_counter()
             self.cache.lookup(shape, count=False)
             out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
         return out
+
+    def _compile_ahead(self, shapes: list[Shape], procs: int) -> dict:
+        """The kernels the forwards of `shapes` launch, compiled into Triton's on-disk cache by `procs` processes
+        (kernels/compile.py); the forwards here launch nothing."""
+        from laya_pool.kernels.compile import compile_in_processes, knobs, recorded
+        if knobs is None:
+            return {"skipped": "no Triton"}
+        try:
+            with recorded() as specs, torch.cuda.stream(self.stream):
+                for shape in shapes:
+                    self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
+            return compile_in_processes(specs, procs, self.device.index or 0)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up compiles whatever this did not
+            return {"error": f"{type(e).__name__}: {e}"}
 
     @property
     def has_idle_work(self) -> bool:

@@ -63,6 +63,7 @@ class WorkerConfig:
     overlap: str = "on"                     # CUDA: launch the next group while the current one computes
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
+    compile_procs: int | None = None        # default: one per spare core, at most 8 (worker.runtime.compile_procs)
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
     log_level: str = "INFO"
@@ -84,6 +85,8 @@ class WorkerConfig:
     def usage_problem(self) -> str | None:
         if min(self.credit, self.max_batch, self.heartbeat_ms, self.liveness) < 1:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
+        if self.compile_procs is not None and not 0 <= self.compile_procs <= 64:
+            return f"--compile-procs must be in 0..64 (got {self.compile_procs}); check LAYA_COMPILE_PROCS"
         if self.gil_switch_ms is not None and not 0.01 <= self.gil_switch_ms <= 1000:
             return f"--gil-switch-ms must be in 0.01..1000 (got {self.gil_switch_ms}); check LAYA_GIL_SWITCH_MS"
         if self.overlap not in ("on", "off") or self.capture_misses not in ("idle", "inline"):
@@ -388,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "milliseconds while the other waits (a landed group unanswered, a reply unsent): 0.5 cut "
                         "such a wait from 2.0 to 0.6 ms in a two-thread test (docs/PERF.md). For measuring; env "
                         "LAYA_GIL_SWITCH_MS")
+    p.add_argument("--compile-procs", type=int, default=os.environ.get("LAYA_COMPILE_PROCS") or None,
+                   help="CUDA: processes that compile the warm-up's kernels in parallel before it runs (a cold Triton "
+                        "cache cost ~30 s of start-up in one process); default one per spare core, at most 8; 0: "
+                        "off (env LAYA_COMPILE_PROCS)")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))
@@ -468,7 +475,8 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
         merged = parse_shapes(DEFAULT_MERGED) if cfg.mode == "graph-cached" and cfg.warmup_shapes is None else ()
         rt = Runtime(ck, device=torch_device, config=RuntimeConfig(
             mode=cfg.mode, capacity=cap, warmup_shapes=warm, warmup_merged=merged, warmup_group=cfg.max_batch,
-            capture=cfg.capture_misses, overlap=None if cfg.overlap == "on" else False))
+            capture=cfg.capture_misses, overlap=None if cfg.overlap == "on" else False,
+            compile_procs=cfg.compile_procs))
     except ValueError as e:
         log.error("cannot build the runtime: %s", e)
         raise _Exit(contract.EXIT_CONFIG) from e
@@ -484,11 +492,13 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
 
     t = time.perf_counter()
     try:
-        rt.warmup(progress)
+        steps = rt.warmup(progress)
     except Exception as e:  # noqa: BLE001
         log.exception("warm-up failed")
         raise _Exit(contract.EXIT_FATAL) from e
     phases["warm-up"] = (time.perf_counter() - t) * 1e3
+    if "compile" in steps:
+        log.info("worker %s: kernels compiled ahead in %.1f s: %s", cfg.id, steps["compile ms"] / 1e3, steps["compile"])
     return rt, phases["warm-up"]
 
 

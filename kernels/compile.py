@@ -1,0 +1,138 @@
+"""Compiling the fast path's kernels before their first launch, in several processes at once.
+
+A worker on a fresh machine (Triton's on-disk cache empty) spent ~30 s of its start compiling the kernel
+specializations of its warm-up one after another (device run of 2026-12-04: READY 43.9 s after `up`, warm-up
+30.7 s of it). Triton compiles holding the GIL, so threads do not help; processes do. So:
+
+1. `recorded()` runs the warm-up's forwards with every launch of a kernel that is not compiled yet recorded and
+   skipped (Triton's `jit_cache_hook`): the list of what the warm-up needs, in well under a second, nothing launched.
+2. `compile_in_processes` deals the list out to child processes, each compiling its share into the shared on-disk
+   cache with Triton's own `JITFunction.preload` (the same source, signature, constants and options, so the same
+   cache key as the launch that follows).
+3. The warm-up proper then finds every kernel on disk.
+
+A failed child costs nothing but time: whatever it did not compile, the warm-up compiles as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    from triton import knobs
+except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
+    knobs = None
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One kernel specialization: the kernel's module and name, Triton's own serialized specialization, and what
+    names it in a cache (the kernel source's hash and the specialization's key)."""
+    module: str
+    name: str
+    data: str
+    key: str
+    source: str
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[list[Spec]]:
+    """Within the block, a launch of a kernel that this process has not compiled yet is recorded (once per
+    specialization) and skipped: nothing runs on the device and nothing is compiled."""
+    specs: list[Spec] = []
+    seen: set[tuple[str, str, str]] = set()
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> bool:  # noqa: A002 - Triton's names
+        jit = fn.jit_function
+        k = (jit.fn.__module__, jit.fn.__qualname__, str(key))
+        if k not in seen:
+            seen.add(k)
+            specs.append(Spec(k[0], k[1], compile["specialization_data"], k[2], jit.cache_key))
+        return True                 # skip: the kernel is neither compiled nor launched
+
+    before = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield specs
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
+def deal(specs: list[Spec], procs: int) -> list[list[Spec]]:
+    """`specs` in `procs` shares, round-robin over a fixed order so each kernel's variants spread over every share
+    (a GEMM variant costs several times a row kernel's); pure, so it is tested alone."""
+    ordered = sorted(specs, key=lambda s: (s.module, s.name, s.key))
+    shares = [ordered[i::procs] for i in range(procs)]
+    return [s for s in shares if s]
+
+
+def marker(specs: list[Spec], cache_dir: str) -> Path:
+    """The file that says every one of `specs` is in `cache_dir` (written after the children compiled them all): a
+    restart on a warm machine starts no children. It lives in the cache, so it goes when the cache is cleared, and
+    it names the kernels' sources, so an edited kernel is compiled again."""
+    h = hashlib.sha256("\n".join(sorted(f"{s.module}.{s.name} {s.source} {s.key}" for s in specs)).encode())
+    return Path(cache_dir) / f"laya-pool-warm-{h.hexdigest()[:32]}"
+
+
+def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0) -> dict:
+    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes, unless a marker says they are
+    there; returns what happened: {"kernels", "procs", "seconds", "failed"} ("failed": children that did not finish
+    cleanly) or {"kernels", "cached": True}."""
+    t = time.perf_counter()
+    done = marker(specs, knobs.cache.dir)
+    if not specs or done.exists():
+        return {"kernels": len(specs), "cached": True}
+    shares = deal(specs, max(1, procs))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    children = [subprocess.Popen([sys.executable, "-m", __spec__.name if __spec__ else __name__, str(device)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                for _ in shares]
+    for p, share in zip(children, shares):   # all started first: each imports torch while the next is fed
+        p.stdin.write(json.dumps([[s.module, s.name, s.data] for s in share]).encode())
+        p.stdin.close()
+    failed = 0
+    deadline = time.monotonic() + timeout
+    for p in children:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        out = p.stdout.read().decode(errors="replace").split()
+        p.stdout.close()
+        ok = p.returncode == 0 and len(out) == 4 and out[0] == "compiled" and out[1] == out[3]
+        failed += not ok
+    if not failed:
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(f"{len(specs)} kernel specializations compiled by laya-pool's worker\n")
+    return {"kernels": len(specs), "procs": len(shares), "seconds": round(time.perf_counter() - t, 2),
+            "failed": failed}
+
+
+def _child(device: int) -> int:
+    """A child: compile the specializations read from stdin; print "compiled N of M"."""
+    import torch
+    torch.cuda.set_device(device)
+    todo = json.loads(sys.stdin.read())
+    done = 0
+    for module, name, data in todo:
+        try:
+            getattr(importlib.import_module(module), name).preload(data)
+            done += 1
+        except Exception as e:  # noqa: BLE001 - the warm-up compiles what a child could not
+            print(f"{module}.{name}: {type(e).__name__}: {e}", file=sys.stderr)
+    print(f"compiled {done} of {len(todo)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(int(sys.argv[1]) if len(sys.argv) > 1 else 0))
