@@ -8,7 +8,8 @@ specializations of its warm-up one after another (device run of 2026-12-04: READ
    skipped (Triton's `jit_cache_hook`): the list of what the warm-up needs, in well under a second, nothing launched.
 2. `compile_in_processes` deals the list out to child processes, each compiling its share into the shared on-disk
    cache with Triton's own `JITFunction.preload` (the same source, signature, constants and options, so the same
-   cache key as the launch that follows).
+   cache key as the launch that follows), and building each kernel's launcher (a C module Triton compiles with
+   the host's compiler, also cached on disk: the first device run found it cost as much as the kernels).
 3. The warm-up proper then finds every kernel on disk.
 
 A failed child costs nothing but time: whatever it did not compile, the warm-up compiles as before.
@@ -126,7 +127,10 @@ def _child(device: int) -> int:
     done = 0
     for module, name, data in todo:
         try:
-            getattr(importlib.import_module(module), name).preload(data)
+            kernel = getattr(importlib.import_module(module), name).preload(data)
+            # Its launcher too: a small C module per signature that Triton builds with the host's C compiler on a
+            # kernel's first launch (cached on disk beside the binary) and that costs as much as the compile.
+            _ = kernel.run
             done += 1
         except Exception as e:  # noqa: BLE001 - the warm-up compiles what a child could not
             print(f"{module}.{name}: {type(e).__name__}: {e}", file=sys.stderr)
