@@ -7,8 +7,8 @@ specializations of its warm-up one after another (device run of 2026-12-04: READ
 1. `recorded()` runs the warm-up's forwards with every launch of a kernel that is not compiled yet recorded and
    skipped (Triton's `jit_cache_hook`): the list of what the warm-up needs, in well under a second, nothing launched.
 2. `compile_in_processes` deals the list out to child processes, each compiling its share into the shared on-disk
-   cache with Triton's own `JITFunction.preload` (the same source, signature, constants and options, so the same
-   cache key as the launch that follows), and building each kernel's launcher (a C module Triton compiles with
+   cache from the very signature, constants, attributes and options the hook saw (so the same cache key as the
+   launch that follows), and building each kernel's launcher (a C module Triton compiles with
    the host's compiler, also cached on disk: the first device run found it cost as much as the kernels).
 3. The warm-up proper then finds every kernel on disk.
 
@@ -21,6 +21,7 @@ import hashlib
 import importlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -36,11 +37,12 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
 
 @dataclass(frozen=True)
 class Spec:
-    """One kernel specialization: the kernel's module and name, Triton's own serialized specialization, and what
+    """One kernel specialization: the kernel's module and name, what Triton compiles it from (`data`: its signature,
+    constants, attributes and options, pickled as Triton holds them: only ever sent to our own child process), and what
     names it in a cache (the kernel source's hash and the specialization's key)."""
     module: str
     name: str
-    data: str
+    data: bytes
     key: str
     source: str
 
@@ -57,7 +59,9 @@ def recorded() -> Iterator[list[Spec]]:
         k = (jit.fn.__module__, jit.fn.__qualname__, str(key))
         if k not in seen:
             seen.add(k)
-            specs.append(Spec(k[0], k[1], compile["specialization_data"], k[2], jit.cache_key))
+            options = _tuples(json.loads(compile["specialization_data"])["options"])
+            data = pickle.dumps((compile["signature"], compile["constants"], compile["configs"][0], options))
+            specs.append(Spec(k[0], k[1], data, k[2], jit.cache_key))
         return True                 # skip: the kernel is neither compiled nor launched
 
     before = knobs.runtime.jit_cache_hook
@@ -98,7 +102,7 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
                 for _ in shares]
     for p, share in zip(children, shares):   # all started first: each imports torch while the next is fed
-        p.stdin.write(json.dumps([[s.module, s.name, s.data] for s in share]).encode())
+        p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
         p.stdin.close()
     failed = 0
     deadline = time.monotonic() + timeout
@@ -119,15 +123,28 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
             "failed": failed}
 
 
+def _tuples(x):
+    """JSON's lists back to the tuples Triton's options hold."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else (
+        {k: _tuples(v) for k, v in x.items()} if isinstance(x, dict) else x)
+
+
 def _child(device: int) -> int:
     """A child: compile the specializations read from stdin; print "compiled N of M"."""
     import torch
+    from triton.runtime.driver import driver
     torch.cuda.set_device(device)
-    todo = json.loads(sys.stdin.read())
+    todo = pickle.loads(sys.stdin.buffer.read())
     done = 0
     for module, name, data in todo:
         try:
-            kernel = getattr(importlib.import_module(module), name).preload(data)
+            # What JITFunction._do_compile does with the same objects (Triton's JSON `preload` does not give the
+            # same on-disk cache key: device run of 2026-12-04, the warm-up compiled 31 of 35 kernels again).
+            fn = getattr(importlib.import_module(module), name)
+            signature, constants, attrs, options = pickle.loads(data)
+            _, _, target, backend, _ = fn.device_caches[driver.active.get_current_device()]
+            options = backend.parse_options(options)
+            kernel = fn.compile(fn.ASTSource(fn, signature, constants, attrs), target=target, options=options.__dict__)
             # Its launcher too: a small C module per signature that Triton builds with the host's C compiler on a
             # kernel's first launch (cached on disk beside the binary) and that costs as much as the compile.
             _ = kernel.run

@@ -146,7 +146,9 @@ if triton is not None:
                      TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False,
                      GELU_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                      W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128):
-        """One output tile per program."""
+        # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
+        # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
+        CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if PREFETCH:
             # This program's weight rows (contiguous: w is [N, K]) into L2 while the kernels before it finish
@@ -157,36 +159,6 @@ if triton is not None:
                 if EPI == 2:
                     prefetch(w_ptr + (PARTNER + pid_n * BN) * swn, nbytes, PIECES)
         wait_turn(USE_GDC)
-        _tile(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, table_ptr, M, N_OUT, K, sam, swn, som,
-              PARTNER, ROPE_HEADS, sps, pid_m, pid_n, EPI, HAS_BIAS, BIAS_APART, ACT, HALF, BM, BN, BK, TMA, CHUNK,
-              SPLIT, GELU_TABLE)
-
-    @triton.jit
-    def _gemm_persistent(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, table_ptr,
-                         M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS, CHUNKS, sps, TILES_N,
-                         EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
-                         HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0,
-                         GELU_TABLE: tl.constexpr = False, PROGRAMS: tl.constexpr = 132, FLATTEN: tl.constexpr = True):
-        """One program per SM walking the output tiles (tile t: row block t % tiles_m, column block t // tiles_m,
-        the one-tile kernel's launch order), so a tile's epilogue overlaps the next tile's first loads; each tile is
-        the one-tile kernel's code, so the same bits."""
-        wait_turn(USE_GDC)
-        tiles_m = tl.cdiv(M, BM)
-        for t in tl.range(tl.program_id(0), tiles_m * TILES_N, PROGRAMS, flatten=FLATTEN):
-            _tile(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, table_ptr, M, N_OUT, K, sam, swn, som,
-                  PARTNER, ROPE_HEADS, sps, t % tiles_m, t // tiles_m, EPI, HAS_BIAS, BIAS_APART, ACT, HALF, BM, BN,
-                  BK, TMA, CHUNK, False, GELU_TABLE)
-
-    @triton.jit
-    def _tile(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, table_ptr, M, N_OUT, K, sam, swn, som,
-              PARTNER, ROPE_HEADS, sps, pid_m, pid_n, EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BIAS_APART: tl.constexpr, ACT: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, TMA: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-              GELU_TABLE: tl.constexpr):
-        # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
-        # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
-        CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
         rm = pid_m * BM + tl.arange(0, BM)
         rk = tl.arange(0, BK)
         cols = pid_n * BN + tl.arange(0, BN)
@@ -414,30 +386,15 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
     gelu = epi == Epi.GEGLU or act == Act.GELU
     table = gelu_table(a.device) if gelu else w
-    args = (a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
-            m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks, split_stride or 0)
-    flags = dict(EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act), HALF=half, BM=t.bm,
-                 BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, GELU_TABLE=gelu and needs_table(a.device))
-    if tma and not split and grid[0] * grid[1] > sms(a.device) and persistent():
-        programs = sms(a.device)
-        _gemm_persistent[(programs,)](*args, grid[1], **flags, PROGRAMS=programs, FLATTEN=flatten(),
-                                      **launch(a.device, programs), num_warps=t.warps, num_stages=t.stages)
-        return
     options = launch(a.device, grid[0] * grid[1] * grid[2])
     ahead = prefetching(options) and not tma and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0
-    _gemm_kernel[grid](*args, **flags, SPLIT=split, PREFETCH=ahead, W_BYTES=w.element_size(), PIECES=32 * t.warps,
-                       **options, num_warps=t.warps, num_stages=t.stages)
-
-
-def persistent() -> bool:
-    """Large GEMMs (TMA operands, more tiles than SMs) as one program per SM walking the tiles; LAYA_PERSISTENT=0:
-    one program per tile (measuring)."""
-    return os.environ.get("LAYA_PERSISTENT", "1") != "0"
-
-
-def flatten() -> bool:
-    """The persistent loop flattened with the K loop, so the pipeline runs across tiles (LAYA_FLATTEN=0: not)."""
-    return os.environ.get("LAYA_FLATTEN", "1") != "0"
+    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
+                       m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
+                       split_stride or 0,
+                       EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
+                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
+                       GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
+                       PIECES=32 * t.warps, **options, num_warps=t.warps, num_stages=t.stages)
 
 
 TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off

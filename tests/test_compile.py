@@ -34,7 +34,9 @@ def test_the_marker_names_the_set_and_the_sources(tmp_path):
     assert marker(a, str(tmp_path)) != marker(specs(6, "edited"), str(tmp_path))   # a kernel's source changed
 
 
-def test_compile_procs_is_bounded_and_can_be_turned_off():
+def test_compile_procs_is_bounded_and_off_by_default():
+    from laya_pool.worker.runtime import RuntimeConfig
+    assert compile_procs(RuntimeConfig().compile_procs) == 0
     assert compile_procs(0) == 0 and compile_procs(3) == 3
     auto = compile_procs(None)
     assert 0 <= auto <= 8 and auto <= len(os.sched_getaffinity(0))

@@ -146,9 +146,10 @@ class RuntimeConfig:
     # Two staging slots, so group N+1 launches before N finishes. Default: on CUDA; not on the CPU, whose forward
     # runs inside launch (nothing to overlap; tests turn it on there to drive the two-group loop).
     overlap: bool | None = None
-    # Processes that compile the warm-up's kernels in parallel before it runs (kernels/compile.py): a cold Triton cache
-    # costs ~30 s of start-up compiled in one process. None: one per spare core, at most 8; 0 or 1: off.
-    compile_procs: int | None = None
+    # Processes that compile the warm-up's kernels in parallel before it runs (kernels/compile.py). Off by default: on
+    # the H200 (2026-12-04) the warm-up still compiled 31 of 35 kernels again (another on-disk cache key than the
+    # children's, cause not found), so it only added ~10 s. None: one per spare core, at most 8; 0 or 1: off.
+    compile_procs: int | None = 0
 
 
 def compile_procs(asked: int | None) -> int:

@@ -63,7 +63,7 @@ class WorkerConfig:
     overlap: str = "on"                     # CUDA: launch the next group while the current one computes
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
-    compile_procs: int | None = None        # default: one per spare core, at most 8 (worker.runtime.compile_procs)
+    compile_procs: int = 0                  # off by default: see worker.runtime.RuntimeConfig.compile_procs
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
     log_level: str = "INFO"
@@ -85,7 +85,7 @@ class WorkerConfig:
     def usage_problem(self) -> str | None:
         if min(self.credit, self.max_batch, self.heartbeat_ms, self.liveness) < 1:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
-        if self.compile_procs is not None and not 0 <= self.compile_procs <= 64:
+        if not 0 <= self.compile_procs <= 64:
             return f"--compile-procs must be in 0..64 (got {self.compile_procs}); check LAYA_COMPILE_PROCS"
         if self.gil_switch_ms is not None and not 0.01 <= self.gil_switch_ms <= 1000:
             return f"--gil-switch-ms must be in 0.01..1000 (got {self.gil_switch_ms}); check LAYA_GIL_SWITCH_MS"
@@ -391,10 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "milliseconds while the other waits (a landed group unanswered, a reply unsent): 0.5 cut "
                         "such a wait from 2.0 to 0.6 ms in a two-thread test (docs/PERF.md). For measuring; env "
                         "LAYA_GIL_SWITCH_MS")
-    p.add_argument("--compile-procs", type=int, default=os.environ.get("LAYA_COMPILE_PROCS") or None,
-                   help="CUDA: processes that compile the warm-up's kernels in parallel before it runs (a cold Triton "
-                        "cache cost ~30 s of start-up in one process); default one per spare core, at most 8; 0: "
-                        "off (env LAYA_COMPILE_PROCS)")
+    p.add_argument("--compile-procs", type=int, default=int(os.environ.get("LAYA_COMPILE_PROCS") or 0),
+                   help="CUDA, experimental: processes that compile the warm-up's kernels in parallel before it runs "
+                        "(a cold Triton cache costs ~30 s of start-up in one process); 0 (default): off, because "
+                        "the warm-up still recompiles most of them today (docs/PERF.md); env LAYA_COMPILE_PROCS")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))
