@@ -93,6 +93,8 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
     there; returns what happened: {"kernels", "procs", "seconds", "failed"} ("failed": children that did not finish
     cleanly) or {"kernels", "cached": True}."""
     t = time.perf_counter()
+    if os.environ.get("LAYA_COMPILE_KEYS"):
+        log_keys(os.environ["LAYA_COMPILE_KEYS"])      # children inherit the variable and log theirs
     done = marker(specs, knobs.cache.dir)
     if not specs or done.exists():
         return {"kernels": len(specs), "cached": True}
@@ -123,6 +125,30 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
             "failed": failed}
 
 
+def log_keys(path: str) -> None:
+    """Diagnostic (LAYA_COMPILE_KEYS=FILE): append the parts of every on-disk cache key this process computes to FILE,
+    one JSON line each, so the parent's and the children's keys of one kernel can be compared part by part (the
+    open question of docs/PERF.md, twelfth session)."""
+    import triton.compiler.compiler as cc
+    from triton.runtime.cache import triton_key
+    original = cc.get_cache_key
+    if getattr(original, "logged", False):
+        return
+
+    def logged(src, backend, options, env_vars):
+        parts = {"pid": os.getpid(), "fn": getattr(src, "name", "?"), "triton": hashlib.sha256(
+            triton_key().encode()).hexdigest()[:12], "src": src.hash()[:12], "fn_key": src.fn.cache_key[:12],
+            "attrs": str(src.attrs)[:200], "constants": str(sorted(src.constants.items()))[:300],
+            "backend": backend.hash(), "options": options.hash()[:12], "extern_libs": str(options.extern_libs),
+            "env": str(sorted(env_vars.items()))}
+        with open(path, "a") as f:
+            f.write(json.dumps(parts) + "\n")
+        return original(src, backend, options, env_vars)
+
+    logged.logged = True
+    cc.get_cache_key = logged
+
+
 def _tuples(x):
     """JSON's lists back to the tuples Triton's options hold."""
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else (
@@ -134,6 +160,8 @@ def _child(device: int) -> int:
     import torch
     from triton.runtime.driver import driver
     torch.cuda.set_device(device)
+    if os.environ.get("LAYA_COMPILE_KEYS"):
+        log_keys(os.environ["LAYA_COMPILE_KEYS"])
     todo = pickle.loads(sys.stdin.buffer.read())
     done = 0
     for module, name, data in todo:

@@ -199,6 +199,24 @@ def test_staging_is_pinned_and_steady_state_allocates_nothing(ckpt, tiny_ckpt):
     assert (rt.workspace.host_address, rt.workspace.device_address) == addrs
 
 
+def _print_key_differences(path: Path) -> None:
+    """For kernels compiled both by the parent and by a child (same function, constants, attributes): which parts of
+    their on-disk cache keys differ (kernels/compile.py `log_keys`)."""
+    if not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    parent = min(r["pid"] for r in rows)    # the parent starts first, so its pid is usually the lowest
+    by = {}
+    for r in rows:
+        by.setdefault((r["fn"], r["constants"], r["attrs"]), {}).setdefault(r["pid"] == parent, r)
+    for (fn, _, _), pair in list(by.items())[:200]:
+        if len(pair) == 2:
+            diff = {k: (v, pair[False][k]) for k, v in pair[True].items() if k != "pid" and v != pair[False][k]}
+            print("key parts differing, parent vs child,", fn, diff)
+            return
+    print("no kernel compiled by both parent and child;", len(rows), "keys logged")
+
+
 _COMPILE_AHEAD = r"""
 import json, os, sys
 from pathlib import Path
@@ -230,8 +248,11 @@ def test_kernels_compiled_ahead_leave_nothing_for_the_warm_up_to_compile(tiny_ck
     import subprocess
     import sys
 
+    keys = tmp_path / "keys.jsonl"
+
     def start(cache: Path, how: str) -> dict:
-        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PYTHONPATH=os.pathsep.join(sys.path))
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PYTHONPATH=os.pathsep.join(sys.path),
+                   LAYA_COMPILE_KEYS=str(keys))
         r = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD, str(tiny_ckpt), how], env=env, capture_output=True,
                            text=True, timeout=240)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -239,6 +260,7 @@ def test_kernels_compiled_ahead_leave_nothing_for_the_warm_up_to_compile(tiny_ck
 
     ahead = start(tmp_path / "a", "ahead")
     print("compiled ahead:", ahead)
+    _print_key_differences(keys)
     assert ahead["ahead"]["failed"] == 0 and ahead["ahead"]["kernels"] >= 8, ahead
     assert ahead["compiled_in_warmup"] == 0, ahead
     plain = start(tmp_path / "b", "plain")
