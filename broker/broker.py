@@ -74,6 +74,7 @@ class BrokerConfig:
     max_restarts: int = 6               # restart-worker commands accepted per restart_window_s, pool-wide
     restart_window_s: float = 60.0
     client_hwm: int = 1000              # replies queued per client before more are dropped (it is not reading)
+    poll_us: int = 0                    # after a message, poll without sleeping this long (0: always sleep)
 
 
 @dataclass
@@ -280,12 +281,17 @@ class Broker:
             poller.register(watch.sock, zmq.POLLIN)
         log.info("broker %d: frontend %s, backend %s, heartbeat %d ms x %d", os.getpid(), self.cfg.frontend,
                  self.cfg.backend, self.cfg.heartbeat_ms, self.cfg.liveness)
+        awake_until = 0.0                 # --poll-us: poll without sleeping until then
         while not self.stopping:
             timeout = max(1, int(self.hb * 1000 / 2))
             if self.queue:
                 # Queued requests have deadlines: look at them every housekeeping period, even when idle.
                 timeout = min(timeout, max(1, int(self._housekeeping_s() * 1000)))
+            if self.cfg.poll_us and time.monotonic() < awake_until:
+                timeout = 0
             events = dict(poller.poll(timeout))
+            if events and self.cfg.poll_us:
+                awake_until = time.monotonic() + self.cfg.poll_us / 1e6
             # Workers first: replies free credit for the requests waiting behind them.
             if events.get(self.backend):
                 self._receive_all(self.backend, self.on_backend)
@@ -1020,6 +1026,11 @@ POLICY_FLAGS = (
     ("--max-restarts", "max_restarts", int, "restart-worker commands accepted per --restart-window"),
     ("--restart-window", "restart_window_s", float, "seconds over which --max-restarts counts"),
     ("--client-hwm", "client_hwm", int, "replies queued per client before more are dropped"),
+    ("--poll-us", "poll_us", int,
+     "after each message, keep polling without sleeping for this many microseconds, so the next message (a reply "
+     "a forward later, the next request) finds the broker awake: a thread woken from a sleep of a millisecond or "
+     "more answers 0.1-0.2 ms late on a VM's cores (docs/PERF.md, twelfth session). Costs a core while traffic "
+     "flows; 0: off"),
 )
 
 

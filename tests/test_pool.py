@@ -657,3 +657,35 @@ def test_worker_exit_codes(tmp_path):
                         "--backend", f"ipc://{tmp_path}/be", "--id", "x"], env=SUBPROCESS_ENV,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == contract.EXIT_CONFIG and "missing" in r.stderr
+
+
+def _cpu_seconds_over(p: subprocess.Popen, seconds: float) -> float:
+    import psutil
+    proc = psutil.Process(p.pid)
+    before = sum(proc.cpu_times()[:2])
+    time.sleep(seconds)
+    return sum(proc.cpu_times()[:2]) - before
+
+
+@pytest.mark.parametrize("poll_us", [0, 400_000])
+def test_the_broker_polls_awake_after_a_message_only_when_asked(tmp_path, poll_us):
+    """--poll-us: for that long after a message the broker polls without sleeping (it burns its core), then sleeps
+    again; without it, it sleeps at once. Read from the broker process's own CPU time."""
+    fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
+    p = _broker("--frontend", fe, "--backend", be, "--poll-us", str(poll_us))
+    try:
+        with Client(fe, timeout=10, retries=0) as c:
+            c.status()
+            time.sleep(0.5)                       # past any window opened by the connection's own messages
+            c.ping()
+            busy = _cpu_seconds_over(p, 0.2)      # inside the window (if any)
+            time.sleep(0.3)
+            idle = _cpu_seconds_over(p, 0.2)      # past it
+        assert idle < 0.05, idle
+        if poll_us:
+            assert busy > 0.1, busy               # it polled through most of the 0.2 s
+        else:
+            assert busy < 0.05, busy
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
