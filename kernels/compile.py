@@ -1,16 +1,18 @@
-"""Compiling the fast path's kernels before their first launch, in several processes at once.
+"""Compiling the fast path's kernels before their first launch, in several processes at once (experimental, off).
 
 A worker on a fresh machine (Triton's on-disk cache empty) spent ~30 s of its start compiling the kernel
 specializations of its warm-up one after another (device run of 2026-12-04: READY 43.9 s after `up`, warm-up
-30.7 s of it). Triton compiles holding the GIL, so threads do not help; processes do. So:
+30.7 s of it). Triton compiles holding the GIL, so threads do not help; processes might:
 
 1. `recorded()` runs the warm-up's forwards with every launch of a kernel that is not compiled yet recorded and
    skipped (Triton's `jit_cache_hook`): the list of what the warm-up needs, in well under a second, nothing launched.
 2. `compile_in_processes` deals the list out to child processes, each compiling its share into the shared on-disk
-   cache from the very signature, constants, attributes and options the hook saw (so the same cache key as the
-   launch that follows), and building each kernel's launcher (a C module Triton compiles with
-   the host's compiler, also cached on disk: the first device run found it cost as much as the kernels).
-3. The warm-up proper then finds every kernel on disk.
+   cache from the signature, constants, attributes and options the hook saw, and loading each kernel once (which
+   builds its launcher, a C module Triton compiles with the host's compiler and caches on disk beside it).
+3. The warm-up proper should then find every kernel on disk. It does not yet: on the H200 it compiled 31 of 35
+   again under other on-disk keys, although Triton's in-process keys match (docs/PERF.md, twelfth session).
+   `log_keys` (LAYA_COMPILE_KEYS=FILE) logs each key's parts in the parent and the children to find the difference;
+   until then the worker leaves this off (`--compile-procs 0`).
 
 A failed child costs nothing but time: whatever it did not compile, the warm-up compiles as before.
 """
@@ -174,7 +176,7 @@ def _child(device: int) -> int:
             options = backend.parse_options(options)
             kernel = fn.compile(fn.ASTSource(fn, signature, constants, attrs), target=target, options=options.__dict__)
             # Its launcher too: a small C module per signature that Triton builds with the host's C compiler on a
-            # kernel's first launch (cached on disk beside the binary) and that costs as much as the compile.
+            # kernel's first launch (cached on disk beside the binary).
             _ = kernel.run
             done += 1
         except Exception as e:  # noqa: BLE001 - the warm-up compiles what a child could not
