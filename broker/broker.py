@@ -81,6 +81,8 @@ class BrokerConfig:
 class WorkerInfo:
     id: str
     identity: bytes
+    data: bytes | None = None           # the worker's data socket: its replies come from there
+    data_requests: bool = False         # ... and its requests go there (once it is connected)
     device: str = "?"
     fingerprint: str = ""
     capacity: dict[str, int] = field(default_factory=dict)
@@ -271,6 +273,18 @@ class Broker:
             w.last_sent = time.monotonic()
         return ok
 
+    def _to_data(self, w: WorkerInfo, frames: list[Any]) -> bool:
+        """A request to the worker's data thread, or to its control socket while the data socket is not connected
+        (ROUTER_MANDATORY refuses an unknown peer at the first frame, so nothing was sent; the worker's I/O thread
+        hands what it gets there to the data thread)."""
+        if w.data_requests and self._send(self.backend, [w.data, *frames]):
+            return True     # not `last_sent`: the worker's I/O thread hears the broker on its control socket only
+        self.counters["routed_to_control"] += w.data_requests
+        ok = self._send(self.backend, [w.identity, *frames])
+        if ok:
+            w.last_sent = time.monotonic()
+        return ok
+
     # -------------------------------------------------------------------------------------------- loop
 
     def run(self) -> int:
@@ -350,6 +364,7 @@ class Broker:
                 # Drained and stopped workers stay listed: `restart-worker` must still find them.
                 self.workers.pop(w.id, None)
                 self.by_identity.pop(w.identity, None)
+                self.by_identity.pop(w.data, None)
             return
         if now > w.expiry:
             self._worker_lost(w, WorkerState.DEAD, f"missed heartbeats for {now - w.last_seen:.2f} s")
@@ -731,6 +746,9 @@ class Broker:
         for k in ("max_tokens", "max_rows", "max_markers"):
             wire.get(cap, k, int, what="capacity")
         fp = wire.get(h, "fingerprint", str)
+        data = wire.get(h, "data", str, default=None)
+        if data is not None and data != f"{wid}/data":
+            raise wire.ProtocolError("data", f"a worker's data socket is {wid + '/data'!r}, not {data!r}")
         old = self.workers.get(wid)
         registrations, kept = 0, {}
         if old is not None:
@@ -739,7 +757,9 @@ class Broker:
             if old.state.live and old.inflight:
                 # The same id registered again: the old process (and its work) is gone.
                 self._requeue_from(old, "re-registered")
-        w = WorkerInfo(id=wid, identity=identity, device=wire.get(h, "device", str, default="?"), fingerprint=fp,
+        w = WorkerInfo(id=wid, identity=identity, data=None if data is None else data.encode(),
+                       data_requests=data is not None and wire.get(h, "data_requests", bool, default=False),
+                       device=wire.get(h, "device", str, default="?"), fingerprint=fp,
                        capacity={k: int(v) for k, v in cap.items() if isinstance(v, int)},
                        limits={k: int(v) for k, v in wire.get(h, "limits", dict, default={}).items()
                                if isinstance(v, int)},
@@ -762,6 +782,8 @@ class Broker:
                       self.pool_fp[:12])
         self.workers[wid] = w
         self.by_identity[identity] = wid
+        if w.data is not None:
+            self.by_identity[w.data] = wid
         self._to_worker(w, Cmd.HEARTBEAT, {})
         log.info("worker %s ready: %s pid %s, credit %d, fingerprint %s (registration %d)", wid, w.device, w.pid,
                  w.credit, fp[:12], w.registrations)
@@ -948,8 +970,8 @@ class Broker:
         if job.kind == "describe":
             ok = self._to_worker(w, Cmd.DESCRIBE, {"rid": job.id})
         else:
-            ok = self._to_worker(w, Cmd.REQUEST, wire.request_header_for_worker(job.req, job.id, budget),
-                                 *job.payload)
+            ok = self._to_data(w, wire.encode(Cmd.REQUEST, wire.request_header_for_worker(job.req, job.id, budget),
+                                              *job.payload))
         if not ok:
             self._worker_lost(w, WorkerState.DEAD, "unreachable")
             return False

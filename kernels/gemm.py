@@ -104,19 +104,29 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
 def fill_tiles(t: Tiles, m: int, n_out: int, sms: int) -> Tiles:
     """Smaller output tiles until a GEMM's programs cover the SMs: a residual GEMM's N is the hidden size, whose
     1024 columns in 128-wide tiles leave SMs idle up to M ~ 2,000 (and at small M in any tiling). Tiles never change
-    the bits, so this is free to depend on M. Order: N to 64, then M to 64 (one warpgroup), then N to 16."""
+    the bits, so this is free to depend on M. Order: N to 64, then M to 64 (one warpgroup), then N to 16.
+
+    From M = ONE_WAVE_M on, a tile is only halved while the halved grid still fits in one wave: two waves of half
+    tiles take as long as one of whole ones, and lose the whole tile's reuse (device sweep, 2026-12-04, M = 1,536:
+    128x128 residual tiles in 96 programs beat 128x64 in 192 by 12% (Wo) and 26% (Wo_mlp))."""
     def programs(t: Tiles) -> int:
         return -(-m // t.bm) * -(-n_out // t.bn)
     while programs(t) < sms:
         if t.bn > 64:
-            t = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
+            s = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
         elif t.bm > 64:
-            t = Tiles(64, t.bn, t.bk, 4, max(t.stages, 4))
+            s = Tiles(64, t.bn, t.bk, 4, max(t.stages, 4))
         elif t.bn > 16:
-            t = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
+            s = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
         else:
             break
+        if m >= ONE_WAVE_M and programs(s) > sms:
+            break
+        t = s
     return t
+
+
+ONE_WAVE_M = 1024
 
 
 if triton is not None:
@@ -145,7 +155,7 @@ if triton is not None:
                      HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False,
                      GELU_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                     W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128):
+                     W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128, OUT_TMA: tl.constexpr = False):
         # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
         # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
         CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
@@ -228,23 +238,10 @@ if triton is not None:
                         acc2 = tl.dot(a, b2, acc2)
                     a_ptrs += BK
                     w_ptrs += BK
-        out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
         if SPLIT:
-            tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=ok)
-        elif EPI == 0:
-            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
-        elif EPI == 1:
-            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
-            h = tl.load(out_ptrs, mask=ok, other=0.0)
-            tl.store(out_ptrs, h + y, mask=ok)
-        elif EPI == 2:
-            inp = acc.to(CD).to(tl.float32)
-            gate = acc2.to(CD).to(tl.float32)
-            g = _gelu(inp, table_ptr, GELU_TABLE).to(CD).to(tl.float32)
-            tl.store(out_ptrs, (g * gate).to(out_ptr.dtype.element_ty), mask=ok)
-        else:
+            out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
+            tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=row_ok[:, None] & col_ok[None, :])
+        elif EPI == 3:
             # w in `rope_pairs` order: columns 2p and 2p + 1 are pair p's (x1, x2), one thread's neighbours in the
             # accumulator, so the split moves no data; pair p is column j = p % HALF of head p // HALF and its
             # partner, HALF on. Query and key heads (the first ROPE_HEADS) rotate by the token's row-relative
@@ -265,6 +262,27 @@ if triton is not None:
             first = out_ptr + rm[:, None] * som + (head * (2 * HALF) + j)[None, :]
             tl.store(first, y1.to(out_ptr.dtype.element_ty), mask=pair_ok)
             tl.store(first + HALF, y2.to(out_ptr.dtype.element_ty), mask=pair_ok)
+        else:
+            if EPI == 2:
+                inp = acc.to(CD).to(tl.float32)
+                gate = acc2.to(CD).to(tl.float32)
+                y = _gelu(inp, table_ptr, GELU_TABLE).to(CD).to(tl.float32) * gate
+            else:
+                y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
+            if OUT_TMA:
+                # The output through a descriptor too: no [BM, BN] tensor of 64-bit addresses, which took a 128x128
+                # residual tile to 255 registers and a stack (ptxas, sm_90; 90 without); the same arithmetic.
+                m0 = pid_m * BM
+                n0 = pid_n * BN
+                if EPI == 1:
+                    y = out_ptr.load([m0, n0]) + y
+                out_ptr.store([m0, n0], y.to(out_ptr.dtype))
+            else:
+                out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
+                ok = row_ok[:, None] & col_ok[None, :]
+                if EPI == 1:
+                    y = tl.load(out_ptrs, mask=ok, other=0.0) + y
+                tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.PLAIN,
@@ -384,20 +402,29 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
         w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
+    out_tma = tma and not split and epi != Epi.ROPE and out_by_tma(out, out_rows)
+    out_arg = TensorDescriptor(out, [m, n_out], [out_rows, 1], [t.bm, t.bn]) if out_tma else out
     gelu = epi == Epi.GEGLU or act == Act.GELU
     table = gelu_table(a.device) if gelu else w
     options = launch(a.device, grid[0] * grid[1] * grid[2])
     ahead = prefetching(options) and not tma and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0
-    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
+    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out_arg, pos, cos, sin, table,
                        m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
                        split_stride or 0,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                        HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
                        GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
-                       PIECES=32 * t.warps, **options, num_warps=t.warps, num_stages=t.stages)
+                       PIECES=32 * t.warps, OUT_TMA=out_tma, **options, num_warps=t.warps, num_stages=t.stages)
 
 
 TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off
+
+
+def out_by_tma(out: torch.Tensor, row_stride: int) -> bool:
+    """The epilogue reads and writes `out` through a descriptor (with TMA operands; LAYA_OUT_TMA=0: off)."""
+    if os.environ.get("LAYA_OUT_TMA") == "0":
+        return False
+    return out.data_ptr() % 16 == 0 and (row_stride * out.element_size()) % 16 == 0
 
 
 def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:

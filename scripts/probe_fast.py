@@ -160,6 +160,8 @@ def _sweep_configs(m: int, epi: Epi) -> list[Tiles]:
     else:
         bns = (32, 64, 128) if epi == Epi.GEGLU else (64, 128, 256)
         out = [Tiles(128, bn, 64, 8, st) for bn in bns for st in (2, 3, 4)] + [Tiles(64, bns[1], 64, 4, 4)]
+        # deeper K tiles and two warpgroups along M: fewer loop trips, fewer programs per wave
+        out += [Tiles(128, bns[1], 128, 8, 2), Tiles(256, bns[0], 64, 8, 3), Tiles(128, bns[1], 64, 4, 4)]
     if epi == Epi.GEGLU and m <= 64:
         out = [t for t in out if t.bn <= 32]
     return out
@@ -202,7 +204,7 @@ def _tile_case(name, n, k, epi, rope):
         return o
 
     out = {}
-    for m in (48, 1536, 8192):
+    for m in [int(x) for x in os.environ.get("PROBE_TILE_MS", "48,1536,8192").split(",")]:
         canon = result(m, None)
         picked = pick_tiles(m, n_out, k, epi)
         row = {}
@@ -347,11 +349,11 @@ def step_model(model_dir, report):
         agree = float((pf.argmax(-1) == pr.argmax(-1)).float().mean())
         t_fast = graph_time(lambda inp=inp: fast(**inp), reps=1, samples=50)
         variants = {}
-        # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma, prefetch (off: the same bits?),
+        # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma, prefetch, outtma (off: the same bits?),
         # sdpa (torch's SDPA on the SDK's layout instead of our attention: its time, and whether the whole forward
         # gives the same bits)
         for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {}),
-                           ("no prefetch", {"LAYA_PREFETCH": "0"})):
+                           ("no prefetch", {"LAYA_PREFETCH": "0"}), ("no outtma", {"LAYA_OUT_TMA": "0"})):
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
                 continue
             model = sdpa_model if not env else fast

@@ -1,8 +1,10 @@
-"""Drive the worker's real compute thread (`worker.compute.Compute`) in-process, without sockets.
+"""Drive the worker's real compute thread (`worker.compute.Compute`) in-process.
 
 Requests go through the wire codec both ways (encoded, decoded, parsed, as the I/O thread hands them over), and
-every reply is parsed back, so what a test sees is what a client would. Used by tests/test_overlap.py (CPU) and
-tests/test_serving_gpu.py (device).
+every reply is parsed back, so what a test sees is what a client would. Two ways in: a queue (`QueueInbox`, with the
+landing-watch thread), or `sockets=True`: the worker's own data socket (`SocketInbox`, the data thread polling its
+socket and the launched group's event), fed by a ROUTER on loopback as the broker feeds it. Used by
+tests/test_overlap.py (CPU) and tests/test_serving_gpu.py (device).
 """
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import time
 from typing import Any
 
 import numpy as np
-from laya_pool.protocol import wire
+import zmq
+from laya_pool.protocol import contract, wire
 from laya_pool.worker.batch import Batch
 from laya_pool.worker.compute import Compute, FaultHooks, Queued
+from laya_pool.worker.inbox import SocketInbox
 
 COUNTS = ("received", "ok", "request_errors", "internal_errors", "upload_errors", "dropped", "protocol_errors",
           "handed_back", "registrations", "merged_runs", "merged_requests")
@@ -35,16 +39,19 @@ def rows(rng: np.random.Generator, n: int, length: int, markers: int, vocab: int
 class Driven:
     """A Compute over `runtime`, its replies parsed by request id, and its counters."""
 
-    def __init__(self, runtime: Any, max_group: int, faults: FaultHooks = FaultHooks()):
+    def __init__(self, runtime: Any, max_group: int, faults: FaultHooks = FaultHooks(), sockets: bool = False):
         self.frames: list[list[Any]] = []
         self.counts = dict.fromkeys(COUNTS, 0)
+        self.runtime, self.max_group, self.faults, self.sockets = runtime, max_group, faults, sockets
         self.compute = Compute(runtime, "w0", runtime.fingerprint, max_group, self.frames.append, self.counts,
                                faults)
 
     def run(self, items: list[Queued], gap_s: float = 0.0) -> dict[Any, wire.Reply]:
         """Feed `items` (all at once, or one every `gap_s` from a feeder thread), then the stop sentinel; run the
         compute loop in this thread until it stops; every request's reply by rid (a second reply fails)."""
-        q = self.compute.queue
+        if self.sockets:
+            return self._run_sockets(items, gap_s)
+        q = self.compute.inbox
         if gap_s <= 0:
             for item in items:
                 q.put(item)
@@ -67,6 +74,57 @@ class Driven:
             assert reply.rid not in out, f"request {reply.rid} answered twice"
             out[reply.rid] = reply
         self.frames.clear()
+        missing = [x.req.rid for x in items if x.req.rid not in out]
+        assert not missing, f"requests never answered: {missing[:5]}"
+        return out
+
+    def _run_sockets(self, items: list[Queued], gap_s: float) -> dict[Any, wire.Reply]:
+        """As `run`, through a fresh Compute whose inbox is a data socket: a ROUTER (the broker's side) sends each
+        request to identity w0/data; the stop sentinel goes in once the data thread has taken every request."""
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        inbox = SocketInbox(ctx, f"tcp://127.0.0.1:{port}", "w0/data", max_message_bytes=contract.MAX_BACKEND_BYTES)
+        compute = Compute(self.runtime, "w0", self.runtime.fingerprint, self.max_group, inbox.send, self.counts,
+                          self.faults, inbox=inbox)
+        inbox.open()
+        self.compute = compute
+        requests = [wire.encode_request(x.req.rid, x.req.arrays(), mode=x.req.mode, taps=x.req.taps) for x in items]
+
+        def feed() -> None:
+            for frames in requests:
+                while True:      # the DEALER's connection is made in the background: wait for the ROUTER to know it
+                    try:
+                        wire.send_frames(router, [b"w0/data", *frames])
+                        break
+                    except zmq.ZMQError:
+                        time.sleep(0.001)
+                if gap_s > 0:
+                    time.sleep(gap_s)
+            deadline = time.monotonic() + 60
+            while compute.taken < len(requests) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            inbox.put(None)
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        compute.loop()
+        feeder.join()
+        out: dict[Any, wire.Reply] = {}
+        router.setsockopt(zmq.RCVTIMEO, 10_000)
+        try:
+            while len(out) < len(items):
+                frames = router.recv_multipart()
+                assert frames[0] == b"w0/data", frames[0]
+                reply = wire.parse_any_reply(wire.decode(frames[1:]))
+                assert reply.rid not in out, f"request {reply.rid} answered twice"
+                out[reply.rid] = reply
+        except zmq.Again:
+            pass
+        finally:
+            inbox.wake_out.close(0)
+            router.close(0)
+            ctx.term()
         missing = [x.req.rid for x in items if x.req.rid not in out]
         assert not missing, f"requests never answered: {missing[:5]}"
         return out

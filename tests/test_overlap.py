@@ -179,10 +179,12 @@ def _record_depth(rt: Runtime) -> list[int]:
     return seen
 
 
+@pytest.mark.parametrize("sockets", [False, True], ids=["queue", "data-socket"])
 @pytest.mark.parametrize("gap_s", [0.0, 0.002])
-def test_two_group_loop_answers_exactly_as_one_at_a_time(tiny_ckpt, gap_s):
+def test_two_group_loop_answers_exactly_as_one_at_a_time(tiny_ckpt, gap_s, sockets):
     """overlap on (two slots, N+1 launched before N is answered) against off, same requests, one reply each; CPU
-    groups of one request (CPU GEMMs are not batch-invariant, so merged bits would differ either way)."""
+    groups of one request (CPU GEMMs are not batch-invariant, so merged bits would differ either way). Requests come
+    through a queue, or through the worker's data socket (the data thread's own inbox)."""
     ck = load_checkpoint(tiny_ckpt)
     batches = _mixed_requests(3, 40)
     bad = 11
@@ -193,7 +195,7 @@ def test_two_group_loop_answers_exactly_as_one_at_a_time(tiny_ckpt, gap_s):
     for overlap in (False, True):
         rt = Runtime(ck, config=RuntimeConfig(capacity=CAP, overlap=overlap))
         deepest = _record_depth(rt)
-        d = Driven(rt, max_group=1)
+        d = Driven(rt, max_group=1, sockets=sockets)
         answers[overlap] = d.run([queued(i, b) for i, b in enumerate(batches)], gap_s=gap_s)
         if gap_s == 0:
             assert max(deepest) == (2 if overlap else 1), "with requests waiting, overlap keeps two groups launched"
@@ -225,7 +227,8 @@ def test_planted_slot_reuse_is_caught(tiny_ckpt):
     assert differ, "sharing one slot between two groups in flight must show"
 
 
-def test_a_failed_launch_with_a_group_in_flight_is_answered_alone(tiny_ckpt):
+@pytest.mark.parametrize("sockets", [False, True], ids=["queue", "data-socket"])
+def test_a_failed_launch_with_a_group_in_flight_is_answered_alone(tiny_ckpt, sockets):
     """LAYA_WORKER_FAULT_ROWS raises inside the launch of any group holding a 3-row request: with a group in
     flight, that group is still answered right, and the faulty request alone fails (internal, on the CPU)."""
     ck = load_checkpoint(tiny_ckpt)
@@ -233,7 +236,7 @@ def test_a_failed_launch_with_a_group_in_flight_is_answered_alone(tiny_ckpt):
     batches = [rows(rng, 3 if i in (4, 9) else 1 + i % 2, 40, 2) for i in range(16)]
     want = Driven(Runtime(ck, config=RuntimeConfig(capacity=CAP)), 1).run([queued(i, b) for i, b in enumerate(batches)])
     rt = Runtime(ck, config=RuntimeConfig(capacity=CAP, overlap=True))
-    d = Driven(rt, max_group=4, faults=FaultHooks(fault_rows=3))
+    d = Driven(rt, max_group=4, faults=FaultHooks(fault_rows=3), sockets=sockets)
     got = d.run([queued(i, b) for i, b in enumerate(batches)])
     for i in range(len(batches)):
         if i in (4, 9):

@@ -71,14 +71,14 @@ def _close(a, b, path="") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def _start(ckpt: Path, frontend: str | None, log: Path):
+def _start(ckpt: Path, frontend: str | None, log: Path, data_requests: str = "auto"):
     return local_pool(ckpt, "cpu", workers_per_device=2, frontend=frontend, heartbeat_ms=HB_MS, liveness=LIVENESS,
-                      startup_timeout=180, log=log)
+                      startup_timeout=180, log=log, env={"LAYA_DATA_REQUESTS": data_requests})
 
 
-def _module_pool(tiny_ckpt, tmp_path_factory, frontend):
+def _module_pool(tiny_ckpt, tmp_path_factory, frontend, data_requests="auto"):
     log = tmp_path_factory.mktemp("pool") / "pool.log"
-    with _start(tiny_ckpt, frontend, log) as pool:
+    with _start(tiny_ckpt, frontend, log, data_requests) as pool:
         yield pool
     text = log.read_text()
     assert pool.process.returncode == 0, text[-3000:]          # SIGTERM: drained, exit 0
@@ -93,7 +93,9 @@ def tcp_pool(tiny_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ipc_pool(tiny_ckpt, tmp_path_factory):
-    yield from _module_pool(tiny_ckpt, tmp_path_factory, None)
+    # Requests straight to each worker's data thread (a CUDA worker's default; a CPU worker's is the I/O thread,
+    # which the tcp pool keeps): kill -9, SIGTERM and a broker restart run through both paths.
+    yield from _module_pool(tiny_ckpt, tmp_path_factory, None, data_requests="on")
 
 
 @pytest.fixture(params=["tcp", "ipc"])
@@ -249,6 +251,25 @@ def test_a_state_window_that_disagrees_is_sent_again_whole(ipc_pool, expected, m
 
 
 # ------------------------------------------------------------------------------------------------ dedup
+
+def test_requests_go_to_the_data_thread_when_the_worker_asks(ipc_pool, tcp_pool, runtime):
+    """The ipc pool's workers take requests on their data sockets (the I/O thread hands over none once connected);
+    the tcp pool's (a CPU worker's default) take them through the I/O thread. Both answer the same."""
+    counts = {}
+    for name, pool in (("data", ipc_pool), ("control", tcp_pool)):
+        before = {w["id"]: w["stats"] for w in _wait_ready(pool).values()}
+        with pool.client() as c:
+            for seed in range(6):
+                rows = make_rows(100 + seed)
+                np.testing.assert_allclose(c.forward(rows).flat, _reference(runtime, rows)[0], rtol=1e-5, atol=1e-5)
+
+        def moved(key, pool=pool, before=before):
+            now = {w["id"]: w["stats"] for w in _wait_ready(pool).values()}
+            return sum(now[i].get(key, 0) - before[i].get(key, 0) for i in now)
+        wait_until(lambda moved=moved: moved("received") >= 6, 5, f"{name}: the workers never counted 6 requests")
+        counts[name] = (moved("received"), moved("via_control"))
+    assert counts["data"][1] == 0 and counts["control"][1] == counts["control"][0] >= 6, counts
+
 
 def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):
     _wait_ready(tcp_pool)

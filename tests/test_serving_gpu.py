@@ -2,7 +2,7 @@
 request path after READY, a failed upload with a group in flight.
 
 Run on the device: `python -m pytest -q -m gpu tests/test_serving_gpu.py -s`. Requests go through the worker's real
-compute thread (tests/compute_driver.py: the wire codec both ways, no sockets).
+compute thread (tests/compute_driver.py: the wire codec both ways; through a queue, or the worker's data socket).
 """
 from __future__ import annotations
 
@@ -68,11 +68,13 @@ def test_overlap_on_equals_off_and_merged_equals_alone(ckpt, mode):
     for overlap in (False, True):
         rt = worker_runtime(ckpt, mode, overlap=overlap, warm=mode == "graph-cached")
         depth = record_depth(rt)
-        for gap_s in (0.0, 0.0003):
-            d = Driven(rt, max_group=32)
+        # through a queue (and the landing-watch thread), then the worker's data socket (the data thread polling the
+        # socket and the launched group's CUDA event)
+        for gap_s, sockets in ((0.0, False), (0.0003, False), (0.0, True), (0.0003, True)):
+            d = Driven(rt, max_group=32, sockets=sockets)
             got = d.run(items(), gap_s=gap_s)
             bad = [i for i in range(len(batches)) if not same(got[i], alone[i])]
-            assert not bad, (mode, overlap, gap_s, bad[:5])
+            assert not bad, (mode, overlap, gap_s, sockets, bad[:5])
             # All queued at once must merge; a stream may find the device done before the next request arrives (the
             # fast forward on the H200 did, 2026-12-03), and then the feed shows overlap == alone only.
             assert gap_s or d.counts["merged_runs"] > 0, "nothing merged: the test would not show merged == alone"
@@ -138,3 +140,35 @@ def test_failed_upload_with_a_group_in_flight(ckpt):
     assert rt.upload.drains == 1 and rt.upload.last_drained_after == 2
     assert all(same(got[i], want[i]) for i in range(len(batches)) if i != 1)
     assert d.counts["upload_errors"] == 1 and rt.slots.in_flight == 0
+
+
+def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
+    """A real pool on the device (`laya-pool up`: broker + one CUDA worker, real sockets): requests reach the worker's
+    data thread directly (its I/O thread hands over none), answers equal an in-process eager runtime's bit for bit,
+    and a burst from several threads merges there."""
+    import concurrent.futures as cf
+
+    from laya_pool.client.pool import local_pool
+
+    eager = worker_runtime(ckpt, "eager", warm=False)
+    batches = small_requests(4, 48)
+    want = Driven(eager, 1).run([queued(i, b) for i, b in enumerate(batches)])
+    as_rows = [[(b.ids[s:s + n], b.markers[m:m + c], int(t)) for s, n, m, c, t in
+                zip(np.cumsum([0, *b.lengths[:-1]]), b.lengths, np.cumsum([0, *b.marker_counts[:-1]]),
+                    b.marker_counts, b.types)] for b in batches]
+    with local_pool(tiny_ckpt, "cuda:0", startup_timeout=240) as pool:
+        with pool.client() as c:
+            for i in range(4):        # one at a time first
+                np.testing.assert_array_equal(c.forward(as_rows[i]).flat, want[i].logits)
+
+            def one(i):
+                with pool.client() as ci:
+                    return i, ci.forward(as_rows[i])
+            with cf.ThreadPoolExecutor(8) as ex:
+                for i, got in ex.map(one, range(len(batches))):
+                    np.testing.assert_array_equal(got.flat, want[i].logits)
+            st = pool.status()
+    stats = st["workers"][0]["stats"]
+    assert stats["via_control"] == 0 and stats["received"] >= 52, stats
+    assert st["broker"]["counters"].get("routed_to_control", 0) == 0, st["broker"]["counters"]
+    print(f"\nCUDA pool: {stats['received']} requests on the data socket, merged runs {stats['merged_runs']}")

@@ -4,9 +4,11 @@ Words: a *request* is what the broker sent (`wire.Request`, queued here as `Queu
 the runtime runs in one forward (`worker.batch.Batch`: one request's rows, or a group's merged); a
 *group* is the requests that share one forward (`worker.merge.Group`, dynamic batching).
 
-The thread owns the runtime. It takes requests from a queue the I/O thread fills, and hands every
-encoded reply back through `reply` (the I/O thread's inproc PAIR socket: ZeroMQ sockets are never
-shared between threads). It keeps up to `runtime.depth` groups launched (two on CUDA): while group N
+The thread owns the runtime. It takes its work from an inbox (worker/inbox.py): in a worker its own data socket
+to the broker, polled together with the launched group's event, so it is the worker's *data thread*; in tests a
+queue. It sends every encoded reply through `reply` (in a worker, on the same data socket). Every request message
+it takes through `intake` gets exactly one reply, which `outstanding` counts for the I/O thread's drain. It keeps
+up to `runtime.depth` groups launched (two on CUDA): while group N
 computes, it admits, merges and launches group N+1 (which queues behind N on the device), then waits
 for N and answers it, so the device never waits for the host's validation and packing. With nothing
 launched and nothing queued it lets the runtime capture a bucket a request missed (`idle_work`).
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -36,12 +37,13 @@ from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 
 from .batch import Batch, RequestError
-from .landing import Landed, LandingWatch
+from .inbox import NOTHING, QueueInbox
+from .landing import Landed
 from .merge import Group
 
 log = logging.getLogger("laya-pool.worker")
 
-_DONE, _IDLE, _NOTHING = object(), object(), object()    # what `_next` returns besides a queued request
+_DONE, _IDLE, _NOTHING = object(), object(), NOTHING    # what `_next` returns besides a queued request
 # Nothing launched and nothing arriving for this long: idle enough to capture a missed bucket (a request that
 # arrives during the capture waits for it, tens of ms, once per bucket; a short gap in steady traffic does not count).
 IDLE_S = 0.005
@@ -90,21 +92,56 @@ class FaultHooks:
 
 class Compute:
     def __init__(self, runtime: Any, worker_id: str, fingerprint: str, max_group: int,
-                 reply: Callable[[list[Any]], None], counts: dict[str, int], faults: FaultHooks = FaultHooks()):
+                 reply: Callable[[list[Any]], None], counts: dict[str, int], faults: FaultHooks = FaultHooks(),
+                 inbox: Any = None):
         self.rt, self.id, self.fingerprint = runtime, worker_id, fingerprint
         self.max_group = max_group        # requests merged into one forward (--max-batch)
-        self.reply, self.counts, self.faults = reply, counts, faults
-        # None: stop once what is before it is done; Landed: a launched group's answers are in (worker/landing.py)
-        self.queue: queue.Queue[Queued | Landed | None] = queue.Queue()
+        self._send, self.counts, self.faults = reply, counts, faults
+        # Gives Queued requests, Landed groups (a launched group's answers are in) and None: stop once what is
+        # before it is done. Default: a queue others fill, with a landing-watch thread.
+        self.inbox = inbox if inbox is not None else QueueInbox(name=f"landing-{worker_id}")
+        self.inbox.intake = self.intake
+        self.inbox.oldest = lambda: self.flights[0] if self.flights else None
         self.session = 0                  # the I/O thread's registration; older requests are stale
+        self.stopping = False             # set by the I/O thread when it drains: refuse new requests
+        self.taken = self.answered = 0    # request messages taken by `intake`; replies sent (this thread's alone)
         self.fatal: str | None = None     # set when the device may be broken; the I/O thread then leaves
         self.runtime_stats: dict[str, Any] = {}
         self.last_stats = 0.0
         self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
         self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
-        self.landing = LandingWatch(self.queue.put, name=f"landing-{worker_id}")
         if hasattr(runtime, "before_capture"):
-            runtime.before_capture = self.landing.quiesce
+            runtime.before_capture = self.inbox.quiesce
+
+    def outstanding(self) -> int:
+        """Request messages taken and not yet answered (read by the I/O thread: `answered` first, so a count read
+        between the two increments errs high, never low)."""
+        answered = self.answered
+        return self.taken - answered
+
+    def reply(self, frames: list[Any]) -> None:
+        self.answered += 1
+        self._send(frames)
+
+    def intake(self, msg: wire.Message, received: float) -> Queued | None:
+        """A REQUEST message, received at `received`: the request to run, or None when it was answered here (the
+        worker is stopping, or the message is not a well-formed request). Either way it gets one reply."""
+        self.taken += 1
+        rid = msg.header.get("rid")
+        if self.stopping:
+            self.counts["handed_back"] += 1
+            self.reply(wire.encode_error(rid, wire.STATUS_RETRYABLE, f"worker {self.id} is stopping",
+                                         worker=self.id, reason=Reason.STOPPING))
+            return None
+        try:
+            req = wire.parse_request(msg)
+        except wire.ProtocolError as e:
+            self.counts["protocol_errors"] += 1
+            self.reply(wire.encode_error(rid if isinstance(rid, (int, str)) else None, wire.STATUS_FINAL, str(e),
+                                         field=e.field, worker=self.id))
+            return None
+        self.counts["received"] += 1
+        return Queued.of(self.session, req, received)
 
     def loop(self) -> None:
         """The thread's body: until the stop sentinel, or until the worker is fatal."""
@@ -134,11 +171,11 @@ class Compute:
                 if flight is not None:
                     self.flights.append(flight)
                     if self.rt.depth > 1:
-                        self.landing.watch(flight)
+                        self.inbox.watch(flight)
             self._update_busy()
             self._refresh_stats()
         self._settle()
-        self.landing.close()
+        self.inbox.close()
 
     def _next(self) -> Queued | None | object:
         """The next queued request (None: the stop sentinel), or _DONE when the oldest launched group finished
@@ -160,9 +197,8 @@ class Compute:
         """The next request (None: stop), _DONE when a launched group landed, or _NOTHING after `timeout` s."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+            item = self.inbox.get(max(0.0, deadline - time.monotonic()))
+            if item is NOTHING:
                 return _NOTHING
             done = self._landed(item)
             if done is not None:
@@ -173,9 +209,8 @@ class Compute:
 
     def _get_nowait(self) -> Queued | None | object:
         while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
+            item = self.inbox.get(0.0)
+            if item is NOTHING:
                 return _NOTHING
             done = self._landed(item)
             if done is None:
@@ -191,7 +226,8 @@ class Compute:
 
     def _request_or_done(self) -> Queued | None | object:
         """With a group launched: the next request to arrive, or _DONE once the oldest launched group landed (groups
-        land in launch order). Sleeps on the queue: the landing watch wakes it (no polling)."""
+        land in launch order). Waits in the inbox: a queue the landing watch wakes, or (a worker's) the data socket
+        polled with the group's event."""
         while True:
             # A waiting request first: with the device idle, launching the next group before answering the landed
             # one gets the device going sooner (the answers are in host memory; they wait a group's launch).

@@ -2,12 +2,14 @@
 
     python -m laya_pool.worker.server --model DIR --device cpu|cuda:N --backend ENDPOINT --id ID [--mode eager]
 
-Two threads:
-- the I/O thread (the main thread, `Worker`) owns the DEALER socket to the broker: it registers (READY),
-  sends heartbeats every interval whatever the device is doing, decodes requests strictly, answers
-  DESCRIBE, DRAIN and DISCONNECT, and forwards finished replies;
-- the compute thread (`worker.compute.Compute`) owns the runtime: it takes decoded requests from a queue,
-  runs them and hands the encoded replies back through an inproc PAIR socket.
+Two threads, each with its own DEALER socket to the broker:
+- the I/O thread (the main thread, `Worker`) owns the control socket: it registers (READY, which names the data
+  socket), sends heartbeats every interval whatever the device is doing, answers DESCRIBE, DRAIN and DISCONNECT,
+  watches for a hung device, and hands the data thread any request the broker routed to the control socket;
+- the data thread (`worker.compute.Compute` over a `worker.inbox.SocketInbox`) owns the runtime and the data
+  socket (identity `<id>/data`): it takes requests from it, runs them and sends the replies on it, polling the
+  socket and the launched group's event instead of sleeping while a group computes (docs/architecture.md,
+  "The data path").
 
 SIGTERM/SIGINT: stop taking work, finish what was taken, say DISCONNECT, exit 0. A drain does the same
 on the broker's request (exit 0, or EXIT_RESTART when the operator asked for a restart). A key or option
@@ -29,11 +31,12 @@ from typing import Any
 
 import zmq
 from laya_pool.protocol import contract, logs, wire
-from laya_pool.protocol.contract import Leave, Reason
+from laya_pool.protocol.contract import Leave
 from laya_pool.protocol.wire import Cmd
 
 from . import placement
-from .compute import Compute, FaultHooks, Queued
+from .compute import Compute, FaultHooks
+from .inbox import SocketInbox
 from .threadname import name_os_thread
 
 log = logging.getLogger("laya-pool.worker")
@@ -64,6 +67,8 @@ class WorkerConfig:
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
     compile_procs: int = 0                  # off by default: see worker.runtime.RuntimeConfig.compile_procs
+    poll_us: int = 0                        # after a reply, the data thread polls its socket this long before sleeping
+    data_requests: str = "auto"             # requests straight to the data thread: auto = on CUDA (see --data-requests)
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
     log_level: str = "INFO"
@@ -78,13 +83,18 @@ class WorkerConfig:
         # A forward that has not finished in this long is a hung device: one group on an H200 takes
         # milliseconds (a first graph capture well under a second); a CPU runs the large model far slower.
         timeout = self.compute_timeout if self.compute_timeout is not None else (10.0 if on_cuda else 30.0)
-        return dataclasses.replace(self, max_batch=max_batch, compute_timeout=timeout,
+        data = self.data_requests if self.data_requests != "auto" else ("on" if on_cuda else "off")
+        return dataclasses.replace(self, max_batch=max_batch, compute_timeout=timeout, data_requests=data,
                                    credit=self.credit if self.credit is not None else max(2, 2 * max_batch),
                                    mode=self.mode or ("graph-cached" if on_cuda else "eager"))
 
     def usage_problem(self) -> str | None:
         if min(self.credit, self.max_batch, self.heartbeat_ms, self.liveness) < 1:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
+        if self.data_requests not in ("auto", "on", "off"):
+            return f"--data-requests must be auto, on or off (got {self.data_requests!r}); check LAYA_DATA_REQUESTS"
+        if not 0 <= self.poll_us <= 10_000_000:
+            return f"--poll-us must be in 0..10000000 (got {self.poll_us}); check LAYA_WORKER_POLL_US"
         if not 0 <= self.compile_procs <= 64:
             return f"--compile-procs must be in 0..64 (got {self.compile_procs}); check LAYA_COMPILE_PROCS"
         if self.gil_switch_ms is not None and not 0.01 <= self.gil_switch_ms <= 1000:
@@ -107,32 +117,27 @@ class Worker:
         self.dealer: zmq.Socket | None = None
         self.card_frame = wire.pack(runtime.card())
         self.fingerprint = runtime.fingerprint
-        self.outstanding = 0           # requests taken and not yet answered
         self.stop_requested = False    # set by the signal handler; acted on by the I/O loop
         self.stop_reason: Leave | None = None   # SHUTDOWN | DRAIN | RESTART once draining
+        # Written by the data thread only; the I/O thread's own counts are apart (one writer per counter).
         self.counts = {"received": 0, "ok": 0, "request_errors": 0, "internal_errors": 0, "upload_errors": 0,
-                       "dropped": 0, "expired": 0, "protocol_errors": 0, "handed_back": 0, "registrations": 0,
+                       "dropped": 0, "expired": 0, "protocol_errors": 0, "handed_back": 0,
                        "merged_runs": 0, "merged_requests": 0}
-        self.pair_io = self.ctx.socket(zmq.PAIR)
-        addr = f"inproc://compute-{id(self)}"
-        self.pair_io.bind(addr)
-        pair_compute = self.ctx.socket(zmq.PAIR)
-        pair_compute.connect(addr)
-        self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch,
-                               lambda frames: wire.send_frames(pair_compute, frames, copy=False, wait=True),
-                               self.counts, faults)
-        self.compute_thread = threading.Thread(target=self._compute_main, args=(pair_compute,), name="compute",
-                                               daemon=True)
+        self.io_counts = {"registrations": 0, "protocol_errors": 0}
+        self.data_identity = f"{self.id}/data"
+        self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
+                                 max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us)
+        self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
+                               faults, inbox=self.inbox)
+        self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
         self.last_sent = self.last_ready = self.broker_expiry = 0.0
         self.hung = False
         self.reconnect_wait = self.hb
 
-    def _compute_main(self, pair: zmq.Socket) -> None:
+    def _compute_main(self) -> None:
         name_os_thread("compute")
-        try:
-            self.compute.loop()
-        finally:
-            pair.close(0)
+        self.inbox.open()           # the data socket is this thread's: created, used and closed here
+        self.compute.loop()
 
     # ------------------------------------------------------------------------------------------ sockets
 
@@ -151,7 +156,6 @@ class Worker:
         self.dealer = s
         self.poller = zmq.Poller()
         self.poller.register(self.dealer, zmq.POLLIN)
-        self.poller.register(self.pair_io, zmq.POLLIN)
 
     def _send(self, frames: list[Any]) -> None:
         try:
@@ -163,9 +167,10 @@ class Worker:
     def _ready(self) -> None:
         cap = self.rt.capacity
         lim = self.rt.limits
-        self.counts["registrations"] += 1
+        self.io_counts["registrations"] += 1
         self._send(wire.encode(Cmd.READY, {
-            "id": self.id, "device": self.device_label, "fingerprint": self.fingerprint,
+            "id": self.id, "data": self.data_identity, "data_requests": self.cfg.data_requests == "on",
+            "device": self.device_label, "fingerprint": self.fingerprint,
             "capacity": {"max_tokens": int(cap.max_tokens), "max_rows": int(cap.max_rows),
                          "max_markers": int(cap.max_markers), "row_markers": int(getattr(cap, "row_markers", 0))},
             "limits": {"vocab_size": int(lim.vocab_size), "max_len": int(lim.max_len)},
@@ -175,7 +180,11 @@ class Worker:
         self.broker_expiry = self.last_ready + self.hb * self.cfg.liveness
 
     def _stats(self) -> dict[str, Any]:
-        return {**self.counts, "outstanding": self.outstanding, "queued": self.compute.queue.qsize(),
+        return {**self.counts, "registrations": self.io_counts["registrations"],
+                "protocol_errors": self.counts["protocol_errors"] + self.io_counts["protocol_errors"]
+                + self.inbox.malformed,
+                "outstanding": self.compute.outstanding(), "queued": self.inbox.qsize(),
+                "via_control": self.inbox.via_control,
                 "runtime": self.compute.runtime_stats}
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -190,8 +199,6 @@ class Worker:
         while True:
             events = dict(self.poller.poll(max(1, int(self.hb * 1000 / 2))))
             now = time.monotonic()
-            if events.get(self.pair_io):
-                self._forward_replies()
             if events.get(self.dealer):
                 self._read_broker(now)
             code = self._finished()
@@ -203,15 +210,6 @@ class Worker:
                 code = self._broker_silent(now)
                 if code is not None:
                     return code
-
-    def _forward_replies(self) -> None:
-        while True:
-            try:
-                frames = wire.recv_frames(self.pair_io, copy=False)
-            except zmq.Again:
-                return
-            self.outstanding -= 1
-            self._send(frames)
 
     def _read_broker(self, now: float) -> None:
         while True:
@@ -242,7 +240,7 @@ class Worker:
         if self.compute.fatal is not None:
             log.error("worker %s: fatal: %s", self.id, self.compute.fatal)
             return self._leave(contract.EXIT_FATAL, Leave.FATAL)
-        if self.stop_reason is not None and self.outstanding == 0:
+        if self.stop_reason is not None and self.compute.outstanding() == 0:
             log.info("worker %s: %s, in-flight work finished; leaving", self.id, self.stop_reason)
             return self._leave(self._drained_code(), self.stop_reason)
         return None
@@ -270,10 +268,10 @@ class Worker:
         """Say why (when there is a broker to tell), stop the compute thread, flush, and return `code`."""
         if tell is not None:
             self._send(wire.encode(Cmd.DISCONNECT, {"reason": tell}))
-        self.compute.queue.put(None)
+        self.inbox.put(None)
         self.compute_thread.join(timeout=0.2 if self.hung else 5)   # a hung thread never returns
         self.dealer.close(linger=2000)
-        self.pair_io.close(0)
+        self.inbox.wake_out.close(0)
         if not self.compute_thread.is_alive():
             self.ctx.term()      # returns once the DEALER's queue is flushed (or its linger ran out)
         else:
@@ -286,7 +284,7 @@ class Worker:
         try:
             msg = wire.decode(frames)
         except wire.ProtocolError as e:
-            self.counts["protocol_errors"] += 1
+            self.io_counts["protocol_errors"] += 1
             log.warning("worker %s: malformed message from the broker (%s)", self.id, e)
             return
         if msg.cmd == Cmd.REQUEST:
@@ -324,28 +322,16 @@ class Worker:
 
     def _drain(self, how: Leave, tell_broker: bool = False) -> None:
         if self.stop_reason is None:
-            log.info("worker %s: draining (%s), %d in flight", self.id, how, self.outstanding)
+            log.info("worker %s: draining (%s), %d in flight", self.id, how, self.compute.outstanding())
             if tell_broker and self.dealer is not None:
                 self._send(wire.encode(Cmd.DRAIN, {"reason": how}))   # dispatch nothing more here
         self.stop_reason = how
+        self.compute.stopping = True     # the data thread refuses what arrives from now on
 
     def _on_request(self, msg: wire.Message, now: float) -> None:
-        rid = msg.header.get("rid")
-        if self.stop_reason is not None:
-            self.counts["handed_back"] += 1
-            self._send(wire.encode_error(rid, wire.STATUS_RETRYABLE, f"worker {self.id} is stopping",
-                                         worker=self.id, reason=Reason.STOPPING))
-            return
-        try:
-            req = wire.parse_request(msg)
-        except wire.ProtocolError as e:
-            self.counts["protocol_errors"] += 1
-            self._send(wire.encode_error(rid if isinstance(rid, (int, str)) else None, wire.STATUS_FINAL, str(e),
-                                         field=e.field, worker=self.id))
-            return
-        self.counts["received"] += 1
-        self.outstanding += 1
-        self.compute.queue.put(Queued.of(self.compute.session, req, now))
+        # Routed to the control socket (the broker does so until it hears the data socket): the data thread takes
+        # it as it takes its own, so every request is counted, refused or run in one place.
+        self.inbox.put((msg, now))
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -395,6 +381,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA, experimental: processes that compile the warm-up's kernels in parallel before it runs "
                         "(a cold Triton cache costs ~30 s of start-up in one process); 0 (default): off, because "
                         "the warm-up still recompiles most of them today (docs/PERF.md); env LAYA_COMPILE_PROCS")
+    p.add_argument("--poll-us", type=int, default=int(os.environ.get("LAYA_WORKER_POLL_US") or 0),
+                   help="after each reply the data thread polls its socket this long (microseconds) before it sleeps, "
+                        "so the next request of a closed-loop caller finds it awake (it burns its core meanwhile; "
+                        "while a group computes it always polls). Default 0; env LAYA_WORKER_POLL_US")
+    p.add_argument("--data-requests", default=os.environ.get("LAYA_DATA_REQUESTS", d.data_requests),
+                   choices=("auto", "on", "off"),
+                   help="on: the broker sends requests to the data thread's own socket; off: to the I/O thread, "
+                        "which stamps their arrival and hands them over. Replies always leave from the data socket. "
+                        "auto (default): on with CUDA, whose data thread is never busy for long; off on a CPU, whose "
+                        "forward holds the data thread for seconds, so a request's deadline would count from when it "
+                        "is read, not from when it came (env LAYA_DATA_REQUESTS)")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))

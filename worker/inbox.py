@@ -1,0 +1,204 @@
+"""Where the compute thread takes its work from: requests, landed groups and the stop sentinel.
+
+The compute loop (worker/compute.py) asks one thing of its inbox: `get(timeout)`, the next `Queued` request, a
+`Landed` group, None (stop) or `NOTHING` once `timeout` passed. Two inboxes give it:
+
+- `QueueInbox`: a queue that others fill (tests/compute_driver.py, and any thread that hands requests in), and a
+  landing-watch thread (worker/landing.py) that blocks on each launched group's event and puts a `Landed` on it.
+- `SocketInbox`, the worker's: the compute thread is the worker's *data thread*. It owns its own DEALER to the
+  broker (the data socket, identity `<id>/data`, announced in READY), reads requests from it, sends the replies on
+  it, and, while a group is launched, polls that socket and the group's CUDA event in turn instead of sleeping.
+  No hand-off to another thread and no landing thread on the way of a request: on the H200 each sleeping hop woke
+  0.1-0.2 ms late and two threads trading the GIL cost more (docs/architecture.md, "The data path"). What the I/O
+  thread still receives on the control socket (requests the broker routed there before the data socket was
+  connected; the stop sentinel) it hands over with `put`, which also wakes the data thread.
+
+Poll, then sleep: with a group launched the data thread never sleeps (a forward is milliseconds; it costs one core
+only while a request is in the worker); after a reply it keeps polling for `poll_us` (a closed-loop caller's next
+request arrives a round trip later), then blocks in `zmq.poll` until a message or `timeout`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from laya_pool.protocol import wire
+
+from .landing import Landed, LandingWatch
+
+log = logging.getLogger("laya-pool.worker")
+
+NOTHING = object()          # `get` found nothing before its timeout
+
+
+class QueueInbox:
+    """A queue filled by other threads; launched groups land through a landing-watch thread."""
+
+    def __init__(self, name: str = "landing"):
+        self.queue: queue.Queue = queue.Queue()
+        self.landing = LandingWatch(self.queue.put, name=name)
+
+    def put(self, item: Any) -> None:
+        self.queue.put(item)
+
+    def get(self, timeout: float) -> Any:
+        try:
+            return self.queue.get(timeout=timeout) if timeout > 0 else self.queue.get_nowait()
+        except queue.Empty:
+            return NOTHING
+
+    def watch(self, flight: Any) -> None:
+        self.landing.watch(flight)
+
+    def quiesce(self) -> None:
+        self.landing.quiesce()
+
+    def qsize(self) -> int:
+        return self.queue.qsize()
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.landing.close()
+
+
+class SocketInbox:
+    """The data thread's own socket to the broker, polled with the launched group's event (see the module doc).
+
+    Built by the I/O thread (so `put` works before the data thread runs); `open` (in the data thread) connects the
+    data socket; `send` and `get` are the data thread's alone. `intake(msg, now)` turns a request message into a
+    `Queued`, or answers it itself and returns None (worker/compute.py `Compute.intake`); `oldest()` is the oldest
+    launched group, or None."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: str, *, keys: str | None = None,
+                 max_message_bytes: int, poll_us: int = 0):
+        self.ctx, self.endpoint, self.identity, self.keys = ctx, endpoint, identity, keys
+        self.max_message_bytes, self.poll_s = max_message_bytes, poll_us / 1e6
+        self.handed: queue.SimpleQueue = queue.SimpleQueue()     # from the I/O thread
+        # put() wakes a data thread blocked in zmq.poll: a PAIR whose sending end only the I/O thread uses.
+        addr = f"inproc://wake-{id(self)}"
+        self.wake_in = ctx.socket(zmq.PAIR)
+        self.wake_in.bind(addr)
+        self.wake_out = ctx.socket(zmq.PAIR)
+        self.wake_out.connect(addr)
+        self.sock: zmq.Socket | None = None
+        self.intake: Callable[[wire.Message, float], Any] = lambda msg, now: None
+        self.oldest: Callable[[], Any] = lambda: None
+        self.malformed = 0            # messages on the data socket that did not decode
+        self.via_control = 0          # request messages the I/O thread handed over (the rest came to the data socket)
+        self.awake_until = 0.0
+
+    # -- the I/O thread ------------------------------------------------------------------------------------------
+    def put(self, item: Any) -> None:
+        """Hand over a request message `(msg, received)`, a `Queued`, or None (stop)."""
+        self.handed.put(item)
+        try:
+            self.wake_out.send(b"", zmq.NOBLOCK)
+        except zmq.Again:            # the wake-up queue is full: the data thread is awake enough
+            pass
+
+    def qsize(self) -> int:
+        return self.handed.qsize()
+
+    # -- the data thread -----------------------------------------------------------------------------------------
+    def open(self) -> None:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, self.identity.encode())
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if self.keys:
+            wire.configure_curve_client(s, self.keys, role="worker")
+        s.connect(self.endpoint)
+        self.sock = s
+        self.poller = zmq.Poller()
+        self.poller.register(s, zmq.POLLIN)
+        self.poller.register(self.wake_in, zmq.POLLIN)
+
+    def send(self, frames: list[Any]) -> None:
+        """A reply, on the data socket (the broker takes a worker's replies from either of its sockets)."""
+        try:
+            wire.send_frames(self.sock, frames, copy=False)
+        except zmq.Again:
+            log.warning("worker %s: the broker's queue is full; dropped a reply", self.identity)
+        self.awake_until = time.monotonic() + self.poll_s
+
+    def watch(self, flight: Any) -> None:
+        pass                          # `get` polls the oldest launched group itself
+
+    def quiesce(self) -> None:
+        pass                          # no other thread of this worker makes CUDA calls
+
+    def get(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            item = self._ready()
+            if item is not NOTHING:
+                return item
+            now = time.monotonic()
+            if now >= deadline:
+                return NOTHING
+            if self.oldest() is not None or now < self.awake_until:
+                continue              # poll: a group is computing, or a reply just went out
+            self.poller.poll(max(1, int((deadline - now) * 1e3)))
+            self._drain_wakes()
+
+    def _ready(self) -> Any:
+        """What is there now, without waiting: handed over, then the data socket, then a landed group."""
+        try:
+            return self._taken(self.handed.get_nowait())
+        except queue.Empty:
+            pass
+        item = self._receive()
+        if item is not NOTHING:
+            return item
+        flight = self.oldest()
+        if flight is not None and flight.job.done():
+            return Landed(flight)
+        return NOTHING
+
+    def _taken(self, item: Any) -> Any:
+        if isinstance(item, tuple):              # (msg, received): a request the I/O thread read
+            self.via_control += 1
+            q = self.intake(*item)
+            return NOTHING if q is None else q
+        return item
+
+    def _receive(self) -> Any:
+        while True:
+            try:
+                frames = wire.recv_frames(self.sock)
+            except zmq.Again:
+                return NOTHING
+            now = time.monotonic()
+            try:
+                msg = wire.decode(frames)
+            except wire.ProtocolError as e:
+                self.malformed += 1
+                log.warning("worker %s: malformed message on the data socket (%s)", self.identity, e)
+                continue
+            if msg.cmd != wire.Cmd.REQUEST:
+                # Control messages come on the control socket; a restarted broker's word reaches that one too.
+                log.debug("worker %s: %s on the data socket, ignored", self.identity, msg.cmd.name)
+                continue
+            q = self.intake(msg, now)
+            if q is not None:
+                return q
+
+    def _drain_wakes(self) -> None:
+        while True:
+            try:
+                self.wake_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=2000)
+        self.wake_in.close(0)
