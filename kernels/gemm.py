@@ -241,6 +241,27 @@ if triton is not None:
         if SPLIT:
             out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
             tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=row_ok[:, None] & col_ok[None, :])
+        elif EPI == 3 and OUT_TMA:
+            # As below, for tiles of whole heads (BN // 2 a multiple of HALF; the host checks): the tile's output
+            # columns are one block, [head][x1 half, x2 half], stored through a descriptor; a tile's heads all rotate
+            # or none do (ROPE_HEADS a multiple of the tile's heads), and cos/sin are loaded once per row for the
+            # HALF columns every head of the tile shares. The same products and sums, so the same bits.
+            NH: tl.constexpr = BN // (2 * HALF)
+            x1, x2 = tl.split(tl.reshape(acc.to(CD).to(tl.float32), (BM, BN // 2, 2)))
+            x1 = tl.reshape(x1, (BM, NH, HALF))
+            x2 = tl.reshape(x2, (BM, NH, HALF))
+            if pid_n * NH < ROPE_HEADS:
+                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
+                t = pos[:, None] * HALF + tl.arange(0, HALF)[None, :]
+                c = tl.load(cos_ptr + t, mask=row_ok[:, None], other=1.0)[:, None, :]
+                s = tl.load(sin_ptr + t, mask=row_ok[:, None], other=0.0)[:, None, :]
+                y1 = _mul(x1, c) - _mul(x2, s)
+                y2 = _mul(x2, c) + _mul(x1, s)
+            else:
+                y1 = x1
+                y2 = x2
+            y = tl.reshape(tl.permute(tl.join(y1, y2), (0, 1, 3, 2)), (BM, BN))
+            out_ptr.store([pid_m * BM, pid_n * BN], y.to(out_ptr.dtype))
         elif EPI == 3:
             # w in `rope_pairs` order: columns 2p and 2p + 1 are pair p's (x1, x2), one thread's neighbours in the
             # accumulator, so the split moves no data; pair p is column j = p % HALF of head p // HALF and its
@@ -402,7 +423,10 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
         w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
-    out_tma = tma and not split and epi != Epi.ROPE and out_by_tma(out, out_rows)
+    # ROPE through a descriptor only in tiles of whole heads that all rotate or all pass (its epilogue writes each
+    # head's halves as one block, and decides per tile)
+    whole_heads = epi != Epi.ROPE or ((t.bn // 2) % half == 0 and rope_heads % (t.bn // (2 * half)) == 0)
+    out_tma = tma and not split and whole_heads and out_by_tma(out, out_rows)
     out_arg = TensorDescriptor(out, [m, n_out], [out_rows, 1], [t.bm, t.bn]) if out_tma else out
     gelu = epi == Epi.GEGLU or act == Act.GELU
     table = gelu_table(a.device) if gelu else w

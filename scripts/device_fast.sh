@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -73,6 +73,14 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
           timeout ${OVERHEAD_TIMEOUT:-120} python3 scripts/overhead.py --model /tmp/large --device cuda --samples 200 \
             --json "$OUT/overhead-awake.json" 2>&1 | grep -vE "Warning|warn" | tail -18
           kill $AW; wait $AW ;;
+    ncu) # Nsight Compute on the four encoder GEMMs at NCU_MS (default 48,1536): throughputs, occupancy, stalls
+          for m in $(echo ${NCU_MS:-48,1536} | tr , ' '); do
+            timeout ${NCU_TIMEOUT:-150} ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+              --section WarpStateStats --section LaunchStats -k regex:_gemm_kernel --launch-skip 4 --launch-count 4 \
+              python3 scripts/ncu_gemm.py --m $m > "$OUT/ncu$m.txt" 2>&1
+            echo "== ncu M=$m"; grep -E "_gemm_kernel|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Thr|Compute \(SM\) Thr|Registers Per|Achieved Occupancy|Theoretical Occ|Warp Cycles Per Issued|Block Limit Reg|Grid Size|Shared Memory Config" \
+              "$OUT/ncu$m.txt" | sed 's/  */ /g' | cut -c1-110
+          done ;;
     hostsplit) # where an in-process predict goes (encode, run's parts, decode) against the replay alone; the tokenizer's
           # thread pool on (its default) and off
           for par in true false; do echo "== TOKENIZERS_PARALLELISM=$par"

@@ -361,7 +361,8 @@ def step_model(model_dir, report):
             try:
                 lv, av = model(**inp)
                 variants[label] = (graph_time(lambda inp=inp, m=model: m(**inp), reps=1, samples=30),
-                                   bool(torch.equal(lv, lf) and torch.equal(av, af)))
+                                   bool(torch.equal(lv, lf) and torch.equal(av, af)),
+                                   float((torch.softmax(lv, -1) - pr).abs().max()))
             finally:
                 for k_ in env:
                     os.environ.pop(k_)
@@ -381,8 +382,8 @@ def step_model(model_dir, report):
                 fam[f] += ev.device_time_total / 1e3
                 cnt[f] += 1
         key = f"{R}x{L}"
-        for label, (tv, same) in variants.items():
-            print(f"        {label}: {tv[0]:.3f}/{tv[1]:.3f} ms, same bits {same}")
+        for label, (tv, same, dpv) in variants.items():
+            print(f"        {label}: {tv[0]:.3f}/{tv[1]:.3f} ms, same bits {same}, |dp| vs reference {dpv:.4f}")
         rec[key] = {"variants": variants,
                     "dp_max_vs_ref": dp, "agree_vs_ref": agree, "graph_fast": t_fast, "graph_ref": t_ref,
                     "eager_fast_ms": eager, "kernels": sum(cnt.values()),

@@ -13,10 +13,10 @@ and the neighbours' load hit them alike), on the host clock:
 - `forward`: `Client.forward` of one 1x48 row through the pool (client, broker, worker, back);
 - `in-process`: `Runtime.run` of the same batch here (what the pool adds is `forward` minus this);
 - where a forward's time goes, from the reply's timings (the worker's clock is this host's monotonic clock):
-  `up` (the call starts -> the worker's I/O thread wakes with it: client encode and send, broker, two hops),
-  `queue` (-> the compute thread starts its forward: decode, hand-off, validation), `worker` (-> answered by
-  the compute thread), `down` (-> the call returns: reply encode, hand-off to the I/O thread, broker, two
-  hops, client decode);
+  `up` (the call starts -> the worker's data thread reads it: client encode and send, broker, two hops; on a worker
+  without `data_requests`, the I/O thread reads it and hands it over), `queue` (-> the data thread starts its
+  forward: decode, validation), `worker` (-> answered by the data thread), `down` (-> the call returns: reply
+  encode, the data socket, broker, two hops, client decode);
 - the CPU cost of each protocol step, timed alone here: the client's request frames and its reply parsing,
   the broker's decode / re-encode of a request and of a reply, the worker's request parsing and validation
   and its reply encoding.
@@ -42,12 +42,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # (the worker stamps each on this host's monotonic clock: compute.py `_answer`).
 PARTS = ("ping", "forward", "in-process", "up", "up: to the broker", "up: in the broker", "up: to the worker",
          "queue", "worker", "launch", "device wait", "wake", "down", "down: to the broker", "down: to the client")
-PART_NOTES = {"up": " (client -> worker's I/O thread)", "up: to the broker": " (encode, send, hop, broker wakes)",
-              "up: in the broker": " (parse, queue, dispatch)", "up: to the worker": " (send, hop, I/O thread)",
-              "queue": " (-> compute thread, admit)",
+PART_NOTES = {"up": " (client -> worker's data thread)", "up: to the broker": " (encode, send, hop, broker wakes)",
+              "up: in the broker": " (parse, queue, dispatch)", "up: to the worker": " (send, hop, data thread)",
+              "queue": " (-> forward starts: admit)",
               "worker": " (received -> reply built)", "launch": " (merge, pack, upload, launch)",
               "device wait": " (launched -> readback landed)", "wake": " (landed -> answers cut, reply built)",
-              "down": " (reply -> client)", "down: to the broker": " (hand-off, I/O send, hop)",
+              "down": " (reply -> client)", "down: to the broker": " (data socket send, hop)",
               "down: to the client": " (broker, hop, client wakes)"}
 
 from laya_pool.client.pool import Client, local_pool  # noqa: E402
