@@ -353,7 +353,7 @@ def step_model(model_dir, report):
         # sdpa (torch's SDPA on the SDK's layout instead of our attention: its time, and whether the whole forward
         # gives the same bits)
         for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {}),
-                           ("no prefetch", {"LAYA_PREFETCH": "0"}), ("no outtma", {"LAYA_OUT_TMA": "0"})):
+                           ("no prefetch", {"LAYA_PREFETCH": "0"}), ("with outtma", {"LAYA_OUT_TMA": "1"})):
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
                 continue
             model = sdpa_model if not env else fast

@@ -232,12 +232,13 @@ def load_checkpoint_arch():
 @interpreted
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("bn", [16, 32, 64, 128])
-def test_rope_epilogue_tiles_within_and_across_heads(bn, tma):
+def test_rope_epilogue_tiles_within_and_across_heads(bn, tma, monkeypatch):
     """The QKV GEMM's RoPE epilogue on `rope_pairs` weights, its N tile inside one head (bn <= D) or spanning
     several heads: every query and key column rotated by its token's position, written to its own place; value
     columns untouched. With descriptors (TMA), tiles of whole heads store through one (bn >= D here)."""
     from laya_pool.kernels.gemm import Tiles, gemm, rope_pairs
     from laya_pool.kernels.reference import _rope_tables, _rotate_half
+    monkeypatch.setenv("LAYA_OUT_TMA", "1")          # opt-in (kernels/gemm.py out_by_tma)
     g = torch.Generator().manual_seed(5)
     heads, d, m, k = 3, 32, 40, 64
     a = torch.randn(m, k, generator=g).half()
@@ -259,11 +260,12 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn, tma):
 
 @interpreted
 @pytest.mark.parametrize("epi", [Epi.PLAIN, Epi.RESIDUAL, Epi.GEGLU, Epi.ROPE])
-def test_epilogues_through_descriptors_give_the_pointer_epilogues_bits(epi):
+def test_epilogues_through_descriptors_give_the_pointer_epilogues_bits(epi, monkeypatch):
     """With TMA operands the epilogue reads and writes its output tile through a descriptor (no [BM, BN] tensor of
     addresses): the same arithmetic, so the same bits as the pointer epilogue, rows past M untouched; a ROPE tile of
     whole heads included. (A planted swap of a head's two halves in the descriptor store was caught here.)"""
     from laya_pool.kernels.gemm import Tiles, gemm, rope_pairs
+    monkeypatch.setenv("LAYA_OUT_TMA", "1")          # opt-in (kernels/gemm.py out_by_tma)
     g = torch.Generator().manual_seed(9)
     m, k, heads, d = 100, 128, 2, 64
     n = 3 * heads * d if epi == Epi.ROPE else 256
