@@ -727,7 +727,10 @@ class Broker:
             reason = wire.get(msg.header, "reason", str, default=Leave.SHUTDOWN)
             state = {Leave.DRAIN: WorkerState.DRAINED, Leave.RESTART: WorkerState.RESTARTING}.get(
                 reason, WorkerState.STOPPED)
-            self._worker_lost(w, state, f"left ({reason})")
+            # A worker that leaves in good order answered all it read; a request still counted here was on its way
+            # to it (its data socket is not ordered with its control socket): a hand-back, not a lost attempt.
+            self._worker_lost(w, state, f"left ({reason})",
+                              lost=reason not in (Leave.DRAIN, Leave.RESTART, Leave.SHUTDOWN))
         else:
             raise wire.ProtocolError("command", f"{msg.cmd.name} is not a worker command")
 
@@ -742,6 +745,8 @@ class Broker:
         wid = wire.get(h, "id", str)
         if not wid or identity != wid.encode():
             raise wire.ProtocolError("id", f"the worker id {wid!r} must equal its socket identity {identity!r}")
+        if "/" in wid:
+            raise wire.ProtocolError("id", f"a worker id has no '/' (it names the worker's data socket): {wid!r}")
         cap = wire.get(h, "capacity", dict)
         for k in ("max_tokens", "max_rows", "max_markers"):
             wire.get(cap, k, int, what="capacity")
@@ -757,6 +762,7 @@ class Broker:
             if old.state.live and old.inflight:
                 # The same id registered again: the old process (and its work) is gone.
                 self._requeue_from(old, "re-registered")
+            self.by_identity.pop(old.data, None)
         w = WorkerInfo(id=wid, identity=identity, data=None if data is None else data.encode(),
                        data_requests=data is not None and wire.get(h, "data_requests", bool, default=False),
                        device=wire.get(h, "device", str, default="?"), fingerprint=fp,
@@ -854,7 +860,7 @@ class Broker:
         if not self._requeue(job, lost=False):
             self._fail(job, wire.STATUS_RETRYABLE, "no worker could describe the model")
 
-    def _worker_lost(self, w: WorkerInfo, state: WorkerState, why: str) -> None:
+    def _worker_lost(self, w: WorkerInfo, state: WorkerState, why: str, lost: bool = True) -> None:
         prev = w.state
         w.state = state
         if state is WorkerState.DEAD or w.inflight:
@@ -862,14 +868,19 @@ class Broker:
                         len(w.inflight))
         else:
             log.info("worker %s %s: %s", w.id, state, why)
-        self._requeue_from(w, why)
+        self._requeue_from(w, why, lost)
         self._maybe_switch_model()
 
-    def _requeue_from(self, w: WorkerInfo, why: str) -> None:
+    def _requeue_from(self, w: WorkerInfo, why: str, lost: bool = True) -> None:
         for jid in sorted(w.inflight, reverse=True):
             job = self.inflight.pop(jid, None)
-            if job is not None:
+            if job is None:
+                continue
+            if lost:
                 self._lost(job, w, why)
+            elif not self._requeue(job, lost=False):
+                self._fail(job, wire.STATUS_RETRYABLE, f"workers keep handing this request back (last: worker {w.id}, "
+                           f"{why})", reason=Reason.BOUNCED)
         w.inflight.clear()
 
     def _lost(self, job: Job, w: WorkerInfo, why: str) -> None:

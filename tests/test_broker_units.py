@@ -202,3 +202,27 @@ def test_dispatch_leaves_the_jobs_it_passed_over_in_front_in_their_order(broker,
     finally:
         w.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize("reason,lost", [("drain", False), ("restart", False), ("shutdown", False), ("fatal", True)])
+def test_a_worker_leaving_in_good_order_hands_back_what_was_on_its_way(broker, tmp_path, reason, lost):
+    """A request dispatched to a worker's data socket can still be on its way when the worker, drained, says it is
+    leaving on its control socket (two connections, no order between them): a hand-back, not a lost attempt, so a
+    rolling restart never spends a request's chances. A fatal leave still counts one (the poisonous-request guard)."""
+    import zmq
+    ctx = zmq.Context()
+    worker = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")
+    try:
+        _register(broker, worker, 1000)
+        w = broker.workers["w0"]
+        job = Job(5, "request", ("c", 9), [b"client"], 9, worker="w0")
+        broker.inflight[job.id] = job
+        w.inflight.add(job.id)
+        worker.send_multipart(wire.encode(wire.Cmd.DISCONNECT, {"reason": reason}))
+        assert broker.backend.poll(5000)
+        broker._receive_all(broker.backend, broker.on_backend)
+        assert (job.attempts, job.bounces) == ((1, 0) if lost else (0, 1)), (job.attempts, job.bounces)
+        assert broker.queue[0] is job and w.lost == (1 if lost else 0) and not w.inflight
+    finally:
+        worker.close(0)
+        ctx.term()

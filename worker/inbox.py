@@ -76,9 +76,9 @@ class SocketInbox:
     launched group, or None."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: str, *, keys: str | None = None,
-                 max_message_bytes: int, poll_us: int = 0):
+                 max_message_bytes: int, poll_us: int = 0, heartbeat_ms: int = 1000):
         self.ctx, self.endpoint, self.identity, self.keys = ctx, endpoint, identity, keys
-        self.max_message_bytes, self.poll_s = max_message_bytes, poll_us / 1e6
+        self.max_message_bytes, self.poll_s, self.heartbeat_ms = max_message_bytes, poll_us / 1e6, heartbeat_ms
         self.handed: queue.SimpleQueue = queue.SimpleQueue()     # from the I/O thread
         # put() wakes a data thread blocked in zmq.poll: a PAIR whose sending end only the I/O thread uses.
         addr = f"inproc://wake-{id(self)}"
@@ -89,6 +89,7 @@ class SocketInbox:
         self.sock: zmq.Socket | None = None
         self.intake: Callable[[wire.Message, float], Any] = lambda msg, now: None
         self.oldest: Callable[[], Any] = lambda: None
+        self.farewell: list[Any] | None = None   # the leaving DISCONNECT, sent after the last reply (see `close`)
         self.malformed = 0            # messages on the data socket that did not decode
         self.via_control = 0          # request messages the I/O thread handed over (the rest came to the data socket)
         self.awake_until = 0.0
@@ -113,6 +114,10 @@ class SocketInbox:
         s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # No messages of its own to tell a dead connection from a quiet one (the control socket has the
+        # heartbeats): ZeroMQ's own, so a half-open connection is dropped and made again.
+        s.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ms)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self.heartbeat_ms)
         if self.keys:
             wire.configure_curve_client(s, self.keys, role="worker")
         s.connect(self.endpoint)
@@ -199,6 +204,21 @@ class SocketInbox:
                 return
 
     def close(self) -> None:
+        """The data thread is done (also when it failed). What the broker sent and nobody read is answered here
+        ("stopping", by `intake`: the I/O thread set `Compute.stopping` before it asked the thread to stop), then the
+        leaving DISCONNECT goes out on this same connection, after every reply: the broker must not see the worker
+        leave before its last answers, nor count a request still unread here as lost with it."""
         if self.sock is not None:
+            try:
+                # A request `intake` did not answer (the thread died, not stopping) is dropped: the broker re-sends
+                # what a worker held when it leaves.
+                while self._receive() is not NOTHING:
+                    pass
+                if self.farewell is not None:
+                    wire.send_frames(self.sock, self.farewell, copy=False)
+            except zmq.ZMQError as e:
+                log.warning("worker %s: closing the data socket: %s", self.identity, e)
             self.sock.close(linger=2000)
-        self.wake_in.close(0)
+            self.sock = None
+        if not self.wake_in.closed:
+            self.wake_in.close(0)

@@ -126,7 +126,8 @@ class Worker:
         self.io_counts = {"registrations": 0, "protocol_errors": 0}
         self.data_identity = f"{self.id}/data"
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
-                                 max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us)
+                                 max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us,
+                                 heartbeat_ms=cfg.heartbeat_ms)
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
                                faults, inbox=self.inbox)
         self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
@@ -136,8 +137,11 @@ class Worker:
 
     def _compute_main(self) -> None:
         name_os_thread("compute")
-        self.inbox.open()           # the data socket is this thread's: created, used and closed here
-        self.compute.loop()
+        try:
+            self.inbox.open()       # the data socket is this thread's: created, used and closed here
+            self.compute.loop()
+        finally:
+            self.inbox.close()      # also when the thread dies: an open socket would hang the I/O thread's ctx.term
 
     # ------------------------------------------------------------------------------------------ sockets
 
@@ -265,11 +269,22 @@ class Worker:
         return contract.EXIT_RESTART if self.stop_reason == Leave.RESTART else contract.EXIT_OK
 
     def _leave(self, code: int, tell: Leave | None) -> int:
-        """Say why (when there is a broker to tell), stop the compute thread, flush, and return `code`."""
-        if tell is not None:
-            self._send(wire.encode(Cmd.DISCONNECT, {"reason": tell}))
+        """Stop the data thread, say why (when there is a broker to tell), flush, and return `code`. The data thread
+        says it on its own socket after its last reply (`SocketInbox.close`); this thread says it only when that
+        one cannot (hung, or dead)."""
+        farewell = None if tell is None else wire.encode(Cmd.DISCONNECT, {"reason": tell})
+        self.compute.stopping = True
+        alive = self.compute_thread.is_alive() and not self.hung
+        if alive:
+            self.inbox.farewell = farewell
+        elif farewell is not None:
+            self._send(farewell)
         self.inbox.put(None)
         self.compute_thread.join(timeout=0.2 if self.hung else 5)   # a hung thread never returns
+        if alive and self.compute_thread.is_alive():
+            log.error("worker %s: the data thread did not stop; leaving without it", self.id)
+            if farewell is not None:
+                self._send(farewell)
         self.dealer.close(linger=2000)
         self.inbox.wake_out.close(0)
         if not self.compute_thread.is_alive():
