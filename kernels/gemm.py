@@ -106,27 +106,24 @@ def fill_tiles(t: Tiles, m: int, n_out: int, sms: int) -> Tiles:
     1024 columns in 128-wide tiles leave SMs idle up to M ~ 2,000 (and at small M in any tiling). Tiles never change
     the bits, so this is free to depend on M. Order: N to 64, then M to 64 (one warpgroup), then N to 16.
 
-    From M = ONE_WAVE_M on, a tile is only halved while the halved grid still fits in one wave: two waves of half
-    tiles take as long as one of whole ones, and lose the whole tile's reuse (device sweep, 2026-12-04, M = 1,536:
-    128x128 residual tiles in 96 programs beat 128x64 in 192 by 12% (Wo) and 26% (Wo_mlp))."""
+    Tried and dropped (2026-12-04, thirteenth session): stopping at one wave from M = 1,024 on. Alone, a 128x128
+    residual GEMM at M = 1,536 (96 programs) beat 128x64 (192) by 12-26%; in a forward the single-wave grid is
+    launched early under PDL (kernels/launch.py) and its waiting blocks hold SMs the kernels before it need: 32x48
+    3.91 ms against 3.60, 4x256 2.97 against 2.64 (same call)."""
     def programs(t: Tiles) -> int:
         return -(-m // t.bm) * -(-n_out // t.bn)
     while programs(t) < sms:
         if t.bn > 64:
-            s = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
+            t = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
         elif t.bm > 64:
-            s = Tiles(64, t.bn, t.bk, 4, max(t.stages, 4))
+            t = Tiles(64, t.bn, t.bk, 4, max(t.stages, 4))
         elif t.bn > 16:
-            s = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
+            t = Tiles(t.bm, t.bn // 2, t.bk, t.warps, t.stages)
         else:
             break
-        if m >= ONE_WAVE_M and programs(s) > sms:
-            break
-        t = s
     return t
 
 
-ONE_WAVE_M = 1024
 
 
 if triton is not None:

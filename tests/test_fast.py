@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from laya_pool.kernels.arch import parse_arch
-from laya_pool.kernels.gemm import ONE_WAVE_M, Epi, Tiles, fill_tiles, pick_tiles
+from laya_pool.kernels.gemm import Epi, Tiles, fill_tiles, pick_tiles
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.worker.checkpoint import load_checkpoint
 
@@ -60,16 +60,11 @@ def test_small_m_gets_enough_programs_to_stream_weights():
 @pytest.mark.parametrize("m", [48, 256, 1024, 1536, 2048, 8192])
 def test_residual_tiles_fill_the_sms_in_one_chain(m):
     """One K chain (the default) gives a residual GEMM no chunk programs: its tiles shrink until the programs cover
-    the SMs, as far as 16-wide tiles allow, and never shrink past that; from ONE_WAVE_M on, never into a second
-    wave."""
+    the SMs, as far as 16-wide tiles allow, and never shrink past that."""
     sms, n = 132, 1024
     t = fill_tiles(pick_tiles(m, n, 1024, Epi.RESIDUAL), m, n, sms)
     programs = -(-m // t.bm) * -(-n // t.bn)
-    if m >= ONE_WAVE_M:
-        assert programs <= sms or t == pick_tiles(m, n, 1024, Epi.RESIDUAL), (m, t, programs)
-        assert programs >= sms or 2 * programs > sms, (m, t, programs)      # halving once more would not fit
-    else:
-        assert programs >= sms or (t.bm, t.bn) == (64, 16), (m, t, programs)
+    assert programs >= sms or (t.bm, t.bn) == (64, 16), (m, t, programs)
     wider = Tiles(t.bm, 2 * t.bn, t.bk, t.warps, t.stages)
     assert t == pick_tiles(m, n, 1024, Epi.RESIDUAL) or -(-m // wider.bm) * -(-n // wider.bn) < sms, (m, t)
 
