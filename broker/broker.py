@@ -834,10 +834,14 @@ class Broker:
             # The worker failed running it (and is going down): that is a lost attempt, bounded by
             # max_attempts, so one poisonous request cannot take down worker after worker.
             self._lost(job, w, "the worker failed running it")
-        elif not self._requeue(job, lost=False):
+        else:
             # The worker is stopping (or could not take it): another worker runs it, up to max_bounces times.
-            self._fail(job, wire.STATUS_RETRYABLE, message or "workers keep handing this request back",
-                       reason=Reason.BOUNCED)
+            self._bounce(job, message or "workers keep handing this request back")
+
+    def _bounce(self, job: Job, message: str) -> None:
+        """`job` back to the queue as a hand-back, or failed once it has been handed back max_bounces times."""
+        if not self._requeue(job, lost=False):
+            self._fail(job, wire.STATUS_RETRYABLE, message, reason=Reason.BOUNCED)
 
     def on_worker_card(self, w: WorkerInfo, msg: wire.Message) -> None:
         rid = wire.get(msg.header, "rid", int, default=None)
@@ -878,9 +882,8 @@ class Broker:
                 continue
             if lost:
                 self._lost(job, w, why)
-            elif not self._requeue(job, lost=False):
-                self._fail(job, wire.STATUS_RETRYABLE, f"workers keep handing this request back (last: worker {w.id}, "
-                           f"{why})", reason=Reason.BOUNCED)
+            else:
+                self._bounce(job, f"workers keep handing this request back (last: worker {w.id}, {why})")
         w.inflight.clear()
 
     def _lost(self, job: Job, w: WorkerInfo, why: str) -> None:

@@ -124,8 +124,6 @@ def fill_tiles(t: Tiles, m: int, n_out: int, sms: int) -> Tiles:
     return t
 
 
-
-
 if triton is not None:
     @triton.jit
     def _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -152,7 +150,7 @@ if triton is not None:
                      HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False,
                      GELU_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                     W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128, OUT_TMA: tl.constexpr = False):
+                     W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128):
         # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
         # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
         CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
@@ -235,31 +233,23 @@ if triton is not None:
                         acc2 = tl.dot(a, b2, acc2)
                     a_ptrs += BK
                     w_ptrs += BK
+        out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
         if SPLIT:
-            out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
-            tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=row_ok[:, None] & col_ok[None, :])
-        elif EPI == 3 and OUT_TMA:
-            # As below, for tiles of whole heads (BN // 2 a multiple of HALF; the host checks): the tile's output
-            # columns are one block, [head][x1 half, x2 half], stored through a descriptor; a tile's heads all rotate
-            # or none do (ROPE_HEADS a multiple of the tile's heads), and cos/sin are loaded once per row for the
-            # HALF columns every head of the tile shares. The same products and sums, so the same bits.
-            NH: tl.constexpr = BN // (2 * HALF)
-            x1, x2 = tl.split(tl.reshape(acc.to(CD).to(tl.float32), (BM, BN // 2, 2)))
-            x1 = tl.reshape(x1, (BM, NH, HALF))
-            x2 = tl.reshape(x2, (BM, NH, HALF))
-            if pid_n * NH < ROPE_HEADS:
-                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
-                t = pos[:, None] * HALF + tl.arange(0, HALF)[None, :]
-                c = tl.load(cos_ptr + t, mask=row_ok[:, None], other=1.0)[:, None, :]
-                s = tl.load(sin_ptr + t, mask=row_ok[:, None], other=0.0)[:, None, :]
-                y1 = _mul(x1, c) - _mul(x2, s)
-                y2 = _mul(x2, c) + _mul(x1, s)
-            else:
-                y1 = x1
-                y2 = x2
-            y = tl.reshape(tl.permute(tl.join(y1, y2), (0, 1, 3, 2)), (BM, BN))
-            out_ptr.store([pid_m * BM, pid_n * BN], y.to(out_ptr.dtype))
-        elif EPI == 3:
+            tl.store(out_ptrs + first.to(tl.int64) * sps, acc, mask=ok)
+        elif EPI == 0:
+            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
+        elif EPI == 1:
+            y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
+            h = tl.load(out_ptrs, mask=ok, other=0.0)
+            tl.store(out_ptrs, h + y, mask=ok)
+        elif EPI == 2:
+            inp = acc.to(CD).to(tl.float32)
+            gate = acc2.to(CD).to(tl.float32)
+            g = _gelu(inp, table_ptr, GELU_TABLE).to(CD).to(tl.float32)
+            tl.store(out_ptrs, (g * gate).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
             # w in `rope_pairs` order: columns 2p and 2p + 1 are pair p's (x1, x2), one thread's neighbours in the
             # accumulator, so the split moves no data; pair p is column j = p % HALF of head p // HALF and its
             # partner, HALF on. Query and key heads (the first ROPE_HEADS) rotate by the token's row-relative
@@ -280,27 +270,6 @@ if triton is not None:
             first = out_ptr + rm[:, None] * som + (head * (2 * HALF) + j)[None, :]
             tl.store(first, y1.to(out_ptr.dtype.element_ty), mask=pair_ok)
             tl.store(first + HALF, y2.to(out_ptr.dtype.element_ty), mask=pair_ok)
-        else:
-            if EPI == 2:
-                inp = acc.to(CD).to(tl.float32)
-                gate = acc2.to(CD).to(tl.float32)
-                y = _gelu(inp, table_ptr, GELU_TABLE).to(CD).to(tl.float32) * gate
-            else:
-                y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
-            if OUT_TMA:
-                # The output through a descriptor too: no [BM, BN] tensor of 64-bit addresses, which took a 128x128
-                # residual tile to 255 registers and a stack (ptxas, sm_90; 90 without); the same arithmetic.
-                m0 = pid_m * BM
-                n0 = pid_n * BN
-                if EPI == 1:
-                    y = out_ptr.load([m0, n0]) + y
-                out_ptr.store([m0, n0], y.to(out_ptr.dtype))
-            else:
-                out_ptrs = out_ptr + rm[:, None] * som + cols[None, :]
-                ok = row_ok[:, None] & col_ok[None, :]
-                if EPI == 1:
-                    y = tl.load(out_ptrs, mask=ok, other=0.0) + y
-                tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.PLAIN,
@@ -420,34 +389,20 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
         w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
-    # ROPE through a descriptor only in tiles of whole heads that all rotate or all pass (its epilogue writes each
-    # head's halves as one block, and decides per tile)
-    whole_heads = epi != Epi.ROPE or ((t.bn // 2) % half == 0 and rope_heads % (t.bn // (2 * half)) == 0)
-    out_tma = tma and not split and whole_heads and out_by_tma(out, out_rows)
-    out_arg = TensorDescriptor(out, [m, n_out], [out_rows, 1], [t.bm, t.bn]) if out_tma else out
     gelu = epi == Epi.GEGLU or act == Act.GELU
     table = gelu_table(a.device) if gelu else w
     options = launch(a.device, grid[0] * grid[1] * grid[2])
     ahead = prefetching(options) and not tma and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0
-    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out_arg, pos, cos, sin, table,
+    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
                        m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
                        split_stride or 0,
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                        HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
                        GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
-                       PIECES=32 * t.warps, OUT_TMA=out_tma, **options, num_warps=t.warps, num_stages=t.stages)
+                       PIECES=32 * t.warps, **options, num_warps=t.warps, num_stages=t.stages)
 
 
 TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off
-
-
-def out_by_tma(out: torch.Tensor, row_stride: int) -> bool:
-    """The epilogue reads and writes `out` through a descriptor (with TMA operands). Opt-in, LAYA_OUT_TMA=1: on the
-    H200 (2026-12-04) it was slower in a whole forward (32x48 3.90 ms against 3.76) and a forward's bits changed with
-    it although each GEMM's did not (docs/PERF.md, thirteenth session)."""
-    if os.environ.get("LAYA_OUT_TMA") != "1":
-        return False
-    return out.data_ptr() % 16 == 0 and (row_stride * out.element_size()) % 16 == 0
 
 
 def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:

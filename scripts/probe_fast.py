@@ -358,11 +358,11 @@ def step_model(model_dir, report):
         agree = float((pf.argmax(-1) == pr.argmax(-1)).float().mean())
         t_fast = graph_time(lambda inp=inp: fast(**inp), reps=1, samples=50)
         variants = {}
-        # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma, prefetch, outtma (off: the same bits?),
+        # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma, prefetch (off: the same bits?),
         # sdpa (torch's SDPA on the SDK's layout instead of our attention: its time, and whether the whole forward
         # gives the same bits)
         for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {}),
-                           ("no prefetch", {"LAYA_PREFETCH": "0"}), ("with outtma", {"LAYA_OUT_TMA": "1"})):
+                           ("no prefetch", {"LAYA_PREFETCH": "0"})):
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
                 continue
             model = sdpa_model if not env else fast

@@ -225,15 +225,13 @@ def load_checkpoint_arch():
 
 
 @interpreted
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("bn", [16, 32, 64, 128])
-def test_rope_epilogue_tiles_within_and_across_heads(bn, tma, monkeypatch):
+def test_rope_epilogue_tiles_within_and_across_heads(bn):
     """The QKV GEMM's RoPE epilogue on `rope_pairs` weights, its N tile inside one head (bn <= D) or spanning
     several heads: every query and key column rotated by its token's position, written to its own place; value
-    columns untouched. With descriptors (TMA), tiles of whole heads store through one (bn >= D here)."""
+    columns untouched."""
     from laya_pool.kernels.gemm import Tiles, gemm, rope_pairs
     from laya_pool.kernels.reference import _rope_tables, _rotate_half
-    monkeypatch.setenv("LAYA_OUT_TMA", "1")          # opt-in (kernels/gemm.py out_by_tma)
     g = torch.Generator().manual_seed(5)
     heads, d, m, k = 3, 32, 40, 64
     a = torch.randn(m, k, generator=g).half()
@@ -243,7 +241,7 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn, tma, monkeypatch):
     out = torch.empty(m, 3 * heads * d, dtype=torch.float16)
     gemm(a, rope_pairs(w, d), out, epi=Epi.ROPE, rope=(pos, cos[:, : d // 2].contiguous(),
                                                        sin[:, : d // 2].contiguous(), d, 2 * heads),
-         tiles=Tiles(64, bn, 64, 4, 2), tma=tma)
+         tiles=Tiles(64, bn, 64, 4, 2))
     y = (a.float() @ w.float().T).half().float().view(m, 3 * heads, d)
     c, s = cos[pos.long()][:, None, :], sin[pos.long()][:, None, :]
     want = y.clone()
@@ -251,34 +249,6 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn, tma, monkeypatch):
     assert torch.allclose(out.float().view(m, 3 * heads, d), want, atol=2e-3, rtol=2e-3)
     # Value columns: the GEMM alone (numpy's sums may round an ulp apart from torch's, so not bit for bit here).
     assert torch.allclose(out.float().view(m, 3 * heads, d)[:, 2 * heads:], y[:, 2 * heads:], atol=1e-3, rtol=1e-3)
-
-
-@interpreted
-@pytest.mark.parametrize("epi", [Epi.PLAIN, Epi.RESIDUAL, Epi.GEGLU, Epi.ROPE])
-def test_epilogues_through_descriptors_give_the_pointer_epilogues_bits(epi, monkeypatch):
-    """With TMA operands the epilogue reads and writes its output tile through a descriptor (no [BM, BN] tensor of
-    addresses): the same arithmetic, so the same bits as the pointer epilogue, rows past M untouched; a ROPE tile of
-    whole heads included. (A planted swap of a head's two halves in the descriptor store was caught here.)"""
-    from laya_pool.kernels.gemm import Tiles, gemm, rope_pairs
-    monkeypatch.setenv("LAYA_OUT_TMA", "1")          # opt-in (kernels/gemm.py out_by_tma)
-    g = torch.Generator().manual_seed(9)
-    m, k, heads, d = 100, 128, 2, 64
-    n = 3 * heads * d if epi == Epi.ROPE else 256
-    a = torch.randn(m, k, generator=g).half()
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
-    n_out = n // 2 if epi == Epi.GEGLU else n
-    dtype = torch.float32 if epi == Epi.RESIDUAL else torch.float16
-    kw = {}
-    if epi == Epi.ROPE:
-        w = rope_pairs(w, d)
-        cos, sin = torch.rand(64, d // 2, generator=g), torch.rand(64, d // 2, generator=g)
-        kw["rope"] = (torch.randint(0, 64, (m,), generator=g, dtype=torch.int32), cos, sin, d, 2 * heads)
-    outs = []
-    for tma in (False, True):
-        o = torch.full((m + 8, n_out), 3.0, dtype=dtype)      # 8 rows past M that nothing may touch
-        gemm(a, w, o[:m], epi=epi, tiles=Tiles(64, 128 if epi == Epi.ROPE else 64, 64, 4, 2), tma=tma, **kw)
-        outs.append(o)
-    assert torch.equal(outs[0], outs[1]) and bool((outs[1][m:] == 3.0).all())
 
 
 @interpreted

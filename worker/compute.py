@@ -43,7 +43,7 @@ from .merge import Group
 
 log = logging.getLogger("laya-pool.worker")
 
-_DONE, _IDLE, _NOTHING = object(), object(), NOTHING    # what `_next` returns besides a queued request
+_DONE, _IDLE = object(), object()    # what `_next` returns besides a queued request (and NOTHING)
 # Nothing launched and nothing arriving for this long: idle enough to capture a missed bucket (a request that
 # arrives during the capture waits for it, tens of ms, once per bucket; a short gap in steady traffic does not count).
 IDLE_S = 0.005
@@ -158,8 +158,8 @@ class Compute:
                 if first is _DONE:
                     self._complete_oldest()
                     continue
-                if first is _IDLE or first is _NOTHING:
-                    self._refresh_stats(force=first is _NOTHING)
+                if first is _IDLE or first is NOTHING:
+                    self._refresh_stats(force=first is NOTHING)
                     continue
             if first is None:
                 break
@@ -179,27 +179,27 @@ class Compute:
 
     def _next(self) -> Queued | None | object:
         """The next queued request (None: the stop sentinel), or _DONE when the oldest launched group finished
-        first, or _IDLE after an idle-time capture, or _NOTHING after half a second of nothing."""
+        first, or _IDLE after an idle-time capture, or NOTHING after half a second of nothing."""
         if self.flights:
             return self._request_or_done()
         item = self._get_nowait()
-        if item is not _NOTHING:
+        if item is not NOTHING:
             return item
         if getattr(self.rt, "has_idle_work", False):
             item = self._get(IDLE_S)
-            if item is not _NOTHING:
+            if item is not NOTHING:
                 return item
             self._idle_work()
             return _IDLE
         return self._get(0.5)
 
     def _get(self, timeout: float) -> Queued | None | object:
-        """The next request (None: stop), _DONE when a launched group landed, or _NOTHING after `timeout` s."""
+        """The next request (None: stop), _DONE when a launched group landed, or NOTHING after `timeout` s."""
         deadline = time.monotonic() + timeout
         while True:
             item = self.inbox.get(max(0.0, deadline - time.monotonic()))
             if item is NOTHING:
-                return _NOTHING
+                return NOTHING
             done = self._landed(item)
             if done is not None:
                 if done:
@@ -211,7 +211,7 @@ class Compute:
         while True:
             item = self.inbox.get(0.0)
             if item is NOTHING:
-                return _NOTHING
+                return NOTHING
             done = self._landed(item)
             if done is None:
                 return item
@@ -232,12 +232,12 @@ class Compute:
             # A waiting request first: with the device idle, launching the next group before answering the landed
             # one gets the device going sooner (the answers are in host memory; they wait a group's launch).
             item = self._get_nowait()
-            if item is not _NOTHING:
+            if item is not NOTHING:
                 return item
             if self.flights[0].job.done():
                 return _DONE       # its Landed was taken already (it ended the group being formed), or is on its way
             item = self._get(0.5)
-            if item is not _NOTHING:
+            if item is not NOTHING:
                 return item
             if self.fatal is not None:
                 return None        # the I/O thread gave up on the device: stop, handing back what was launched
@@ -250,7 +250,7 @@ class Compute:
         or the launched group has landed: under load groups stay full, and the launch of a full group overlaps
         the compute of the one before it; otherwise the group goes the moment the device has nothing queued."""
         item = self._get_nowait()
-        if item is not _NOTHING:
+        if item is not NOTHING:
             return item
         return self._request_or_done() if self.flights else _DONE
 

@@ -57,12 +57,6 @@ class QueueInbox:
     def quiesce(self) -> None:
         self.landing.quiesce()
 
-    def qsize(self) -> int:
-        return self.queue.qsize()
-
-    def open(self) -> None:
-        pass
-
     def close(self) -> None:
         self.landing.close()
 
@@ -96,7 +90,7 @@ class SocketInbox:
 
     # -- the I/O thread ------------------------------------------------------------------------------------------
     def put(self, item: Any) -> None:
-        """Hand over a request message `(msg, received)`, a `Queued`, or None (stop)."""
+        """Hand over a request message as `(msg, received)`, or None (stop)."""
         self.handed.put(item)
         try:
             self.wake_out.send(b"", zmq.NOBLOCK)
@@ -156,10 +150,8 @@ class SocketInbox:
 
     def _ready(self) -> Any:
         """What is there now, without waiting: handed over, then the data socket, then a landed group."""
-        try:
+        if not self.handed.empty():       # this thread is its only reader: not empty now, not empty at the get
             return self._taken(self.handed.get_nowait())
-        except queue.Empty:
-            pass
         item = self._receive()
         if item is not NOTHING:
             return item
