@@ -313,6 +313,49 @@ def step_attention(arch, report):
     report["attention"] = rec
 
 
+def step_cublas(arch, report):
+    """Does cuBLAS (torch's bf16 matmul) give our GEMM's bits? Per encoder/head (N, K) and per M the worker runs:
+    our PLAIN bf16 product against F.linear on the same operands (both settings of torch's reduced-precision
+    reduction flag), cuBLAS's rows at M against its own rows at M = 48, and both times. If they agree at an M, the
+    raw product there may come from cuBLAS with our epilogue after it (issue 11's "start-up check")."""
+    torch.manual_seed(0)
+    dev = "cuda"
+    ms = os.environ.get("PROBE_CUBLAS_MS", "48,64,96,128,256,512,1000,1024,1536,2048,4096,8192")
+    ms = [int(x) for x in ms.split(",")]
+    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    print("\n== cublas: our PLAIN product's bits against cuBLAS (F.linear), per M; us p50 ours PLAIN / cuBLAS")
+    rec = {}
+    for name, (n, k, _epi, _) in gemm_cases(arch).items():
+        a = torch.randn(8192, k, device=dev).bfloat16()
+        w = (torch.randn(n, k, device=dev) / k ** 0.5).bfloat16()
+        lone = F.linear(a[:48], w)
+        row = {}
+        for m in ms:
+            ours = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            gemm(a[:m], w, ours)
+            got = {}
+            for reduced in (True, False):
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+                c = F.linear(a[:m], w)
+                got[reduced] = (int((c != ours).sum()), bool(torch.equal(c[:48], lone)))
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
+            t_ours = t_cub = None
+            if m in TIMED_MS or m == 1024:
+                ob = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+                t_ours = graph_time(lambda a=a[:m], w=w, o=ours: gemm(a, w, o), samples=10)[0]
+                t_cub = graph_time(lambda a=a[:m], w=w, ob=ob: torch.matmul(a, w.t(), out=ob), samples=10)[0]
+            row[m] = {"differ_default": got[True][0], "differ_fp32_reduction": got[False][0],
+                      "cublas_rows_as_at_48": got[True][1], "us_ours_plain": t_ours and round(t_ours * 1e3, 2),
+                      "us_cublas": t_cub and round(t_cub * 1e3, 2)}
+        bad = {m: (r["differ_default"], r["differ_fp32_reduction"]) for m, r in row.items()
+               if r["differ_default"] or r["differ_fp32_reduction"]}
+        times = {m: (r["us_ours_plain"], r["us_cublas"]) for m, r in row.items() if r["us_cublas"]}
+        print(f"{name:14s} N={n} K={k}: M where cuBLAS differs (elements: default, fp32 reduction) {bad or 'none'}; "
+              f"cuBLAS rows as at 48: {all(r['cublas_rows_as_at_48'] for r in row.values())}; us {times}", flush=True)
+        rec[name] = row
+    report["cublas"] = rec
+
+
 def _inputs(arch, R, L, K=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     lens = [L] * R
@@ -333,6 +376,22 @@ def _family(name: str) -> str:
         if key in name:
             return key.strip("_")
     return "other: " + name[:40]
+
+
+def _small_m_patches():
+    """Tile rules at M <= 64 the model step can try in a whole forward (PROBE_MODEL_VARIANTS w8, st6, tma48): two
+    warpgroups, six stages, the copy engine. Tiles and TMA never change the bits; the step checks it anyway."""
+    from laya_pool.kernels import gemm as g
+    base = g.pick_tiles
+
+    def tiles(**change):
+        def pick(m, n_out, k, epi, sms=132):
+            t = base(m, n_out, k, epi, sms)
+            return Tiles(**{**t.__dict__, **change}) if m <= 64 else t
+        return pick
+    return {"w8": ("8 warps at M <= 64", g, "pick_tiles", tiles(warps=8)),
+            "st6": ("6 stages at M <= 64", g, "pick_tiles", tiles(stages=6)),
+            "tma48": ("TMA at every M", g, "TMA_MIN_M", 0)}
 
 
 WANT_VARIANTS = os.environ.get("PROBE_MODEL_VARIANTS", "pdl,tma,sdpa").split(",")
@@ -361,8 +420,23 @@ def step_model(model_dir, report):
         # PROBE_MODEL_VARIANTS (comma-separated): pdl, tma, prefetch (off: the same bits?),
         # sdpa (torch's SDPA on the SDK's layout instead of our attention: its time, and whether the whole forward
         # gives the same bits)
+        patches = _small_m_patches()
         for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {}),
-                           ("no prefetch", {"LAYA_PREFETCH": "0"})):
+                           ("no prefetch", {"LAYA_PREFETCH": "0"})) + tuple((k_, None) for k_ in patches):
+            if env is None:
+                if label not in WANT_VARIANTS:
+                    continue
+                desc, mod, attr, value = patches[label]
+                old_value = getattr(mod, attr)
+                setattr(mod, attr, value)
+                try:
+                    lv, av = fast(**inp)
+                    variants[desc] = (graph_time(lambda inp=inp: fast(**inp), reps=1, samples=30),
+                                      bool(torch.equal(lv, lf) and torch.equal(av, af)),
+                                      float((torch.softmax(lv, -1) - pr).abs().max()))
+                finally:
+                    setattr(mod, attr, old_value)
+                continue
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
                 continue
             model = sdpa_model if not env else fast
@@ -418,7 +492,8 @@ def main() -> int:
     for step in args.steps.split(","):
         t = time.perf_counter()
         {"gemm": lambda: step_gemm(arch, report), "attention": lambda: step_attention(arch, report),
-         "model": lambda: step_model(args.model, report), "tiles": lambda: step_tiles(arch, report)}[step]()
+         "model": lambda: step_model(args.model, report), "tiles": lambda: step_tiles(arch, report),
+         "cublas": lambda: step_cublas(arch, report)}[step]()
         print(f"[{step}: {time.perf_counter() - t:.1f} s]")
         json.dump(report, open(os.path.join(args.out, "probe_fast.json"), "w"), indent=1, default=str)
     return 0
