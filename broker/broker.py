@@ -83,6 +83,8 @@ class WorkerInfo:
     identity: bytes
     data: bytes | None = None           # the worker's data socket: its replies come from there
     data_requests: bool = False         # ... and its requests go there (once it is connected)
+    direct: str | None = None           # where clients on its host may send it requests themselves (loopback)
+    host: str = "?"
     device: str = "?"
     fingerprint: str = ""
     capacity: dict[str, int] = field(default_factory=dict)
@@ -120,7 +122,7 @@ class WorkerInfo:
                 "fingerprint": self.fingerprint, "mode": self.mode, "capacity": self.capacity,
                 "credit": self.credit, "inflight": len(self.inflight), "completed": self.completed,
                 "failed": self.failed, "lost": self.lost, "registrations": self.registrations,
-                "generation": self.generation, "restart_requested": self.restart_requested,
+                "generation": self.generation, "restart_requested": self.restart_requested, "direct": self.direct,
                 "up_s": round(now - self.since, 3),
                 "last_seen_ms": round((now - self.last_seen) * 1e3, 1), "stats": self.stats}
 
@@ -443,8 +445,9 @@ class Broker:
             elif msg.cmd == Cmd.RELOAD:
                 self.on_reload(envelope, msg)
             elif msg.cmd == Cmd.HEARTBEAT:
+                routes = {"routes": self.routes()} if msg.header.get("routes") is True else {}
                 self._to_client(envelope, wire.encode(Cmd.HEARTBEAT, {"rid": msg.header.get("rid"),
-                                                                       "status": wire.STATUS_OK}))
+                                                                       "status": wire.STATUS_OK, **routes}))
             else:
                 raise wire.ProtocolError("command", f"{msg.cmd.name} is not a client command")
         except wire.ProtocolError as e:
@@ -754,6 +757,9 @@ class Broker:
         data = wire.get(h, "data", str, default=None)
         if data is not None and data != f"{wid}/data":
             raise wire.ProtocolError("data", f"a worker's data socket is {wid + '/data'!r}, not {data!r}")
+        direct = wire.get(h, "direct", str, default=None)
+        if direct is not None and not wire.is_loopback(direct):
+            raise wire.ProtocolError("direct", f"a worker's direct socket is on loopback (it has no CURVE): {direct!r}")
         old = self.workers.get(wid)
         registrations, kept = 0, {}
         if old is not None:
@@ -765,6 +771,7 @@ class Broker:
             self.by_identity.pop(old.data, None)
         w = WorkerInfo(id=wid, identity=identity, data=None if data is None else data.encode(),
                        data_requests=data is not None and wire.get(h, "data_requests", bool, default=False),
+                       direct=direct, host=wire.get(h, "host", str, default="?"),
                        device=wire.get(h, "device", str, default="?"), fingerprint=fp,
                        capacity={k: int(v) for k, v in cap.items() if isinstance(v, int)},
                        limits={k: int(v) for k, v in wire.get(h, "limits", dict, default={}).items()
@@ -795,6 +802,13 @@ class Broker:
                  w.credit, fp[:12], w.registrations)
         self._maybe_switch_model()
         self.dispatch()
+
+    def routes(self) -> list[list[str]]:
+        """[worker id, direct endpoint, host] of each ready worker of the pool's model that takes clients' requests
+        itself (docs/architecture.md, "The data path"): a client on that host may send them there, and comes back
+        here when that fails. The endpoints are loopback: of use only on the worker's own host."""
+        return [[w.id, w.direct, w.host] for w in self.workers.values()
+                if w.direct and w.state is WorkerState.READY and w.fingerprint == self.pool_fp]
 
     def on_worker_reply(self, w: WorkerInfo, msg: wire.Message) -> None:
         rep = wire.parse_reply(msg, arrays=False)     # checked; its buffers go to the client untouched

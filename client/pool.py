@@ -53,6 +53,7 @@ from zmq.utils.monitor import recv_monitor_message
 from . import batching, scan
 from .abstain import apply_confidence_gate, check_min_confidence
 from .card import CardError
+from .direct import RETRY_S, Routes
 from .errors import (
     BadModelCard,
     MalformedReply,
@@ -80,6 +81,7 @@ log = logging.getLogger("laya-pool.client")
 # every worker busy, while a batch of thousands of states neither fills the broker's queue (shared by every
 # client; a full one answers "busy") nor waits so long behind itself that its own requests time out.
 BATCH_IN_FLIGHT = 16
+ROUTES_TIMEOUT_S = 0.5     # how long a call waits for the broker's table of direct routes before going without
 T = TypeVar("T")
 
 
@@ -141,6 +143,7 @@ class _Call:
     timeout: float | None = None
     retries: int | None = None
     on_sent: Callable[[], None] | None = None  # work that overlaps the wait (after the first send)
+    direct: bool = False                       # the first attempt may go to a worker directly (client/direct.py)
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,7 @@ class _InFlight:
     frames: list[Any]
     attempts: Attempts
     on_sent: Callable[[], None] | None
+    direct: bool = False
     step: Step = Step(Action.WAIT)
     due: float = 0.0            # when `step` is due: a wait's end (then `woke`) or a backoff's (then `step`)
     backing_off: bool = False
@@ -262,7 +266,7 @@ class _Base:
         arrays = self._pack(rows)
         self._check_fits(len(arrays["lengths"]), len(arrays["ids"]), len(arrays["markers"]), "rows")
         msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries,
-                                    on_sent)
+                                    on_sent, direct=worker is None)
         reply = wire.parse_reply(msg)
         if reply.status == wire.STATUS_FINAL:
             self._raise_final(reply)
@@ -547,7 +551,8 @@ class Client(_Base):
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
-                 calibration: str | os.PathLike | dict[str, Any] | None = None, spin_ms: float = 0.0):
+                 calibration: str | os.PathLike | dict[str, Any] | None = None, spin_ms: float = 0.0,
+                 direct: bool = True):
         """`timeout`: each call's deadline in seconds (a call may override it), retries included; `retries`:
         re-sends within it; `connect_timeout`: with no connection to the pool this long, a call raises
         `PoolUnreachable`. `operator`: the pool's operator secret (what `laya-pool drain` reads), needed only
@@ -556,7 +561,9 @@ class Client(_Base):
         `Agent.save_calibration` wrote) as `laya.load` takes them: they change how answers are decoded here.
         `spin_ms`: wait for a reply by polling without sleeping for up to this long first (0: sleep at once). A
         thread that sleeps through a forward may wake 0.1-0.2 ms late (measured on our H200 host, docs/PERF.md,
-        eleventh session); polling keeps it awake, at the price of a core while a call waits."""
+        eleventh session); polling keeps it awake, at the price of a core while a call waits.
+        `direct`: send a request's first attempt to a worker on this host that takes requests itself, if the pool
+        has any (client/direct.py); every other attempt, and every other call, goes through the broker."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         if spin_ms < 0:
             raise ValueError(f"spin_ms must be >= 0, got {spin_ms}")
@@ -573,6 +580,7 @@ class Client(_Base):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._mon, zmq.POLLIN)
+        self._routes = Routes(self._ctx, self._poller, self.max_frame_bytes) if direct else None
 
     # -- the pool's API ----------------------------------------------------------------------------------
     def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -678,7 +686,7 @@ class Client(_Base):
                         step = plan.send(self._run_all(step.plans))
                     else:
                         step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent,
-                                                   started=started))
+                                                   started=started, direct=step.direct))
             except StopIteration as done:
                 return done.value
 
@@ -720,9 +728,11 @@ class Client(_Base):
         except StopIteration as done:
             results[i] = done.value
             return
+        if step.direct:
+            self._ask_routes()
         rid = next(self._rids)
         f = _InFlight(i, plan, started, step.build(rid, self.cid), self._attempts(step.timeout, step.retries, started),
-                      step.on_sent)
+                      step.on_sent, step.direct)
         flights[rid] = f
         self._drive(rid, f, f.attempts.start(), flights, results)
 
@@ -736,7 +746,7 @@ class Client(_Base):
             if step.action is Action.SEND:
                 if self._sock is None:
                     raise PoolError("the client is closed")
-                step = self._send(f.frames, f.attempts)
+                step = self._send(f.frames, f.attempts, rid if f.direct else None)
                 if f.on_sent is not None:
                     f.on_sent, on_sent = None, f.on_sent
                     on_sent()
@@ -749,6 +759,7 @@ class Client(_Base):
                 return
             else:
                 del flights[rid]
+                self._forget(rid)
                 raise f.attempts.error(self.endpoint)
 
     def _progress(self, flights: dict[int, _InFlight], results: list[Any]) -> None:
@@ -773,12 +784,11 @@ class Client(_Base):
             for rid, f in list(flights.items()):
                 if rid in flights and not f.backing_off:
                     self._drive(rid, f, f.attempts.reconnected(), flights, results)
-        while ready.get(self._sock):
-            try:
-                frames = wire.recv_frames(self._sock)
-            except zmq.Again:
-                return
-            msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
+        for rid in self._dropped(ready):               # a worker's direct connection dropped with them on it
+            f = flights.get(rid)
+            if f is not None and not f.backing_off:
+                self._drive(rid, f, f.attempts.reconnected(), flights, results)
+        for msg in self._replies(ready):
             rid = msg.header.get("rid")
             f = flights.get(rid) if isinstance(rid, int) else None
             if f is None:
@@ -790,9 +800,12 @@ class Client(_Base):
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
              retries: int | None = None, on_sent: Callable[[], None] | None = None,
-             started: float | None = None) -> tuple[wire.Message, int]:
+             started: float | None = None, direct: bool = False) -> tuple[wire.Message, int]:
         """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts.
-        `on_sent` runs once, after the first send; the deadline is `timeout` from `started` (default: now)."""
+        `on_sent` runs once, after the first send; the deadline is `timeout` from `started` (default: now).
+        `direct`: the first attempt may go to a worker itself (client/direct.py)."""
+        if direct:
+            self._ask_routes()
         attempts = self._attempts(timeout, retries, started)
         rid = next(self._rids)
         frames = build(rid, self.cid)
@@ -802,26 +815,80 @@ class Client(_Base):
             if os.getpid() != self._pid:
                 raise PoolError("a Client cannot be used across fork(); create one in the child")
             step, msg = attempts.start(), None
-            while True:
-                if step.sleep:
-                    time.sleep(step.sleep)
-                if step.action is Action.SEND:
-                    step = self._send(frames, attempts)
-                    if on_sent is not None:
-                        on_sent()
-                        on_sent = None
-                elif step.action is Action.WAIT:
-                    msg = self._wait(rid, time.monotonic() + step.seconds)
-                    if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
-                        step, msg = attempts.reconnected(), None
-                    elif msg is None:
-                        step = attempts.woke(self._watch.up, self._watch.trouble)
+            try:
+                while True:
+                    if step.sleep:
+                        time.sleep(step.sleep)
+                    if step.action is Action.SEND:
+                        step = self._send(frames, attempts, rid if direct else None)
+                        if on_sent is not None:
+                            on_sent()
+                            on_sent = None
+                    elif step.action is Action.WAIT:
+                        msg = self._wait(rid, time.monotonic() + step.seconds)
+                        if msg is _RECONNECTED:       # a new broker, or the worker it went to: it died with it
+                            step, msg = attempts.reconnected(), None
+                        elif msg is None:
+                            step = attempts.woke(self._watch.up, self._watch.trouble)
+                        else:
+                            step = attempts.replied(msg.header.get("status"), reply_error(msg.header))
+                    elif step.action is Action.RETURN:
+                        return msg, attempts.attempts
                     else:
-                        step = attempts.replied(msg.header.get("status"), reply_error(msg.header))
-                elif step.action is Action.RETURN:
-                    return msg, attempts.attempts
-                else:
-                    raise attempts.error(self.endpoint)
+                        raise attempts.error(self.endpoint)
+            finally:
+                self._forget(rid)
+
+    # -- requests straight to the workers (client/direct.py) ------------------------------------------------
+    def _ask_routes(self) -> None:
+        """Ask the broker which workers take requests themselves, when the table is due (every few seconds, and
+        soon after a route failed). A broker that does not answer in time leaves the table as it was."""
+        routes = self._routes
+        if routes is None or not routes.due(time.monotonic()):
+            return
+        routes.next_ask = time.monotonic() + RETRY_S      # this call's own ping must not ask again
+        try:
+            msg, _ = self.call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT, routes=True), ROUTES_TIMEOUT_S, 0)
+            table = msg.header.get("routes", [])
+        except PoolError:
+            table = None
+        routes.asked(table, time.monotonic())
+
+    def _forget(self, rid: int) -> None:
+        if self._routes is not None:
+            self._routes.answered(rid)
+
+    def _dropped(self, ready: dict[Any, int]) -> list[int]:
+        """Request ids whose worker's direct connection dropped (from the routes' monitors that are ready)."""
+        if self._routes is None:
+            return []
+        lost: list[int] = []
+        for s in ready:
+            r = self._routes.owner(s)
+            if r is not None and s is r.mon:
+                lost.extend(self._routes.events(s))
+        return lost
+
+    def _replies(self, ready: dict[Any, int]) -> Iterator[wire.Message]:
+        """Every message waiting on the ready reply sockets (the broker's, then the workers' direct ones)."""
+        socks = [self._sock] if ready.get(self._sock) else []
+        if self._routes is not None:
+            socks += [s for s in ready if s is not self._sock and s is not self._mon and self._is_route(s)]
+        for s in socks:
+            while True:
+                try:
+                    frames = wire.recv_frames(s)
+                except zmq.Again:
+                    break
+                msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
+                if self._routes is not None:
+                    err = reply_error(msg.header) or {}
+                    self._routes.answered(msg.header.get("rid"), msg.header.get("status"), err.get("reason"))
+                yield msg
+
+    def _is_route(self, s: Any) -> bool:
+        r = self._routes.owner(s) if self._routes is not None else None
+        return r is not None and s is r.sock
 
     def _poll(self, wait_ms: int) -> dict[Any, int]:
         """The sockets ready within `wait_ms`, polling without sleeping for the first `spin_ms` of it."""
@@ -836,9 +903,14 @@ class Client(_Base):
             wait_ms = max(0, wait_ms - int(self.spin * 1000))
         return dict(self._poller.poll(wait_ms))
 
-    def _send(self, frames: list[Any], attempts: Attempts) -> Step:
+    def _send(self, frames: list[Any], attempts: Attempts, rid: int | None = None) -> Step:
+        """One attempt: the first of a request that may go direct (`rid` given) to a worker when one takes it, any
+        other to the broker."""
+        framed = wire.with_budget(frames, attempts.budget_ms())
+        if rid is not None and attempts.attempts == 1 and self._routes is not None and self._routes.send(rid, framed):
+            return attempts.sent(True)
         try:
-            wire.send_frames(self._sock, wire.with_budget(frames, attempts.budget_ms()), copy=False)
+            wire.send_frames(self._sock, framed, copy=False)
         except zmq.Again:
             self._events()
             return attempts.send_failed(self._watch.trouble or "the socket's send queue is full", self._watch.up)
@@ -854,19 +926,20 @@ class Client(_Base):
             ready = self._poll(max(1, int(remaining * 1000))) if remaining > 0 else {}
             if ready.get(self._mon) and self._events():
                 return _RECONNECTED
-            if not ready.get(self._sock):
-                if remaining <= 0 or not ready:
-                    return None
-                continue
-            frames = self._sock.recv_multipart()
-            msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
-            if msg.header.get("rid") == rid:
-                return msg
-            # a stale reply to an earlier attempt or an abandoned call: drop it
+            if rid in self._dropped(ready):
+                return _RECONNECTED
+            for msg in self._replies(ready):
+                if msg.header.get("rid") == rid:
+                    return msg
+                # a stale reply to an earlier attempt or an abandoned call: drop it
+            if remaining <= 0 or not ready:
+                return None
 
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
+                if self._routes is not None:
+                    self._routes.close()
                 with contextlib.suppress(zmq.ZMQError):
                     self._sock.disable_monitor()
                 self._mon.close(0)

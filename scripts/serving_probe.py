@@ -67,10 +67,10 @@ def run(rt: Runtime, items: list[Queued], max_group: int) -> dict:
     rt.launch = recording
     replies: list = []
     counts = Counter()
-    c = Compute(rt, "probe", rt.fingerprint, max_group, replies.append, counts)
+    c = Compute(rt, "probe", rt.fingerprint, max_group, lambda frames, to=None: replies.append(frames), counts)
     for q in items:
-        c.queue.put(q)
-    c.queue.put(None)
+        c.inbox.put(q)
+    c.inbox.put(None)
     t = time.perf_counter()
     c.loop()
     wall = time.perf_counter() - t

@@ -43,8 +43,8 @@ class Driven:
         self.frames: list[list[Any]] = []
         self.counts = dict.fromkeys(COUNTS, 0)
         self.runtime, self.max_group, self.faults, self.sockets = runtime, max_group, faults, sockets
-        self.compute = Compute(runtime, "w0", runtime.fingerprint, max_group, self.frames.append, self.counts,
-                               faults)
+        self.compute = Compute(runtime, "w0", runtime.fingerprint, max_group,
+                               lambda frames, to=None: self.frames.append(frames), self.counts, faults)
 
     def run(self, items: list[Queued], gap_s: float = 0.0) -> dict[Any, wire.Reply]:
         """Feed `items` (all at once, or one every `gap_s` from a feeder thread), then the stop sentinel; run the

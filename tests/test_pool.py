@@ -71,14 +71,14 @@ def _close(a, b, path="") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def _start(ckpt: Path, frontend: str | None, log: Path, data_requests: str = "auto"):
+def _start(ckpt: Path, frontend: str | None, log: Path, data_requests: str = "auto", direct: str = "auto"):
     return local_pool(ckpt, "cpu", workers_per_device=2, frontend=frontend, heartbeat_ms=HB_MS, liveness=LIVENESS,
-                      startup_timeout=180, log=log, env={"LAYA_DATA_REQUESTS": data_requests})
+                      startup_timeout=180, log=log, env={"LAYA_DATA_REQUESTS": data_requests, "LAYA_DIRECT": direct})
 
 
-def _module_pool(tiny_ckpt, tmp_path_factory, frontend, data_requests="auto"):
+def _module_pool(tiny_ckpt, tmp_path_factory, frontend, data_requests="auto", direct="auto"):
     log = tmp_path_factory.mktemp("pool") / "pool.log"
-    with _start(tiny_ckpt, frontend, log, data_requests) as pool:
+    with _start(tiny_ckpt, frontend, log, data_requests, direct) as pool:
         yield pool
     text = log.read_text()
     assert pool.process.returncode == 0, text[-3000:]          # SIGTERM: drained, exit 0
@@ -93,9 +93,10 @@ def tcp_pool(tiny_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ipc_pool(tiny_ckpt, tmp_path_factory):
-    # Requests straight to each worker's data thread (a CUDA worker's default; a CPU worker's is the I/O thread,
-    # which the tcp pool keeps): kill -9, SIGTERM and a broker restart run through both paths.
-    yield from _module_pool(tiny_ckpt, tmp_path_factory, None, data_requests="on")
+    # Requests straight to each worker's data thread, and clients' requests straight to the workers (a CUDA
+    # worker's defaults; a CPU worker's are the I/O thread and the broker, which the tcp pool keeps): kill -9,
+    # SIGTERM and a broker restart run through every path.
+    yield from _module_pool(tiny_ckpt, tmp_path_factory, None, data_requests="on", direct="on")
 
 
 @pytest.fixture(params=["tcp", "ipc"])
@@ -258,7 +259,7 @@ def test_requests_go_to_the_data_thread_when_the_worker_asks(ipc_pool, tcp_pool,
     counts = {}
     for name, pool in (("data", ipc_pool), ("control", tcp_pool)):
         before = {w["id"]: w["stats"] for w in _wait_ready(pool).values()}
-        with pool.client() as c:
+        with pool.client(direct=False) as c:
             for seed in range(6):
                 rows = make_rows(100 + seed)
                 np.testing.assert_allclose(c.forward(rows).flat, _reference(runtime, rows)[0], rtol=1e-5, atol=1e-5)
@@ -269,6 +270,26 @@ def test_requests_go_to_the_data_thread_when_the_worker_asks(ipc_pool, tcp_pool,
         wait_until(lambda moved=moved: moved("received") >= 6, 5, f"{name}: the workers never counted 6 requests")
         counts[name] = (moved("received"), moved("via_control"))
     assert counts["data"][1] == 0 and counts["control"][1] == counts["control"][0] >= 6, counts
+
+
+def test_clients_send_straight_to_the_workers_when_the_pool_offers_it(ipc_pool, tcp_pool, runtime):
+    """The ipc pool's workers take requests on their own sockets: a client's first attempts go there (all but the
+    first, sent before its connection is made), the broker routes none of them and the answers are the runtime's. The
+    tcp pool offers no direct routes (a CPU worker's default): everything goes through its broker."""
+    seen = {}
+    for name, pool in (("direct", ipc_pool), ("broker", tcp_pool)):
+        _wait_ready(pool)
+        before = pool.status()["broker"]["counters"].get("requests", 0)
+        with pool.client() as c:
+            for seed in range(8):
+                rows = make_rows(200 + seed)
+                np.testing.assert_allclose(c.forward(rows).flat, _reference(runtime, rows)[0], rtol=1e-5, atol=1e-5)
+            routes = {r.worker: r.endpoint for r in c._routes.routes.values()}
+            seen[name] = (c._routes.sent, pool.status()["broker"]["counters"].get("requests", 0) - before, routes)
+    sent, routed, routes = seen["direct"]
+    assert sent >= 7 and routed <= 8 - sent and sorted(routes) == ["0", "1"], seen
+    assert all(e.startswith("tcp://127.0.0.1:") for e in routes.values()), routes
+    assert seen["broker"][:2] == (0, 8) and not seen["broker"][2], seen
 
 
 def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):
@@ -399,7 +420,9 @@ def test_bad_input_left_the_same_processes_serving(tcp_pool, tcp_pool_before_bad
 class _Load:
     """Client threads sending known requests and checking every answer, until the `with` block ends."""
 
-    def __init__(self, pool, runtime, n_threads: int, shape=(3, 40)):
+    def __init__(self, pool, runtime, n_threads: int, shape=(3, 40), direct: bool = True):
+        self.go_direct = direct
+        self.clients: list = []
         self.cases = [make_rows(100 + i, *shape) for i in range(4)]
         self.want = [_reference(runtime, r) for r in self.cases]
         self.pool, self.stop = pool, threading.Event()
@@ -408,18 +431,26 @@ class _Load:
         self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(n_threads)]
 
     def _run(self, k: int) -> None:
-        with self.pool.client(timeout=10, retries=8) as c:
-            i = k
-            while not self.stop.is_set():
-                j = i % len(self.cases)
-                try:
-                    res = c.forward(self.cases[j])
-                    np.testing.assert_allclose(res.flat, self.want[j][0], rtol=1e-5, atol=1e-5)
-                    np.testing.assert_allclose(res.act, self.want[j][1], rtol=1e-5, atol=1e-6)
-                    self.results.append(res.worker)
-                except Exception as e:  # noqa: BLE001 - every failure is a test failure
-                    self.errors.append(repr(e))
-                i += 1
+        with self.pool.client(timeout=10, retries=8, direct=self.go_direct) as c:
+            self.clients.append(c)
+            self._calls(c, k)
+
+    def _calls(self, c, k: int) -> None:
+        i = k
+        while not self.stop.is_set():
+            j = i % len(self.cases)
+            try:
+                res = c.forward(self.cases[j])
+                np.testing.assert_allclose(res.flat, self.want[j][0], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(res.act, self.want[j][1], rtol=1e-5, atol=1e-6)
+                self.results.append(res.worker)
+            except Exception as e:  # noqa: BLE001 - every failure is a test failure
+                self.errors.append(repr(e))
+            i += 1
+
+    def direct(self, what: str) -> int:
+        """The clients' attempts sent to workers directly (`sent`), or lost on a dropped connection (`dropped`)."""
+        return sum(getattr(c._routes, what) for c in self.clients if c._routes is not None)
 
     def answered_more(self, k: int, within: float, what: str) -> None:
         """Wait until `k` more requests are answered (the pool keeps serving)."""
@@ -448,7 +479,7 @@ class _Load:
 
 def test_kill_9_of_a_worker_holding_requests(ipc_pool, runtime):
     ws = _wait_ready(ipc_pool)
-    with _Load(ipc_pool, runtime, 4, shape=(16, 256)) as load:
+    with _Load(ipc_pool, runtime, 4, shape=(16, 256), direct=False) as load:     # the broker's re-send
         load.until_holding(ipc_pool, "0")
         os.kill(ws["0"]["pid"], signal.SIGKILL)
         load.answered_more(8, 60, "the pool stopped answering")      # on the other worker
@@ -458,6 +489,23 @@ def test_kill_9_of_a_worker_holding_requests(ipc_pool, runtime):
     # the supervisor restarts the killed worker and it registers again
     ws2 = _wait_ready(ipc_pool, pred=lambda w: w["0"]["pid"] != ws["0"]["pid"])
     assert ws2["0"]["registrations"] == ws["0"]["registrations"] + 1
+
+
+def test_kill_9_of_a_worker_holding_direct_requests(ipc_pool, runtime):
+    """Clients sending straight to the workers: the killed worker's connection drops, and what was on it goes again
+    at once through the broker (to the other worker): nothing lost, nothing wrong."""
+    ws = _wait_ready(ipc_pool)
+    with _Load(ipc_pool, runtime, 4, shape=(16, 256)) as load:
+        # Every client's connections made (its first attempts went to the broker), then fresh worker stats.
+        wait_until(lambda: load.no_errors() and load.direct("sent") >= 8, 60, "the clients never went direct")
+        time.sleep(3 * HB_MS / 1000)
+        wait_until(lambda: load.no_errors() and _workers(ipc_pool)["0"]["stats"].get("outstanding", 0) > 0, 60,
+                   "worker 0 never held a request", interval=0.02)
+        os.kill(ws["0"]["pid"], signal.SIGKILL)
+        load.answered_more(8, 60, "the pool stopped answering")
+    assert not load.errors, load.errors[:3]
+    assert load.direct("dropped") >= 1, load.direct("sent")      # lost with worker 0 and sent again
+    _wait_ready(ipc_pool, pred=lambda w: w["0"]["pid"] != ws["0"]["pid"])
 
 
 def test_a_silent_worker_is_declared_dead_and_rejoins(tcp_pool, runtime):
@@ -551,7 +599,7 @@ def test_broker_killed_and_restarted(ipc_pool, runtime):
     want, _ = _reference(runtime, rows)
     # The deadline bounds the wait, it is not what is tested: 2 s was once too short for the supervisor to start a
     # new broker on a loaded 2-core machine (a clean-clone `make test`, 2026-12-04); alone the test takes 3.6 s.
-    with ipc_pool.client(timeout=10, retries=30) as c:
+    with ipc_pool.client(timeout=10, retries=30, direct=False) as c:     # (a direct forward needs no broker)
         c.forward(rows)
         os.kill(old, signal.SIGKILL)
         res = c.forward(rows)                      # retried with the same id until the new broker answers

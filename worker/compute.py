@@ -56,12 +56,13 @@ class Queued:
     req: wire.Request
     received: float       # time.monotonic() when the I/O thread decoded it
     expires: float | None = None   # when its caller gives up (this host's monotonic clock); None: no deadline
+    to: bytes | None = None        # a client's own request: its identity on the direct socket (None: the broker's)
 
     @classmethod
-    def of(cls, session: int, req: wire.Request, received: float) -> Queued:
+    def of(cls, session: int, req: wire.Request, received: float, to: bytes | None = None) -> Queued:
         """`req` as it arrived at `received`: its budget (the caller's time left) counts from then."""
         expires = None if req.budget_ms is None else received + req.budget_ms / 1e3
-        return cls(session, req, received, expires)
+        return cls(session, req, received, expires, to)
 
 
 @dataclass
@@ -92,8 +93,8 @@ class FaultHooks:
 
 class Compute:
     def __init__(self, runtime: Any, worker_id: str, fingerprint: str, max_group: int,
-                 reply: Callable[[list[Any]], None], counts: dict[str, int], faults: FaultHooks = FaultHooks(),
-                 inbox: Any = None):
+                 reply: Callable[[list[Any], bytes | None], None], counts: dict[str, int],
+                 faults: FaultHooks = FaultHooks(), inbox: Any = None):
         self.rt, self.id, self.fingerprint = runtime, worker_id, fingerprint
         self.max_group = max_group        # requests merged into one forward (--max-batch)
         self._send, self.counts, self.faults = reply, counts, faults
@@ -119,29 +120,31 @@ class Compute:
         answered = self.answered
         return self.taken - answered
 
-    def reply(self, frames: list[Any]) -> None:
+    def reply(self, frames: list[Any], to: bytes | None = None) -> None:
+        """Send one reply: to the broker, or (`to`) to the client that sent the request here itself."""
         self.answered += 1
-        self._send(frames)
+        self._send(frames, to)
 
-    def intake(self, msg: wire.Message, received: float) -> Queued | None:
-        """A REQUEST message, received at `received`: the request to run, or None when it was answered here (the
-        worker is stopping, or the message is not a well-formed request). Either way it gets one reply."""
+    def intake(self, msg: wire.Message, received: float, to: bytes | None = None) -> Queued | None:
+        """A REQUEST message, received at `received` (from the broker, or from the client `to` on the direct
+        socket): the request to run, or None when it was answered here (the worker is stopping, or the message is
+        not a well-formed request). Either way it gets one reply."""
         self.taken += 1
         rid = msg.header.get("rid")
         if self.stopping:
             self.counts["handed_back"] += 1
             self.reply(wire.encode_error(rid, wire.STATUS_RETRYABLE, f"worker {self.id} is stopping",
-                                         worker=self.id, reason=Reason.STOPPING))
+                                         worker=self.id, reason=Reason.STOPPING), to)
             return None
         try:
-            req = wire.parse_request(msg)
+            req = wire.parse_request(msg, need_cid=to is not None)
         except wire.ProtocolError as e:
             self.counts["protocol_errors"] += 1
             self.reply(wire.encode_error(rid if isinstance(rid, (int, str)) else None, wire.STATUS_FINAL, str(e),
-                                         field=e.field, worker=self.id))
+                                         field=e.field, worker=self.id), to)
             return None
         self.counts["received"] += 1
-        return Queued.of(self.session, req, received)
+        return Queued.of(self.session, req, received, to)
 
     def loop(self) -> None:
         """The thread's body: until the stop sentinel, or until the worker is fatal."""
@@ -289,13 +292,14 @@ class Compute:
             threading.Event().wait()
         if q.session != self.session:
             self.counts["dropped"] += 1
-            self.reply(self._error(req, wire.STATUS_RETRYABLE, "dropped after re-registering", reason=Reason.STALE))
+            self.reply(self._error(req, wire.STATUS_RETRYABLE, "dropped after re-registering", reason=Reason.STALE),
+                       q.to)
             return None
         if q.expires is not None and time.monotonic() >= q.expires:
             # Its caller has given up: computing it would only delay the requests behind it.
             self.counts["expired"] += 1
             self.reply(self._error(req, wire.STATUS_RETRYABLE, f"worker {self.id}: the request's deadline passed "
-                                   "before compute started", reason=Reason.EXPIRED))
+                                   "before compute started", reason=Reason.EXPIRED), q.to)
             return None
         try:
             batch = Batch(**req.arrays())
@@ -303,12 +307,12 @@ class Compute:
             return batch
         except RequestError as e:
             self.counts["request_errors"] += 1
-            self.reply(self._refusal(req, e))
+            self.reply(self._refusal(req, e), q.to)
             return None
         except Exception as e:  # noqa: BLE001 - host-side only (no device work yet): refuse this one request
             self.counts["internal_errors"] += 1
             log.exception("worker %s: could not read request %s", self.id, req.tag, extra={"request": req.tag})
-            self.reply(self._internal(req, e))
+            self.reply(self._internal(req, e), q.to)
             return None
 
     def take_group(self, first: Queued) -> tuple[list[Queued], Group, Queued | None, bool]:
@@ -354,7 +358,7 @@ class Compute:
 
         if self.fatal is not None:       # an earlier member broke the device: hand the rest to another worker
             for q in members:
-                self.reply(self._handed_back(q))
+                self.reply(self._handed_back(q), q.to)
             return None
         try:
             return self._launch(members, group)
@@ -365,7 +369,7 @@ class Compute:
                 self.counts["internal_errors"] += 1
                 log.error("worker %s: %s: the device context is broken, leaving", self.id, e)
                 for q in members:
-                    self.reply(self._handed_back(q, "the device context broke"))
+                    self.reply(self._handed_back(q, "the device context broke"), q.to)
                 self.fatal = f"upload on a broken context: {e}"
                 return None
             # The group drained before raising, so the staging is safe to reuse: keep serving, and let
@@ -375,7 +379,7 @@ class Compute:
             log.warning("worker %s: %s (requests %s, handed back)", self.id, e, tags, extra={"request": tags})
             for q in members:
                 self.reply(self._error(q.req, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
-                                       reason=Reason.UPLOAD_FAILED))
+                                       reason=Reason.UPLOAD_FAILED), q.to)
             return None
         except Exception as e:  # noqa: BLE001 - every failure must be answered
             self._recover(members, group, e)
@@ -386,7 +390,7 @@ class Compute:
         members, group = flight.members, flight.group
         if self.fatal is not None:       # the device may be broken or hung: do not wait on it
             for q in members:
-                self.reply(self._handed_back(q))
+                self.reply(self._handed_back(q), q.to)
             return
         try:
             replies = self._answer(flight)
@@ -397,8 +401,8 @@ class Compute:
             self.counts["merged_runs"] += 1
             self.counts["merged_requests"] += len(members)
         self.counts["ok"] += len(members)
-        for frames in replies:
-            self.reply(frames)
+        for q, frames in zip(members, replies):
+            self.reply(frames, q.to)
 
     def _recover(self, members: list[Queued], group: Group, e: Exception) -> None:
         if len(members) > 1:
@@ -441,16 +445,16 @@ class Compute:
         """Answer one request whose run raised `e`."""
         if isinstance(e, RequestError):
             self.counts["request_errors"] += 1
-            self.reply(self._refusal(q.req, e))
+            self.reply(self._refusal(q.req, e), q.to)
             return
         self.counts["internal_errors"] += 1
         if self.rt.is_cuda:
             log.exception("worker %s: device failure on request %s", self.id, q.req.tag, extra={"request": q.req.tag})
-            self.reply(self._handed_back(q, type(e).__name__))
+            self.reply(self._handed_back(q, type(e).__name__), q.to)
             self.fatal = f"{type(e).__name__}: {e}"     # the context may be poisoned
             return
         log.exception("worker %s: internal error on request %s", self.id, q.req.tag, extra={"request": q.req.tag})
-        self.reply(self._internal(q.req, e))
+        self.reply(self._internal(q.req, e), q.to)
 
     # -- replies ---------------------------------------------------------------------------------------------
     def _error(self, req: wire.Request, status: str, message: str, **kw: Any) -> list[Any]:

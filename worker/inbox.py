@@ -70,9 +70,18 @@ class SocketInbox:
     launched group, or None."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: str, *, keys: str | None = None,
-                 max_message_bytes: int, poll_us: int = 0, heartbeat_ms: int = 1000):
+                 max_message_bytes: int, poll_us: int = 0, heartbeat_ms: int = 1000, direct: str | None = None):
         self.ctx, self.endpoint, self.identity, self.keys = ctx, endpoint, identity, keys
         self.max_message_bytes, self.poll_s, self.heartbeat_ms = max_message_bytes, poll_us / 1e6, heartbeat_ms
+        # Clients' own requests (docs/architecture.md, "The data path", decision 1): a ROUTER bound here, by the I/O
+        # thread, so that READY can name the port it got; read and answered by the data thread alone.
+        self.direct: zmq.Socket | None = None
+        self.direct_endpoint: str | None = None
+        if direct is not None:
+            self.direct = _bind_direct(ctx, direct, max_message_bytes)
+            self.direct_endpoint = self.direct.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.direct_taken = 0         # request messages clients sent here directly
+        self.unroutable = 0           # direct replies whose client had gone
         self.handed: queue.SimpleQueue = queue.SimpleQueue()     # from the I/O thread
         # put() wakes a data thread blocked in zmq.poll: a PAIR whose sending end only the I/O thread uses.
         addr = f"inproc://wake-{id(self)}"
@@ -81,7 +90,7 @@ class SocketInbox:
         self.wake_out = ctx.socket(zmq.PAIR)
         self.wake_out.connect(addr)
         self.sock: zmq.Socket | None = None
-        self.intake: Callable[[wire.Message, float], Any] = lambda msg, now: None
+        self.intake: Callable[..., Any] = lambda msg, now, to=None: None
         self.oldest: Callable[[], Any] = lambda: None
         self.farewell: list[Any] | None = None   # the leaving DISCONNECT, sent after the last reply (see `close`)
         self.malformed = 0            # messages on the data socket that did not decode
@@ -119,13 +128,23 @@ class SocketInbox:
         self.poller = zmq.Poller()
         self.poller.register(s, zmq.POLLIN)
         self.poller.register(self.wake_in, zmq.POLLIN)
+        if self.direct is not None:
+            self.poller.register(self.direct, zmq.POLLIN)
 
-    def send(self, frames: list[Any]) -> None:
-        """A reply, on the data socket (the broker takes a worker's replies from either of its sockets)."""
+    def send(self, frames: list[Any], to: bytes | None = None) -> None:
+        """A reply: on the data socket (the broker takes a worker's replies from either of its sockets), or, for a
+        request a client sent here itself, back to that client (`to`: its identity on the direct socket)."""
         try:
-            wire.send_frames(self.sock, frames, copy=False)
+            if to is None:
+                wire.send_frames(self.sock, frames, copy=False)
+            else:
+                wire.send_frames(self.direct, [to, *frames], copy=False)
         except zmq.Again:
             log.warning("worker %s: the broker's queue is full; dropped a reply", self.identity)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.unroutable += 1      # the client left (ROUTER_MANDATORY says so): its retry went elsewhere
         self.awake_until = time.monotonic() + self.poll_s
 
     def watch(self, flight: Any) -> None:
@@ -168,23 +187,38 @@ class SocketInbox:
         return item
 
     def _receive(self) -> Any:
+        """The next request read from the data socket, then from the direct one, or NOTHING."""
+        item = self._receive_from(self.sock, direct=False)
+        if item is NOTHING and self.direct is not None:
+            item = self._receive_from(self.direct, direct=True)
+        return item
+
+    def _receive_from(self, sock: zmq.Socket, direct: bool) -> Any:
         while True:
             try:
-                frames = wire.recv_frames(self.sock)
+                frames = wire.recv_frames(sock)
             except zmq.Again:
                 return NOTHING
             now = time.monotonic()
+            to = frames.pop(0) if direct else None
             try:
                 msg = wire.decode(frames)
             except wire.ProtocolError as e:
                 self.malformed += 1
-                log.warning("worker %s: malformed message on the data socket (%s)", self.identity, e)
+                log.warning("worker %s: malformed message on the %s socket (%s)", self.identity,
+                            "direct" if direct else "data", e)
+                if direct:      # a client waits for it: say what is wrong (the broker's messages are well-formed)
+                    self.send(wire.encode_error(wire.rid_of(frames) if len(frames) >= 3 else None, wire.STATUS_FINAL,
+                                                str(e), field=e.field), to)
                 continue
             if msg.cmd != wire.Cmd.REQUEST:
                 # Control messages come on the control socket; a restarted broker's word reaches that one too.
-                log.debug("worker %s: %s on the data socket, ignored", self.identity, msg.cmd.name)
+                log.debug("worker %s: %s on the %s socket, ignored", self.identity, msg.cmd.name,
+                          "direct" if direct else "data")
                 continue
-            q = self.intake(msg, now)
+            if direct:
+                self.direct_taken += 1
+            q = self.intake(msg, now, to)
             if q is not None:
                 return q
 
@@ -212,5 +246,25 @@ class SocketInbox:
                 log.warning("worker %s: closing the data socket: %s", self.identity, e)
             self.sock.close(linger=2000)
             self.sock = None
+        if self.direct is not None:
+            self.direct.close(linger=500)
+            self.direct = None
         if not self.wake_in.closed:
             self.wake_in.close(0)
+
+
+DIRECT_HWM = 64     # requests a client may have queued at the direct socket before its sends are refused
+
+
+def _bind_direct(ctx: zmq.Context, endpoint: str, max_message_bytes: int) -> zmq.Socket:
+    """The ROUTER clients send their requests to. Bounded per peer: at most DIRECT_HWM messages of at most
+    `max_message_bytes` wait in each client's pipe (a client's non-blocking send is refused beyond them, and it goes
+    through the broker); a reply to a client that has gone raises instead of queueing (ROUTER_MANDATORY)."""
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 500)
+    s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    s.setsockopt(zmq.RCVHWM, DIRECT_HWM)
+    s.setsockopt(zmq.SNDHWM, 4 * DIRECT_HWM)
+    s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    s.bind(endpoint)
+    return s

@@ -69,6 +69,8 @@ class WorkerConfig:
     compile_procs: int = 0                  # off by default: see worker.runtime.RuntimeConfig.compile_procs
     poll_us: int = 0                        # after a reply, the data thread polls its socket this long before sleeping
     data_requests: str = "auto"             # requests straight to the data thread: auto = on CUDA (see --data-requests)
+    direct: str = "auto"                    # clients send requests here themselves: auto = as data_requests (--direct)
+    direct_endpoint: str = "tcp://127.0.0.1:*"   # where the direct socket binds (loopback only: it has no CURVE)
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
     log_level: str = "INFO"
@@ -84,7 +86,10 @@ class WorkerConfig:
         # milliseconds (a first graph capture well under a second); a CPU runs the large model far slower.
         timeout = self.compute_timeout if self.compute_timeout is not None else (10.0 if on_cuda else 30.0)
         data = self.data_requests if self.data_requests != "auto" else ("on" if on_cuda else "off")
+        # Direct requests skip the broker's CURVE check, so a pool with keys keeps every request on the broker.
+        direct = self.direct if self.direct != "auto" else ("on" if data == "on" and not self.keys else "off")
         return dataclasses.replace(self, max_batch=max_batch, compute_timeout=timeout, data_requests=data,
+                                   direct=direct,
                                    credit=self.credit if self.credit is not None else max(2, 2 * max_batch),
                                    mode=self.mode or ("graph-cached" if on_cuda else "eager"))
 
@@ -93,6 +98,13 @@ class WorkerConfig:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
         if self.data_requests not in ("auto", "on", "off"):
             return f"--data-requests must be auto, on or off (got {self.data_requests!r}); check LAYA_DATA_REQUESTS"
+        if self.direct not in ("auto", "on", "off"):
+            return f"--direct must be auto, on or off (got {self.direct!r}); check LAYA_DIRECT"
+        if self.direct == "on" and self.keys:
+            return "--direct on with --keys: the direct socket has no CURVE authentication (not built); --direct off"
+        if not wire.is_loopback(self.direct_endpoint):
+            return (f"--direct-endpoint {self.direct_endpoint!r} is beyond loopback: the direct socket has no CURVE "
+                    "authentication, so it binds on loopback or ipc:// only")
         if not 0 <= self.poll_us <= 10_000_000:
             return f"--poll-us must be in 0..10000000 (got {self.poll_us}); check LAYA_WORKER_POLL_US"
         if not 0 <= self.compile_procs <= 64:
@@ -127,7 +139,8 @@ class Worker:
         self.data_identity = f"{self.id}/data"
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
                                  max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us,
-                                 heartbeat_ms=cfg.heartbeat_ms)
+                                 heartbeat_ms=cfg.heartbeat_ms,
+                                 direct=cfg.direct_endpoint if cfg.direct == "on" else None)
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
                                faults, inbox=self.inbox)
         self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
@@ -174,6 +187,7 @@ class Worker:
         self.io_counts["registrations"] += 1
         self._send(wire.encode(Cmd.READY, {
             "id": self.id, "data": self.data_identity, "data_requests": self.cfg.data_requests == "on",
+            **({"direct": self.inbox.direct_endpoint} if self.inbox.direct_endpoint else {}),
             "device": self.device_label, "fingerprint": self.fingerprint,
             "capacity": {"max_tokens": int(cap.max_tokens), "max_rows": int(cap.max_rows),
                          "max_markers": int(cap.max_markers), "row_markers": int(getattr(cap, "row_markers", 0))},
@@ -188,7 +202,8 @@ class Worker:
                 "protocol_errors": self.counts["protocol_errors"] + self.io_counts["protocol_errors"]
                 + self.inbox.malformed,
                 "outstanding": self.compute.outstanding(), "queued": self.inbox.qsize(),
-                "via_control": self.inbox.via_control,
+                "via_control": self.inbox.via_control, "direct": self.inbox.direct_taken,
+                "unroutable": self.inbox.unroutable,
                 "runtime": self.compute.runtime_stats}
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -407,6 +422,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto (default): on with CUDA, whose data thread is never busy for long; off on a CPU, whose "
                         "forward holds the data thread for seconds, so a request's deadline would count from when it "
                         "is read, not from when it came (env LAYA_DATA_REQUESTS)")
+    p.add_argument("--direct", default=os.environ.get("LAYA_DIRECT", d.direct), choices=("auto", "on", "off"),
+                   help="on: the data thread also binds a socket (--direct-endpoint) that clients send their requests "
+                        "to themselves, skipping the broker (which READY tells them of; the broker stays their "
+                        "fallback). auto (default): on when requests go to the data thread (--data-requests) and the "
+                        "pool has no CURVE keys; env LAYA_DIRECT")
+    p.add_argument("--direct-endpoint", default=os.environ.get("LAYA_DIRECT_ENDPOINT", d.direct_endpoint),
+                   help="where the direct socket binds: loopback tcp (default tcp://127.0.0.1:*, a free port) or "
+                        "ipc://; env LAYA_DIRECT_ENDPOINT")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))

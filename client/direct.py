@@ -1,0 +1,189 @@
+"""Requests straight to the workers: the client's side of docs/architecture.md, "The data path", decision 1.
+
+A worker on the client's host may take requests on a socket of its own (loopback, announced to the broker in its
+READY); the broker hands the table of them out (`routes` in a ping's reply). The blocking `Client` sends a
+request's FIRST attempt to the worker with the fewest of this client's requests outstanding there, and every later
+attempt through the broker, which stays the path of last resort: a worker that refuses (stopping, busy, handed
+back), goes quiet past the attempt's share of the deadline, or drops its connection (killed: the call re-sends at
+once, through the broker) costs one attempt, not the call. The broker's reply cache does not see a direct attempt,
+so a request whose direct attempt ran but whose answer was lost runs again through the broker: at-least-once, as a
+forward is deterministic.
+
+`pick` (the choice) and `Routes.update` (the table) are pure, so they are tested without sockets; `Routes` holds one
+DEALER per worker (ZMQ_IMMEDIATE: a send with no finished connection is refused at once, and the attempt goes to the
+broker) and its monitor (a dropped connection re-sends what was on it).
+"""
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from laya_pool.protocol import wire
+from zmq.utils.monitor import recv_monitor_message
+
+REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
+RETRY_S = 1.0            # ... and this soon after a route failed, or after the broker did not answer the question
+_LEAVING = ("stopping", "worker-fault")     # a worker's replies that say it is going: send it nothing more
+
+
+@dataclass
+class Route:
+    """One worker's direct socket, from this client."""
+    worker: str
+    endpoint: str
+    sock: Any = None
+    mon: Any = None
+    outstanding: set[int] = field(default_factory=set)   # request ids sent here and not answered
+    up: bool = True           # False once its connection dropped or it refused as stopping (until the table drops it)
+
+
+def pick(routes: Sequence[Route], turn: int) -> Route | None:
+    """The usable route with the fewest of our requests outstanding; ties go round-robin from `turn`."""
+    best: Route | None = None
+    n = len(routes)
+    for i in range(n):
+        r = routes[(turn + i) % n]
+        if r.up and (best is None or len(r.outstanding) < len(best.outstanding)):
+            best = r
+    return best
+
+
+def usable(table: Any, host: str) -> dict[str, str]:
+    """{worker: endpoint} from the broker's `routes` ([worker, endpoint, host] each): only workers on this host (the
+    endpoints are loopback) and only loopback endpoints (a broker's word is not taken for anything else)."""
+    out: dict[str, str] = {}
+    if not isinstance(table, list):
+        return out
+    for row in table:
+        if (isinstance(row, list) and len(row) == 3 and all(isinstance(x, str) for x in row) and row[2] == host
+                and wire.is_loopback(row[1])):
+            out[row[0]] = row[1]
+    return out
+
+
+class Routes:
+    """The direct sockets of one client (not thread-safe: the client's lock covers it)."""
+
+    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, max_message_bytes: int, host: str | None = None):
+        self.ctx, self.poller, self.max_message_bytes = ctx, poller, max_message_bytes
+        self.host = host or socket.gethostname()
+        self.routes: dict[str, Route] = {}
+        self.by_rid: dict[int, Route] = {}
+        self.by_socket: dict[Any, Route] = {}
+        self.next_ask = 0.0       # when to ask the broker for the table again
+        self.turn = 0
+        self.sent = 0             # attempts that went direct (for tests and stats)
+        self.dropped = 0          # ... and were on a connection that dropped (each went again through the broker)
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_ask
+
+    def asked(self, table: Any, now: float) -> None:
+        """The broker's table (None: it did not answer): open what is new, close what is gone or moved."""
+        self.next_ask = now + (REFRESH_S if table is not None else RETRY_S)
+        if table is None:
+            return
+        want = usable(table, self.host)
+        for worker, r in list(self.routes.items()):
+            if want.get(worker) != r.endpoint:
+                self._close(r)
+            else:
+                r.up = True       # ready again by the broker's word (a dead one's sends are refused: IMMEDIATE)
+        for worker, endpoint in want.items():
+            if worker not in self.routes:
+                self._open(worker, endpoint)
+
+    def choose(self) -> Route | None:
+        routes = list(self.routes.values())
+        if not routes:
+            return None
+        self.turn += 1
+        return pick(routes, self.turn)
+
+    def send(self, rid: int, frames: list[Any]) -> bool:
+        """Send one attempt of request `rid` to a worker directly; False: none could take it (go to the broker)."""
+        r = self.choose()
+        if r is None:
+            return False
+        try:
+            wire.send_frames(r.sock, frames, copy=False)
+        except zmq.Again:           # no finished connection (IMMEDIATE), or its queue is full
+            return False
+        r.outstanding.add(rid)
+        self.by_rid[rid] = r
+        self.sent += 1
+        return True
+
+    def answered(self, rid: Any, status: Any = None, reason: Any = None) -> None:
+        """A reply to `rid` came (from wherever): forget where it went. A worker that says it is stopping is not
+        sent more until the table says it is back."""
+        r = self.by_rid.pop(rid, None) if isinstance(rid, int) else None
+        if r is None:
+            return
+        r.outstanding.discard(rid)
+        if status == wire.STATUS_RETRYABLE and reason in _LEAVING:
+            self._fail(r)
+
+    def sockets(self) -> list[Any]:
+        return [r.sock for r in self.routes.values()]
+
+    def events(self, mon: Any) -> list[int]:
+        """Read a route's monitor; the request ids that were out on it when its connection dropped (re-send them)."""
+        r = self.by_socket.get(mon)
+        lost: list[int] = []
+        while True:
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return lost
+            if r is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
+                lost.extend(r.outstanding)
+                self.dropped += len(r.outstanding)
+                for rid in r.outstanding:
+                    self.by_rid.pop(rid, None)
+                r.outstanding.clear()
+                self._fail(r)
+
+    def owner(self, sock: Any) -> Route | None:
+        return self.by_socket.get(sock)
+
+    def close(self) -> None:
+        for r in list(self.routes.values()):
+            self._close(r)
+
+    # -- inside ---------------------------------------------------------------------------------------------
+    def _open(self, worker: str, endpoint: str) -> None:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        s.connect(endpoint)
+        r = Route(worker, endpoint, s, mon)
+        self.routes[worker] = r
+        self.by_socket[s] = self.by_socket[mon] = r
+        self.poller.register(s, zmq.POLLIN)
+        self.poller.register(mon, zmq.POLLIN)
+
+    def _fail(self, r: Route) -> None:
+        r.up = False
+        self.next_ask = min(self.next_ask, time.monotonic() + RETRY_S)
+
+    def _close(self, r: Route) -> None:
+        for rid in r.outstanding:
+            self.by_rid.pop(rid, None)
+        for s in (r.sock, r.mon):
+            self.poller.unregister(s)
+            self.by_socket.pop(s, None)
+        try:
+            r.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        r.mon.close(0)
+        r.sock.close(0)
+        self.routes.pop(r.worker, None)
