@@ -41,18 +41,27 @@ def gdc(device: torch.device) -> bool:
 _HOPPER: dict[int, bool] = {}
 
 
+LATE = 2      # USE_GDC: launched early, but lets its successor launch only as its blocks exit (`wait_turn`)
+
+
 def launch(device: torch.device, programs: int) -> dict:
     """Launch options for a kernel of `programs` blocks. Only a grid of at most one block per SM is launched
     early: a larger grid's waiting blocks would hold SMs its predecessor still needs (measured: PDL on every
-    launch made a 32x48 forward 6% slower, on single-wave launches only it makes 1x48 7% faster)."""
+    launch made a 32x48 forward 6% slower, on single-wave launches only it makes 1x48 7% faster).
+
+    LAYA_PDL_WAVES=all (experimental): a larger grid is launched early too, but does not let ITS successor launch
+    until its own blocks exit, so no successor block waits on an SM while it still has blocks to place; what is left
+    to overlap is the launch itself (the gap between two multi-wave kernels)."""
     wait = gdc(device)
+    if wait and programs > sms(device) and os.environ.get("LAYA_PDL_WAVES") == "all":
+        return {"USE_GDC": LATE, "launch_pdl": True}
     return {"USE_GDC": wait, "launch_pdl": wait and programs <= sms(device)}
 
 
 def prefetching(options: dict) -> bool:
     """Whether a GEMM launched with `options` (from `launch`) should prefetch its weights while it waits: only
-    when it is launched early, so that there is a predecessor to overlap."""
-    return options["launch_pdl"] and os.environ.get("LAYA_PREFETCH", "1") != "0"
+    when it is launched early (single-wave), so that there is a predecessor to overlap."""
+    return options["launch_pdl"] and options["USE_GDC"] is True and os.environ.get("LAYA_PREFETCH", "1") != "0"
 
 
 _SMS: dict[int, int] = {}
@@ -70,10 +79,12 @@ def sms(device: torch.device) -> int:
 if triton is not None:
     @triton.jit
     def wait_turn(USE_GDC: tl.constexpr):
-        """A kernel's first step under PDL: wait for every earlier kernel, then let the next one launch."""
+        """A kernel's first step under PDL: wait for every earlier kernel, then let the next one launch (LATE: the next
+        one launches as this kernel's blocks exit, `launch`)."""
         if USE_GDC:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if USE_GDC != 2:
+                tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def prefetch(base, nbytes, PIECES: tl.constexpr):

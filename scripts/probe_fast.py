@@ -421,8 +421,9 @@ def step_model(model_dir, report):
         # sdpa (torch's SDPA on the SDK's layout instead of our attention: its time, and whether the whole forward
         # gives the same bits)
         patches = _small_m_patches()
-        for label, env in (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {}),
-                           ("no prefetch", {"LAYA_PREFETCH": "0"})) + tuple((k_, None) for k_ in patches):
+        envs = (("no PDL", {"LAYA_PDL": "0"}), ("no TMA", {"LAYA_TMA": "0"}), ("sdpa attention", {}),
+                ("no prefetch", {"LAYA_PREFETCH": "0"}), ("PDL for multi-wave grids: waves", {"LAYA_PDL_WAVES": "all"}))
+        for label, env in envs + tuple((k_, None) for k_ in patches):
             if env is None:
                 if label not in WANT_VARIANTS:
                     continue

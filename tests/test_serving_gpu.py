@@ -145,8 +145,9 @@ def test_failed_upload_with_a_group_in_flight(ckpt):
 
 def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
     """A real pool on the device (`laya-pool up`: broker + one CUDA worker, real sockets): requests reach the worker's
-    data thread directly (its I/O thread hands over none), answers equal an in-process eager runtime's bit for bit,
-    and a burst from several threads merges there."""
+    data thread directly (its I/O thread hands over none), from the clients themselves (a CUDA worker's default:
+    client/direct.py) or through the broker, answers equal an in-process eager runtime's bit for bit, and a burst
+    from several threads merges there."""
     import concurrent.futures as cf
 
     from laya_pool.client.pool import local_pool
@@ -158,9 +159,11 @@ def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
                 zip(np.cumsum([0, *b.lengths[:-1]]), b.lengths, np.cumsum([0, *b.marker_counts[:-1]]),
                     b.marker_counts, b.types)] for b in batches]
     with local_pool(tiny_ckpt, "cuda:0", startup_timeout=240) as pool:
-        with pool.client() as c:
-            for i in range(4):        # one at a time first
+        with pool.client() as c, pool.client(direct=False) as via_broker:
+            for i in range(4):        # one at a time first, both ways
                 np.testing.assert_array_equal(c.forward(as_rows[i]).flat, want[i].logits)
+                np.testing.assert_array_equal(via_broker.forward(as_rows[i]).flat, want[i].logits)
+            direct = c._routes.sent
 
             def one(i):
                 with pool.client() as ci:
@@ -169,9 +172,11 @@ def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
                 for i, got in ex.map(one, range(len(batches))):
                     np.testing.assert_array_equal(got.flat, want[i].logits)
             # the worker's counts reach the status with its next heartbeat (one a second)
-            st = wait_until(lambda: (s := pool.status())["workers"][0]["stats"].get("received", 0) >= 52 and s, 5,
-                            lambda: f"the worker never counted 52 requests: {pool.status()['workers']}")
+            st = wait_until(lambda: (s := pool.status())["workers"][0]["stats"].get("received", 0) >= 56 and s, 5,
+                            lambda: f"the worker never counted 56 requests: {pool.status()['workers']}")
     stats = st["workers"][0]["stats"]
     assert stats["via_control"] == 0, stats
     assert st["broker"]["counters"].get("routed_to_control", 0) == 0, st["broker"]["counters"]
-    print(f"\nCUDA pool: {stats['received']} requests on the data socket, merged runs {stats['merged_runs']}")
+    assert direct >= 3 and stats["direct"] >= direct, (direct, stats)     # all but a first, before its connection
+    print(f"\nCUDA pool: {stats['received']} requests on the data thread ({stats['direct']} sent to it directly), "
+          f"merged runs {stats['merged_runs']}")

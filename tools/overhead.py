@@ -10,7 +10,9 @@ Starts a pool (one worker on --device), and in this process the same runtime the
 and the neighbours' load hit them alike), on the host clock:
 
 - `ping`: client -> broker -> client (the broker answers it itself): the transport and the broker's loop;
-- `forward`: `Client.forward` of one 1x48 row through the pool (client, broker, worker, back);
+- `forward`: `Client.forward` of one 1x48 row through the pool: the default client, which sends it to the worker
+  directly when the worker takes it (client/direct.py), else through the broker;
+- `forward via broker`: the same through the broker always (`Client(direct=False)`), in the same run;
 - `in-process`: `Runtime.run` of the same batch here (what the pool adds is `forward` minus this);
 - where a forward's time goes, from the reply's timings (the worker's clock is this host's monotonic clock):
   `up` (the call starts -> the worker's data thread reads it: client encode and send, broker, two hops; on a worker
@@ -40,8 +42,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 # What is timed: three kinds of call, then the parts of one pooled forward, in the order a request meets them
 # (the worker stamps each on this host's monotonic clock: compute.py `_answer`).
-PARTS = ("ping", "forward", "in-process", "up", "up: to the broker", "up: in the broker", "up: to the worker",
-         "queue", "worker", "launch", "device wait", "wake", "down", "down: to the broker", "down: to the client")
+PARTS = ("ping", "forward", "forward via broker", "in-process", "up", "up: to the broker", "up: in the broker",
+         "up: to the worker", "queue", "worker", "launch", "device wait", "wake", "down", "down: to the broker",
+         "down: to the client")
 PART_NOTES = {"up": " (client -> worker's data thread)", "up: to the broker": " (encode, send, hop, broker wakes)",
               "up: in the broker": " (parse, queue, dispatch)", "up: to the worker": " (send, hop, data thread)",
               "queue": " (-> forward starts: admit)",
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[float]] = {k: [] for k in PARTS}
     extra = ["--threads", str(args.threads), *shlex.split(args.pool_args)]
     with local_pool(args.model, args.device, frontend=frontend, extra_args=extra) as pool, \
-            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms) as c:
+            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms) as c, \
+            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, direct=False) as via_broker:
         def forward() -> None:
             t = time.monotonic()
             res = c.forward(rows)
@@ -169,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                 samples["device wait"].append((m["landed_at"] - m["launched_at"]) * 1e3)
                 samples["wake"].append((m["done_at"] - m["landed_at"]) * 1e3)
 
-        kinds = {"ping": c.ping, "forward": forward, "in-process": in_process}
+        kinds = {"ping": c.ping, "forward": forward, "forward via broker": lambda: via_broker.forward(rows),
+                 "in-process": in_process}
         for _ in range(args.warmup):
             for fn in kinds.values():
                 fn()
-        for k in PARTS[3:]:
+        for k in PARTS[4:]:
             del samples[k][:]
         # One call of each kind in turn (the order rotating), so load from elsewhere on the machine falls on
         # every kind alike.
@@ -185,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         status = c.status()
     out: dict[str, Any] = {k: stats(v) for k, v in samples.items() if v}
     out["added"] = round(out["forward"]["p50"] - out["in-process"]["p50"], 4)
+    out["added via broker"] = round(out["forward via broker"]["p50"] - out["in-process"]["p50"], 4)
+    out["direct"] = c._routes.sent if c._routes is not None else 0
     out["steps"] = protocol_steps(rows, 2000)
     out["config"] = {"model": args.model, "device": args.device, "transport": args.transport,
                      "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
@@ -193,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in (k for k in PARTS if k in out):
         print(f"{k + PART_NOTES.get(k, ''):60} {out[k]['p50']:8.3f} {out[k]['p95']:8.3f}")
     print(f"{'pool adds (forward - in-process, p50)':60} {out['added']:8.3f}")
+    print(f"{'... through the broker (forward via broker - in-process, p50)':60} {out['added via broker']:8.3f}")
+    print(f"{'forwards the default client sent to the worker directly':60} {out['direct']:8d}")
     for k, v in out["steps"].items():
         print(f"{k:60} {v['p50']:8.4f} {v['p95']:8.4f}")
     if args.json:
