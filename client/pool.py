@@ -4,10 +4,11 @@
     c = Client("tcp://127.0.0.1:5555")
     c.predict("the printer on floor 3 is broken", {"team": {...}})   # the SDK's Agent.predict() dict
 
-Each client holds ONE long-lived DEALER socket. A call has one deadline (`timeout`, 10 s by default) and
-sends one request with a fresh request id and the time it has left; on silence or a "retryable" reply
-(busy, a worker lost) it sends the same request again with the SAME request id, after the pool's
-retry-after or a short backoff, within the deadline (Lazy Pirate, without recreating the socket: replies
+Each client holds ONE long-lived DEALER socket to the broker (and the blocking `Client` one to each worker on its
+host that takes requests itself, where a request's first attempt goes: client/direct.py). A call has one
+deadline (`timeout`, 10 s by default) and sends one request with a fresh request id and the time it has left; on
+silence or a "retryable" reply (busy, a worker lost) it sends the same request again with the SAME request id, after
+the pool's retry-after or a short backoff, within the deadline (Lazy Pirate, without recreating the socket: replies
 carrying another id are stale answers to earlier attempts and are dropped). The broker deduplicates by
 (client id, request id), so a retry never runs a request twice, and drops work whose caller gave up. A
 "final" reply (the request itself is wrong) raises `RequestFailed` naming the field and row; no answer
@@ -580,7 +581,8 @@ class Client(_Base):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._mon, zmq.POLLIN)
-        self._routes = Routes(self._ctx, self._poller, self.max_frame_bytes) if direct else None
+        self._routes = (Routes(self._ctx, self._poller, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES) if direct
+                        else None)
 
     # -- the pool's API ----------------------------------------------------------------------------------
     def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -728,7 +730,8 @@ class Client(_Base):
         except StopIteration as done:
             results[i] = done.value
             return
-        if step.direct:
+        if step.direct and not flights:
+            # Not with calls out: the question's own wait would drop their replies as stale (asked again later).
             self._ask_routes()
         rid = next(self._rids)
         f = _InFlight(i, plan, started, step.build(rid, self.cid), self._attempts(step.timeout, step.retries, started),

@@ -292,6 +292,27 @@ def test_clients_send_straight_to_the_workers_when_the_pool_offers_it(ipc_pool, 
     assert seen["broker"][:2] == (0, 8) and not seen["broker"][2], seen
 
 
+def test_bad_requests_sent_directly_are_refused_naming_the_field(ipc_pool, runtime):
+    """What no Client sends, sent to a worker's direct socket: a clear final error from the worker itself, and it
+    keeps serving (the broker's checks are not on this path)."""
+    ws = _wait_ready(ipc_pool)
+    raw = Raw(ws["0"]["direct"])
+    try:
+        no_cid = raw.ask(wire.encode_request(5, wire.pack_rows(make_rows(3))))
+        assert no_cid.header["status"] == "final" and no_cid.header["error"]["field"] == "cid", no_cid.header
+        garbage = raw.ask([b"LAYA9", b"\x02", msgpack.packb({"rid": 6})])
+        assert garbage.header["status"] == "final" and garbage.header["error"]["field"] == "version", garbage.header
+        too_long = make_rows(4, 1, 100_000)
+        rep = raw.ask(wire.encode_request(7, wire.pack_rows(too_long), cid="raw"))
+        assert rep.header["status"] == "final" and rep.header["error"]["field"], rep.header
+        rows = make_rows(8)
+        ok = wire.parse_reply(raw.ask(wire.encode_request(8, wire.pack_rows(rows), cid="raw")))
+        assert ok.status == "ok" and ok.worker == "0"
+        np.testing.assert_allclose(ok.logits, _reference(runtime, rows)[0], rtol=1e-5, atol=1e-5)
+    finally:
+        raw.close()
+
+
 def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):
     _wait_ready(tcp_pool)
     raw = Raw(tcp_pool.endpoint)
