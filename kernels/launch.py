@@ -49,11 +49,13 @@ def launch(device: torch.device, programs: int) -> dict:
     early: a larger grid's waiting blocks would hold SMs its predecessor still needs (measured: PDL on every
     launch made a 32x48 forward 6% slower, on single-wave launches only it makes 1x48 7% faster).
 
-    LAYA_PDL_WAVES=all (experimental): a larger grid is launched early too, but does not let ITS successor launch
-    until its own blocks exit, so no successor block waits on an SM while it still has blocks to place; what is left
-    to overlap is the launch itself (the gap between two multi-wave kernels)."""
+    A larger grid is launched early too, but does not let ITS successor launch until its own blocks exit, so no
+    successor block waits on an SM while it still has blocks to place; what is left to overlap is the launch itself
+    (the gap between two multi-wave kernels). Device run of 2026-12-04 (fourteenth session, call 2), graph replay:
+    32x48 3.530 ms against 3.608, 4x256 2.501 against 2.602, 1x48 and 16x512 unchanged, the same bits.
+    LAYA_PDL_WAVES=one: only single-wave grids early (as before)."""
     wait = gdc(device)
-    if wait and programs > sms(device) and os.environ.get("LAYA_PDL_WAVES") == "all":
+    if wait and programs > sms(device) and os.environ.get("LAYA_PDL_WAVES", "all") == "all":
         return {"USE_GDC": LATE, "launch_pdl": True}
     return {"USE_GDC": wait, "launch_pdl": wait and programs <= sms(device)}
 
