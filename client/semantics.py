@@ -11,7 +11,9 @@ One row per question:  [CLS] "<type> question: <instructions>" [SEP] [MASK] opt0
 """
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ OPTION_TOKEN_CAP = 48          # tokens of one option's text (after its [MASK])
 _MIN_OPTION_BUDGET = 16        # below this many head tokens left for the instruction, options get capped
 _MIN_OPTION_TOKENS = 4
 _MIN_INSTRUCTION_TOKENS = 8
+_HEAD_CACHE_SIZE = 2048         # question heads kept (`_head_arrays`), over all cards
 _NOUL_FALSE_TEXT = "no, the statement does not hold"
 _NOUL_TRUE_TEXT = "yes, the statement holds"
 _WHOLE = WindowPolicy(False)     # tokenizes every state whole
@@ -238,13 +241,16 @@ def render_options(q: dict[str, Any]) -> list[str]:
 
 def build_head(card: ModelCard, q: dict[str, Any], head_max_len: int) -> tuple[list[int], list[int], dict]:
     """`[CLS] <type> question: <ins> [SEP] [MASK] opt ... [SEP]`, the marker positions and the option stats."""
+    return _assemble_head(card, q["t"], q["ins"], render_options(q), q.get("option_order"), head_max_len)
+
+
+def _assemble_head(card: ModelCard, t: str, ins: str, opts: Sequence[str], order: Sequence[int] | None,
+                   head_max_len: int) -> tuple[list[int], list[int], dict]:
     mask = card.mask_token
-    opts = render_options(q)
-    order = q.get("option_order")
     if order is None:
         order = range(len(opts))
     # The mask token must appear only as an option marker, so user text loses it.
-    ins_ids = card.encode_question_text(f"{q['t']} question: " + q["ins"].replace(mask, " "))
+    ins_ids = card.encode_question_text(f"{t} question: " + ins.replace(mask, " "))
     opt_ids = [(card.mask_id,) + card.encode_question_text(" " + opts[i].replace(mask, " "))[:OPTION_TOKEN_CAP]
                for i in order]
     budget = head_max_len - sum(len(o) for o in opt_ids)
@@ -263,6 +269,35 @@ def build_head(card: ModelCard, q: dict[str, Any], head_max_len: int) -> tuple[l
     # Options cut to the same span can no longer be told apart; decoding reports that in usage.
     stats = {"options": len(opt_ids), "options_distinct": len(set(opt_ids)), "tokens_per_option": per_option}
     return ids, markers, stats
+
+
+def _head_arrays(card: ModelCard, q: dict[str, Any], head_max_len: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """`build_head` as int32 arrays (read-only, possibly shared: copy before writing), cached by what it reads.
+
+    A decision loop asks the same questions call after call: the rendered texts are the key, so two definitions
+    with equal keys but different texts (1 and 1.0 as labels) never share an entry."""
+    order = q.get("option_order")
+    key = (q["t"], q["ins"], tuple(render_options(q)), None if order is None else tuple(order))
+    if isinstance(head_max_len, int):
+        return _cached_head(card, *key, head_max_len)
+    return _head_as_arrays(card, *key, head_max_len)     # an odd override fails (or not) as it always did
+
+
+def _head_as_arrays(card: ModelCard, t: str, ins: str, opts: tuple[str, ...], order: tuple[int, ...] | None,
+                    head_max_len: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    ids, markers, stats = _assemble_head(card, t, ins, opts, order, head_max_len)
+    return _read_only(ids), _read_only(markers), stats
+
+
+def _read_only(values: list[int]) -> np.ndarray:
+    a = np.asarray(values, dtype=np.int32)
+    a.flags.writeable = False
+    return a
+
+
+# Keyed by the card too: a card is frozen and the cache holds it, so its entries cannot go stale. Bounded: a
+# handful of cards at most, each with the few hundred questions a decision loop asks.
+_cached_head = functools.lru_cache(maxsize=_HEAD_CACHE_SIZE)(_head_as_arrays)
 
 
 # ---------------------------------------------------------------- requests
@@ -296,7 +331,7 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
     heads = []
     for qid, q in zip(qids, internal):
         try:
-            heads.append(build_head(card, q, head_max_len))
+            heads.append(_head_arrays(card, q, head_max_len))
         except (TypeError, ValueError) as e:     # bytes or lone surrogates: say where (client/text.py)
             raise QuestionError(qid, text.problem(questions[qid], "definition") or str(e)) from e
     rooms = [max(0, max_len - len(head) - 1) for head, _, _ in heads]    # -1: the [SEP] closing the state
@@ -317,13 +352,14 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
     for qid, q, (head, markers, opt_stats), room in zip(qids, internal, heads, rooms):
         keep = min(room, n)    # the window holds at least max(rooms) tokens, or the whole state
         kept = state_ids[n - keep:] if from_left else state_ids[:keep]
-        ids = np.concatenate((np.asarray(head, dtype=np.int32), kept, sep))[:max_len]
-        markers = [m for m in markers if m < max_len]
+        ids = np.concatenate((head, kept, sep))[:max_len]
+        # Markers ascend, so only a head longer than max_len loses any; every row gets its own (the head's are shared).
+        markers = markers[markers < max_len] if markers.size and markers[-1] >= max_len else markers.copy()
         if len(markers) != opt_stats["options"]:
             raise QuestionError(qid, f"only {len(markers)} of its {opt_stats['options']} option markers fit in "
                                      f"max_len={max_len} with head_max_len={head_max_len} spent on the question; "
                                      "lower head_max_len, raise max_len, or use fewer options")
-        out.rows.append((ids, np.asarray(markers, dtype=np.int32), QTYPES[q["t"]]))
-        out.option_stats.append(opt_stats)
+        out.rows.append((ids, markers, QTYPES[q["t"]]))
+        out.option_stats.append(dict(opt_stats))
         out.kept.append(keep)
     return out

@@ -427,9 +427,8 @@ class Runtime:
     def check(self, batch: Batch, mode: str | None = None, taps: bool = False) -> str:
         """Raise `RequestError` if this worker cannot run `batch` as asked; return the mode it would use."""
         validate(batch, self.limits)
-        over = batch.marker_counts > self.capacity.row_markers
-        if over.any():
-            i = int(np.flatnonzero(over)[0])
+        if batch.max_row_markers > self.capacity.row_markers:
+            i = int(np.flatnonzero(batch.marker_counts > self.capacity.row_markers)[0])
             raise RequestError("marker_counts", f"{int(batch.marker_counts[i])} markers exceed this worker's "
                                                 f"{self.capacity.row_markers} per row", i)
         mode = mode or self.config.mode
