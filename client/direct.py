@@ -9,9 +9,11 @@ once, through the broker) costs one attempt, not the call. The broker's reply ca
 so a request whose direct attempt ran but whose answer was lost runs again through the broker: at-least-once, as a
 forward is deterministic.
 
-`pick` (the choice) and `Routes.update` (the table) are pure, so they are tested without sockets; `Routes` holds one
-DEALER per worker (ZMQ_IMMEDIATE: a send with no finished connection is refused at once, and the attempt goes to the
-broker) and its monitor (a dropped connection re-sends what was on it).
+`pick` (the choice) and `usable` (the table) are pure, so they are tested without sockets; `Routes` holds one DEALER
+per worker and its monitor: a route is used only once its handshake is done (until then the attempt goes to the
+broker), and a dropped connection re-sends at once what was on it. Not ZMQ_IMMEDIATE, which would do the first by
+itself: it also throws away a reply that came just before the connection dropped (a worker that answered its last
+request and left), and that reply must count.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
 RETRY_S = 1.0            # ... and this soon after a route failed, or after the broker did not answer the question
+SEND_HWM = 64            # requests queued towards one worker before a send is refused (and goes to the broker)
 _LEAVING = ("stopping", "worker-fault")     # a worker's replies that say it is going: send it nothing more
 
 
@@ -39,6 +42,7 @@ class Route:
     mon: Any = None
     outstanding: set[int] = field(default_factory=set)   # request ids sent here and not answered
     up: bool = True           # False once its connection dropped or it refused as stopping (until the table drops it)
+    connected: bool = False   # its handshake is done and no disconnect followed (from its monitor's events)
 
 
 def pick(routes: Sequence[Route], turn: int) -> Route | None:
@@ -47,7 +51,7 @@ def pick(routes: Sequence[Route], turn: int) -> Route | None:
     n = len(routes)
     for i in range(n):
         r = routes[(turn + i) % n]
-        if r.up and (best is None or len(r.outstanding) < len(best.outstanding)):
+        if r.up and r.connected and (best is None or len(r.outstanding) < len(best.outstanding)):
             best = r
     return best
 
@@ -92,7 +96,7 @@ class Routes:
             if want.get(worker) != r.endpoint:
                 self._close(r)
             else:
-                r.up = True       # ready again by the broker's word (a dead one's sends are refused: IMMEDIATE)
+                r.up = True       # ready again by the broker's word (a dead one's connection stays down: unused)
         for worker, endpoint in want.items():
             if worker not in self.routes:
                 self._open(worker, endpoint)
@@ -111,7 +115,7 @@ class Routes:
             return False
         try:
             wire.send_frames(r.sock, frames, copy=False)
-        except zmq.Again:           # no finished connection (IMMEDIATE), or its queue is full
+        except zmq.Again:           # its queue is full (SEND_HWM)
             return False
         r.outstanding.add(rid)
         self.by_rid[rid] = r
@@ -128,6 +132,15 @@ class Routes:
         if status == wire.STATUS_RETRYABLE and reason in _LEAVING:
             self._fail(r)
 
+    def detach(self, rid: int, blame: bool = False) -> None:
+        """Request `rid` goes on elsewhere (a retry through the broker): forget its direct attempt; with `blame`
+        (that attempt heard nothing) send that worker nothing more until the table lists it again."""
+        r = self.by_rid.pop(rid, None)
+        if r is not None:
+            r.outstanding.discard(rid)
+            if blame:
+                self._fail(r)
+
     def sockets(self) -> list[Any]:
         return [r.sock for r in self.routes.values()]
 
@@ -140,7 +153,10 @@ class Routes:
                 ev = recv_monitor_message(mon, zmq.NOBLOCK)
             except zmq.Again:
                 return lost
-            if r is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
+            if r is not None and ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                r.connected = True
+            elif r is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
+                r.connected = False
                 lost.extend(r.outstanding)
                 self.dropped += len(r.outstanding)
                 for rid in r.outstanding:
@@ -159,10 +175,10 @@ class Routes:
     def _open(self, worker: str, endpoint: str) -> None:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.SNDHWM, SEND_HWM)
         s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
-        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         s.connect(endpoint)
         r = Route(worker, endpoint, s, mon)
         self.routes[worker] = r

@@ -650,6 +650,8 @@ class Client(_Base):
 
     def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
         """The `client.card.ModelCard` built from `describe()`."""
+        if refresh and self._routes is not None:
+            self._routes.next_ask = 0.0     # a new card (a reload): ask which workers serve it before going direct
         if self._card is None or refresh:
             self.describe(timeout=timeout, refresh=True)
         return self._card
@@ -787,10 +789,7 @@ class Client(_Base):
             for rid, f in list(flights.items()):
                 if rid in flights and not f.backing_off:
                     self._drive(rid, f, f.attempts.reconnected(), flights, results)
-        for rid in self._dropped(ready):               # a worker's direct connection dropped with them on it
-            f = flights.get(rid)
-            if f is not None and not f.backing_off:
-                self._drive(rid, f, f.attempts.reconnected(), flights, results)
+        # Replies before dropped connections: a worker that answered and then left must not cost its answer.
         for msg in self._replies(ready):
             rid = msg.header.get("rid")
             f = flights.get(rid) if isinstance(rid, int) else None
@@ -800,6 +799,10 @@ class Client(_Base):
             if f.backing_off and status not in (wire.STATUS_OK, wire.STATUS_FINAL):
                 continue    # an earlier attempt's retryable answer: the backoff already stands for it
             self._drive(rid, f, f.attempts.replied(status, reply_error(msg.header)), flights, results, msg)
+        for rid in self._dropped(ready):               # a worker's direct connection dropped with them on it
+            f = flights.get(rid)
+            if f is not None and not f.backing_off:
+                self._drive(rid, f, f.attempts.reconnected(), flights, results)
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
              retries: int | None = None, on_sent: Callable[[], None] | None = None,
@@ -807,8 +810,6 @@ class Client(_Base):
         """Send, wait, retry with the same request id; returns the first non-retryable reply and the attempts.
         `on_sent` runs once, after the first send; the deadline is `timeout` from `started` (default: now).
         `direct`: the first attempt may go to a worker itself (client/direct.py)."""
-        if direct:
-            self._ask_routes()
         attempts = self._attempts(timeout, retries, started)
         rid = next(self._rids)
         frames = build(rid, self.cid)
@@ -817,6 +818,8 @@ class Client(_Base):
                 raise PoolError("the client is closed")
             if os.getpid() != self._pid:
                 raise PoolError("a Client cannot be used across fork(); create one in the child")
+            if direct:
+                self._ask_routes()       # under the lock: the route sockets are this client's other sockets
             step, msg = attempts.start(), None
             try:
                 while True:
@@ -910,8 +913,14 @@ class Client(_Base):
         """One attempt: the first of a request that may go direct (`rid` given) to a worker when one takes it, any
         other to the broker."""
         framed = wire.with_budget(frames, attempts.budget_ms())
-        if rid is not None and attempts.attempts == 1 and self._routes is not None and self._routes.send(rid, framed):
-            return attempts.sent(True)
+        if rid is not None and self._routes is not None:
+            if attempts.attempts == 1:
+                if self._routes.send(rid, framed):
+                    return attempts.sent(True)
+            else:
+                # A retry goes through the broker: the direct attempt is done with (its worker stays unused while
+                # it is silent), and its connection's fate no longer concerns this call.
+                self._routes.detach(rid, blame=attempts.silent)
         try:
             wire.send_frames(self._sock, framed, copy=False)
         except zmq.Again:
@@ -927,14 +936,16 @@ class Client(_Base):
         while True:
             remaining = deadline - time.monotonic()
             ready = self._poll(max(1, int(remaining * 1000))) if remaining > 0 else {}
+            # Replies first: a worker that answered and then left (or a broker that did) must not cost the answer.
+            for msg in self._replies(ready):
+                if msg.header.get("rid") == rid:
+                    self._dropped(ready)           # read the monitors' events all the same
+                    return msg
+                # a stale reply to an earlier attempt or an abandoned call: drop it
             if ready.get(self._mon) and self._events():
                 return _RECONNECTED
             if rid in self._dropped(ready):
                 return _RECONNECTED
-            for msg in self._replies(ready):
-                if msg.header.get("rid") == rid:
-                    return msg
-                # a stale reply to an earlier attempt or an abandoned call: drop it
             if remaining <= 0 or not ready:
                 return None
 

@@ -98,6 +98,11 @@ class Attempts:
         self.reason: str | None = None
         self.retry_after: float | None = None
 
+    @property
+    def silent(self) -> bool:
+        """The last attempt ended with no reply while connected (not a refusal, not a dropped connection)."""
+        return self.why is _Why.SILENCE and self.last == "no reply"
+
     # -- events ---------------------------------------------------------------------------------------------
     def start(self) -> Step:
         return self._next_attempt()

@@ -16,6 +16,7 @@ The facts around the format (modes, reasons, exit codes, defaults) are in `proto
 from __future__ import annotations
 
 import enum
+import ipaddress
 import itertools
 import os
 from collections.abc import Iterable, Sequence
@@ -661,7 +662,12 @@ def is_loopback(endpoint: str) -> bool:
     host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
     if ";" in host:   # "tcp://src;dst": judge the destination / bind address
         host = host.split(";", 1)[1]
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:              # an address, not a name that merely starts like one ("127.evil.example")
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def load_curve_keys(keys: str | os.PathLike, role: str = "client") -> tuple[bytes, bytes, bytes]:

@@ -9,7 +9,8 @@ from laya_pool.protocol import wire
 
 
 def _route(worker: str, outstanding: int, up: bool = True) -> Route:
-    return Route(worker, f"tcp://127.0.0.1:{1000 + int(worker)}", outstanding=set(range(outstanding)), up=up)
+    return Route(worker, f"tcp://127.0.0.1:{1000 + int(worker)}", outstanding=set(range(outstanding)), up=up,
+                 connected=True)
 
 
 def test_pick_takes_the_least_outstanding_usable_route_and_turns_on_ties():
@@ -17,6 +18,9 @@ def test_pick_takes_the_least_outstanding_usable_route_and_turns_on_ties():
     assert pick(rs, 0).worker == "1"
     assert pick(rs, 2).worker == "2"            # a tie goes to the first from the turn on
     assert pick([_route("0", 0, up=False)], 0) is None
+    unconnected = _route("0", 0)
+    unconnected.connected = False             # its handshake not done yet: the attempt goes to the broker
+    assert pick([unconnected, _route("1", 5)], 0).worker == "1"
     assert pick([], 0) is None
 
 
@@ -25,6 +29,13 @@ def test_the_table_keeps_only_loopback_routes_on_this_host():
              ["2", "tcp://127.0.0.1:5001", "elsewhere"], ["3", "ipc:///tmp/w3", "here"], ["4", 5, "here"], "junk"]
     assert usable(table, "here") == {"0": "tcp://127.0.0.1:5000", "3": "ipc:///tmp/w3"}
     assert usable(None, "here") == {} and usable({"0": "x"}, "here") == {}
+
+
+def _connected(routes, worker: str) -> bool:
+    """Read the route's monitor (what the client's poll does) until its handshake is done."""
+    r = routes.routes[worker]
+    routes.events(r.mon)
+    return r.connected
 
 
 def _worker_socket(ctx):
@@ -42,8 +53,10 @@ def test_routes_send_to_a_worker_and_resend_what_a_dropped_connection_held():
         routes.asked([["w", endpoint, "here"]], now=0.0)
         assert list(routes.routes) == ["w"] and routes.due(1.0) is False
         frames = wire.encode(wire.Cmd.HEARTBEAT, {"rid": 7})
-        # Sent only once the connection is made (ZMQ_IMMEDIATE): before, the attempt would go to the broker.
-        wait_until(lambda: routes.send(7, frames), 5, "the route never took a request")
+        # Sent only once the connection is made: before, the attempt goes to the broker.
+        assert routes.send(7, frames) is False
+        wait_until(lambda: _connected(routes, "w"), 5, "the route never connected")
+        assert routes.send(7, frames)
         assert worker.poll(5000)
         got = worker.recv_multipart()
         assert wire.decode(got[1:]).header["rid"] == 7 and routes.by_rid[7].worker == "w"
@@ -74,7 +87,8 @@ def test_a_worker_that_says_it_is_stopping_is_sent_nothing_more():
     try:
         routes.asked([["w", endpoint, "here"]], now=0.0)
         frames = wire.encode(wire.Cmd.HEARTBEAT, {"rid": 1})
-        wait_until(lambda: routes.send(1, frames), 5, "the route never took a request")
+        wait_until(lambda: _connected(routes, "w"), 5, "the route never connected")
+        assert routes.send(1, frames)
         routes.answered(1, wire.STATUS_OK)
         assert routes.routes["w"].up and not routes.routes["w"].outstanding
         assert routes.send(2, frames)
@@ -82,6 +96,65 @@ def test_a_worker_that_says_it_is_stopping_is_sent_nothing_more():
         assert routes.routes["w"].up is False and routes.send(3, frames) is False
         routes.asked([["w", endpoint, "here"]], now=1.0)    # listed as ready again (a restarted drain)
         assert routes.routes["w"].up
+        # A retry through the broker detaches the direct attempt; one that heard nothing blames its worker.
+        assert routes.send(4, frames) and routes.send(5, frames)
+        routes.detach(4)
+        assert routes.routes["w"].up and routes.routes["w"].outstanding == {5}
+        routes.detach(5, blame=True)
+        assert routes.routes["w"].up is False and not routes.routes["w"].outstanding and not routes.by_rid
     finally:
         routes.close()
+        ctx.destroy(0)
+
+
+def test_a_reply_that_came_before_its_worker_left_counts():
+    """A worker answers its last request and leaves (a drain, a restart): the client must take that answer, not
+    re-send the request because the connection dropped in the same poll. The broker here answers only the table
+    question (a bare socket: no pool can time a reply and a disconnect into one poll), so a re-send would time out."""
+    import socket
+    import threading
+    import time
+
+    from laya_pool.client.pool import Client
+
+    ctx = zmq.Context()
+    broker, broker_ep = _worker_socket(ctx)
+    worker, worker_ep = _worker_socket(ctx)
+    stop = threading.Event()
+
+    def serve_table():
+        while not stop.is_set():
+            if broker.poll(20):
+                ident, *frames = broker.recv_multipart()
+                m = wire.decode(frames)
+                if m.cmd == wire.Cmd.HEARTBEAT:
+                    broker.send_multipart([ident, *wire.encode(wire.Cmd.HEARTBEAT, {
+                        "rid": m.header["rid"], "status": "ok", "routes": [["w", worker_ep, socket.gethostname()]]})])
+
+    def answer_and_leave():
+        ident, *frames = worker.recv_multipart()
+        worker.send_multipart([ident, *wire.encode_error(wire.decode(frames).header["rid"], wire.STATUS_FINAL,
+                                                          "the worker's answer")])
+        time.sleep(0.05)
+        worker.close(linger=1000)
+
+    threads = [threading.Thread(target=serve_table, daemon=True), threading.Thread(target=answer_and_leave,
+                                                                                   daemon=True)]
+    for t in threads:
+        t.start()
+    c = Client(broker_ep, context=ctx, timeout=2.0, retries=0)
+    try:
+        c._ask_routes()
+        wait_until(lambda: _connected(c._routes, "w"), 5, "the route never connected")
+        build = lambda rid, cid: wire.encode(wire.Cmd.REQUEST, {"rid": rid, "cid": cid})      # noqa: E731
+        # The call is busy (as predict is, tokenizing after the send) while the answer comes and the worker leaves.
+        msg, attempts = c.call(wire.Cmd.REQUEST, build, on_sent=lambda: time.sleep(0.3), direct=True)
+        assert msg.header["error"]["message"] == "the worker's answer" and attempts == 1
+        assert c._routes.sent == 1
+    finally:
+        stop.set()
+        c.close()
+        for t in threads:
+            t.join(5)
+        broker.close(0)
         ctx.destroy(0)

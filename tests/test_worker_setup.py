@@ -43,6 +43,25 @@ def test_gil_switch_interval_from_flag_or_environment(monkeypatch):
     assert "--gil-switch-ms" in cfg.usage_problem()
 
 
+@pytest.mark.parametrize("extra,cuda,direct,problem", [
+    ([], True, "on", None),                                       # a CUDA worker's default: clients come directly
+    ([], False, "off", None),                                     # a CPU worker's (its forward holds the data thread)
+    (["--keys", "k"], True, "off", None),                         # CURVE pools keep every request on the broker
+    (["--keys", "k", "--direct", "on"], True, "on", "CURVE"),
+    (["--direct", "on", "--direct-endpoint", "tcp://0.0.0.0:*"], False, "on", "beyond loopback"),
+    (["--direct", "on", "--direct-endpoint", "tcp://127.0.0.1:7000"], False, "on", "free port"),
+    (["--direct", "on", "--direct-endpoint", "ipc:///tmp/w.sock"], False, "on", "{id}"),
+    (["--direct", "on", "--direct-endpoint", "ipc:///tmp/w{id}.sock"], False, "on", None),
+    (["--direct", "on", "--direct-endpoint", "tcp://127.evil.example:*"], False, "on", "beyond loopback"),
+])
+def test_direct_socket_defaults_and_refusals(extra, cuda, direct, problem):
+    base = ["--model", "m", "--backend", "b", "--id", "0"]
+    cfg = WorkerConfig.from_args(build_parser().parse_args([*base, *extra])).for_device(cuda)
+    assert cfg.direct == direct
+    found = cfg.usage_problem()
+    assert (found is None) if problem is None else (problem in found), found
+
+
 @pytest.mark.parametrize("env,want", [({}, FaultHooks(0, 0)), ({"LAYA_WORKER_HANG_ROWS": "3"}, FaultHooks(3, 0)),
                                       ({"LAYA_WORKER_FAULT_ROWS": "5", "LAYA_WORKER_HANG_ROWS": ""}, FaultHooks(0, 5))])
 def test_fault_hooks_from_env(env, want):

@@ -290,7 +290,7 @@ class Compute:
             log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %s", self.id, req.tag,
                         extra={"request": req.tag})
             threading.Event().wait()
-        if q.session != self.session:
+        if q.session != self.session and q.to is None:     # (a client's own request is no broker's to re-send)
             self.counts["dropped"] += 1
             self.reply(self._error(req, wire.STATUS_RETRYABLE, "dropped after re-registering", reason=Reason.STALE),
                        q.to)

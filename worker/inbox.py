@@ -78,7 +78,8 @@ class SocketInbox:
         self.direct: zmq.Socket | None = None
         self.direct_endpoint: str | None = None
         if direct is not None:
-            self.direct = _bind_direct(ctx, direct, max_message_bytes)
+            # The broker's frontend limit, not the backend's: a client's request is what comes here.
+            self.direct = _bind_direct(ctx, direct, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
             self.direct_endpoint = self.direct.getsockopt_string(zmq.LAST_ENDPOINT)
         self.direct_taken = 0         # request messages clients sent here directly
         self.unroutable = 0           # direct replies whose client had gone
@@ -140,7 +141,8 @@ class SocketInbox:
             else:
                 wire.send_frames(self.direct, [to, *frames], copy=False)
         except zmq.Again:
-            log.warning("worker %s: the broker's queue is full; dropped a reply", self.identity)
+            log.warning("worker %s: the %s's queue is full; dropped a reply", self.identity,
+                        "broker" if to is None else "client")
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
@@ -212,9 +214,14 @@ class SocketInbox:
                                                 str(e), field=e.field), to)
                 continue
             if msg.cmd != wire.Cmd.REQUEST:
-                # Control messages come on the control socket; a restarted broker's word reaches that one too.
+                # Control messages come on the control socket; a restarted broker's word reaches that one too. A
+                # client waits for an answer to anything it sends here: only requests are taken.
                 log.debug("worker %s: %s on the %s socket, ignored", self.identity, msg.cmd.name,
                           "direct" if direct else "data")
+                if direct:
+                    self.send(wire.encode_error(msg.header.get("rid") if isinstance(msg.header.get("rid"), (int, str))
+                                                else None, wire.STATUS_FINAL, f"a worker's direct socket takes "
+                                                f"requests only, not {msg.cmd.name}", field="command"), to)
                 continue
             if direct:
                 self.direct_taken += 1

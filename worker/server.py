@@ -105,6 +105,11 @@ class WorkerConfig:
         if not wire.is_loopback(self.direct_endpoint):
             return (f"--direct-endpoint {self.direct_endpoint!r} is beyond loopback: the direct socket has no CURVE "
                     "authentication, so it binds on loopback or ipc:// only")
+        if not (self.direct_endpoint.startswith("tcp://") and self.direct_endpoint.endswith(":*")
+                or self.direct_endpoint.startswith("ipc://") and "{id}" in self.direct_endpoint):
+            # Every worker of a pool gets the same option: a fixed port would clash, a fixed ipc path be taken over.
+            return (f"--direct-endpoint {self.direct_endpoint!r}: each worker binds its own, so a tcp endpoint takes a "
+                    "free port (tcp://127.0.0.1:*) and an ipc path names the worker ({id}: ipc:///run/laya/{id}.sock)")
         if not 0 <= self.poll_us <= 10_000_000:
             return f"--poll-us must be in 0..10000000 (got {self.poll_us}); check LAYA_WORKER_POLL_US"
         if not 0 <= self.compile_procs <= 64:
@@ -140,7 +145,7 @@ class Worker:
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
                                  max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us,
                                  heartbeat_ms=cfg.heartbeat_ms,
-                                 direct=cfg.direct_endpoint if cfg.direct == "on" else None)
+                                 direct=cfg.direct_endpoint.replace("{id}", cfg.id) if cfg.direct == "on" else None)
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
                                faults, inbox=self.inbox)
         self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
