@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +70,16 @@ def usable(table: Any, host: str) -> dict[str, str]:
 
 
 class Routes:
-    """The direct sockets of one client (not thread-safe: the client's lock covers it)."""
+    """The direct sockets of one client (not thread-safe: the client's lock covers it, or its event loop).
 
-    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, max_message_bytes: int, host: str | None = None):
+    The blocking client polls them with its own `poller`; the asyncio client gives none, and `watch(route)` /
+    `unwatch(route)` start and stop the tasks that read a route's socket and monitor (called as a route opens and
+    before it closes)."""
+
+    def __init__(self, ctx: zmq.Context, poller: zmq.Poller | None, max_message_bytes: int, host: str | None = None,
+                 watch: Callable[[Route], None] | None = None, unwatch: Callable[[Route], None] | None = None):
         self.ctx, self.poller, self.max_message_bytes = ctx, poller, max_message_bytes
+        self.watch, self.unwatch = watch, unwatch
         self.host = host or socket.gethostname()
         self.routes: dict[str, Route] = {}
         self.by_rid: dict[int, Route] = {}
@@ -183,8 +189,11 @@ class Routes:
         r = Route(worker, endpoint, s, mon)
         self.routes[worker] = r
         self.by_socket[s] = self.by_socket[mon] = r
-        self.poller.register(s, zmq.POLLIN)
-        self.poller.register(mon, zmq.POLLIN)
+        if self.poller is not None:
+            self.poller.register(s, zmq.POLLIN)
+            self.poller.register(mon, zmq.POLLIN)
+        if self.watch is not None:
+            self.watch(r)
 
     def _fail(self, r: Route) -> None:
         r.up = False
@@ -193,13 +202,16 @@ class Routes:
     def _close(self, r: Route) -> None:
         for rid in r.outstanding:
             self.by_rid.pop(rid, None)
-        for s in (r.sock, r.mon):
-            self.poller.unregister(s)
-            self.by_socket.pop(s, None)
         try:
             r.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        r.mon.close(0)
-        r.sock.close(0)
+        if self.unwatch is not None:
+            self.unwatch(r)           # (closing its readers may close the sockets themselves)
+        for s in (r.sock, r.mon):
+            if self.poller is not None:
+                self.poller.unregister(s)
+            self.by_socket.pop(s, None)
+            if not s.closed:
+                s.close(0)
         self.routes.pop(r.worker, None)

@@ -979,7 +979,8 @@ class AsyncClient(_Base):
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
-                 calibration: str | os.PathLike | dict[str, Any] | None = None):
+                 calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True):
+        """As `Client`'s (`direct`: a request's first attempt to a worker on this host, client/direct.py)."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self._set_decoding(lang_temperatures, calibration)
@@ -987,6 +988,12 @@ class AsyncClient(_Base):
 
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock, self._mon = self._socket(self._ctx)
+        # Route sockets are plain ones on the same context (a non-blocking send is refused at once, as Client's);
+        # a task per route reads each through an asyncio view of it (`_watch_route`).
+        self._routes = (Routes(zmq.Context.shadow(self._ctx.underlying), None, wire.MAX_BODY_BYTES
+                               + wire.MAX_HEADER_BYTES, watch=self._watch_route, unwatch=self._unwatch_route)
+                        if direct else None)
+        self._route_tasks: dict[str, tuple[list[asyncio.Task], list[Any]]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._card_lock: asyncio.Lock | None = None
@@ -1054,6 +1061,8 @@ class AsyncClient(_Base):
             return await self._run(self._describe_plan(timeout, refresh))
 
     async def card(self, *, timeout: float | None = None, refresh: bool = False) -> Any:
+        if refresh and self._routes is not None:
+            self._routes.next_ask = 0.0     # a new card (a reload): ask which workers serve it before going direct
         if self._card is None or refresh:
             await self.describe(timeout=timeout, refresh=True)
         return self._card
@@ -1083,7 +1092,7 @@ class AsyncClient(_Base):
                         step = plan.send(await self._run_all(step.plans))
                     else:
                         step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
-                                                         step.on_sent, started=started))
+                                                         step.on_sent, started=started, direct=step.direct))
             except StopIteration as done:
                 return done.value
 
@@ -1112,9 +1121,70 @@ class AsyncClient(_Base):
                 # (or times out and retries with the same id, which the broker answers from its cache).
                 log.warning("dropped an undecodable message from the pool (%s)", e)
                 continue
-            fut = self._waiters.get(msg.header.get("rid"))
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            self._deliver(msg)
+
+    def _deliver(self, msg: wire.Message) -> None:
+        rid = msg.header.get("rid")
+        if self._routes is not None:
+            err = reply_error(msg.header) or {}
+            self._routes.answered(rid, msg.header.get("status"), err.get("reason"))
+        fut = self._waiters.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    # -- requests straight to the workers (client/direct.py) ------------------------------------------------
+    async def _ask_routes(self) -> None:
+        routes = self._routes
+        if routes is None or not routes.due(time.monotonic()):
+            return
+        routes.next_ask = time.monotonic() + RETRY_S      # one question at a time, whatever the tasks
+        try:
+            msg, _ = await self.call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT, routes=True), ROUTES_TIMEOUT_S, 0)
+            table = msg.header.get("routes", [])
+        except PoolError:
+            table = None
+        if self._sock is not None:
+            routes.asked(table, time.monotonic())
+
+    def _watch_route(self, r: Any) -> None:
+        import zmq.asyncio
+
+        views = [zmq.asyncio.Socket.shadow(r.sock.underlying), zmq.asyncio.Socket.shadow(r.mon.underlying)]
+        tasks = [asyncio.ensure_future(self._read_route(views[0])), asyncio.ensure_future(self._watch_monitor(r,
+                                                                                                             views[1]))]
+        self._route_tasks[r.worker] = (tasks, views)
+
+    def _unwatch_route(self, r: Any) -> None:
+        tasks, views = self._route_tasks.pop(r.worker, ([], []))
+        for t in tasks:
+            t.cancel()
+        for v in views:
+            v.close(linger=0)         # the asyncio views own nothing of their own: this closes the route's sockets
+
+    async def _read_route(self, sock: Any) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                msg = wire.decode(frames)
+            except wire.ProtocolError as e:
+                log.warning("dropped an undecodable message from a worker (%s)", e)
+                continue
+            self._deliver(msg)
+
+    async def _watch_monitor(self, r: Any, mon: Any) -> None:
+        """A route's connection events: a dropped one re-sends at once what was on it (its replies read first)."""
+        while True:
+            await mon.poll(flags=zmq.POLLIN)
+            while True:            # replies that came before the drop count (client/direct.py)
+                try:
+                    frames = wire.recv_frames(r.sock)
+                except zmq.Again:
+                    break
+                self._deliver(wire.decode(frames))
+            for rid in self._routes.events(r.mon):
+                fut = self._waiters.get(rid)
+                if fut is not None and not fut.done():
+                    fut.set_result(_RECONNECTED)
 
     async def _watch_connection(self) -> None:
         """Wait for monitor events (polled, never received here, so `_events` may read them at any time)."""
@@ -1130,12 +1200,19 @@ class AsyncClient(_Base):
                 if not fut.done():
                     fut.set_result(_RECONNECTED)
 
-    async def _send(self, frames: list[Any], attempts: Attempts) -> Step:
+    async def _send(self, frames: list[Any], attempts: Attempts, rid: int | None = None) -> Step:
         # Never block on a full queue (no connection, or the pool refuses our handshake): back off and retry,
-        # and run out of attempts with the reason, as Client does.
+        # and run out of attempts with the reason, as Client does. The first attempt of a request that may go
+        # direct (`rid`) goes to a worker when one takes it (client/direct.py).
+        framed = wire.with_budget(frames, attempts.budget_ms())
+        if rid is not None and self._routes is not None:
+            if attempts.attempts == 1:
+                if self._routes.send(rid, framed):
+                    return attempts.sent(True)
+            else:
+                self._routes.detach(rid, blame=attempts.silent)
         try:
-            await self._sock.send_multipart(wire.with_budget(frames, attempts.budget_ms()), flags=zmq.NOBLOCK,
-                                            copy=False)
+            await self._sock.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._events()
             return attempts.send_failed(self._watch.trouble or "the socket's send queue is full", self._watch.up)
@@ -1143,7 +1220,7 @@ class AsyncClient(_Base):
 
     async def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
                    retries: int | None = None, on_sent: Callable[[], None] | None = None,
-                   started: float | None = None) -> tuple[wire.Message, int]:
+                   started: float | None = None, direct: bool = False) -> tuple[wire.Message, int]:
         if self._sock is None:
             raise PoolError("the client is closed")
         attempts = self._attempts(timeout, retries, started)
@@ -1151,6 +1228,8 @@ class AsyncClient(_Base):
             self._reader = asyncio.ensure_future(self._read())
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch_connection())
+        if direct:
+            await self._ask_routes()
         rid = next(self._rids)
         frames = build(rid, self.cid)
         loop = asyncio.get_running_loop()
@@ -1161,7 +1240,7 @@ class AsyncClient(_Base):
                     await asyncio.sleep(step.sleep)
                 if step.action is Action.SEND:
                     fut = self._waiters[rid] = loop.create_future()
-                    step = await self._send(frames, attempts)
+                    step = await self._send(frames, attempts, rid if direct else None)
                     if on_sent is not None:
                         on_sent()
                         on_sent = None
@@ -1173,7 +1252,7 @@ class AsyncClient(_Base):
                         step = attempts.woke(self._watch.up, self._watch.trouble)
                         continue
                     msg = fut.result()
-                    if msg is _RECONNECTED:       # a new broker: what we sent died with the old one
+                    if msg is _RECONNECTED:       # a new broker, or the worker it went to: it died with it
                         step, msg = attempts.reconnected(), None
                         continue
                     step = attempts.replied(msg.header.get("status"), reply_error(msg.header))
@@ -1183,12 +1262,16 @@ class AsyncClient(_Base):
                     raise attempts.error(self.endpoint)
         finally:
             self._waiters.pop(rid, None)
+            if self._routes is not None:
+                self._routes.answered(rid)
 
     def close(self) -> None:
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
         self._reader = self._watcher = None
+        if self._routes is not None:
+            self._routes.close()
         if self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()

@@ -221,13 +221,18 @@ def test_a_spinning_client_polls_without_sleeping_and_gets_the_same_answers(tcp_
 
 
 def test_async_client(ipc_pool, expected):
+    """Concurrent calls over one asyncio client; the ipc pool's workers take requests directly, so after the first
+    round (sent while the client's connections to them were being made) they go there."""
     async def go():
         async with AsyncClient(ipc_pool.endpoint, timeout=30) as c:
-            return await asyncio.gather(*(c.predict(s, q) for s, q in CASES * 2))
+            first = await asyncio.gather(*(c.predict(s, q) for s, q in CASES * 2))
+            await asyncio.sleep(0.1)
+            return first + await asyncio.gather(*(c.predict(s, q) for s, q in CASES * 2)), c._routes.sent
 
-    got = asyncio.run(go())
-    for want, have in zip(expected * 2, got):
+    got, direct = asyncio.run(go())
+    for want, have in zip(expected * 4, got):
         _close(want, have)
+    assert direct >= len(CASES), direct
 
 
 def test_a_state_window_that_disagrees_is_sent_again_whole(ipc_pool, expected, monkeypatch, caplog):
@@ -526,6 +531,34 @@ def test_kill_9_of_a_worker_holding_direct_requests(ipc_pool, runtime):
         load.answered_more(8, 60, "the pool stopped answering")
     assert not load.errors, load.errors[:3]
     assert load.direct("dropped") >= 1, load.direct("sent")      # lost with worker 0 and sent again
+    _wait_ready(ipc_pool, pred=lambda w: w["0"]["pid"] != ws["0"]["pid"])
+
+
+def test_kill_9_under_an_asyncio_client_going_direct(ipc_pool, runtime):
+    """The asyncio client's direct attempts: the killed worker's dropped connection re-sends what it held through the
+    broker, at once; every answer right, none lost."""
+    ws = _wait_ready(ipc_pool)
+    cases = [make_rows(300 + i, 16, 256) for i in range(4)]
+    want = [_reference(runtime, r)[0] for r in cases]
+    errors: list = []
+
+    async def go():
+        async with AsyncClient(ipc_pool.endpoint, timeout=20, retries=6) as c:
+            async def one(i):
+                try:
+                    np.testing.assert_allclose((await c.forward(cases[i % 4])).flat, want[i % 4], rtol=1e-5,
+                                               atol=1e-5)
+                except Exception as e:  # noqa: BLE001 - every failure is a test failure
+                    errors.append(repr(e))
+            await asyncio.gather(*(one(i) for i in range(8)))             # connections made, then:
+            killer = asyncio.get_running_loop().call_later(0.3, os.kill, ws["0"]["pid"], signal.SIGKILL)
+            await asyncio.gather(*(one(i) for i in range(48)))
+            killer.cancel()
+            return c._routes.sent, c._routes.dropped
+
+    sent, dropped = asyncio.run(go())
+    assert not errors, errors[:3]
+    assert sent > 0 and dropped >= 1, (sent, dropped)
     _wait_ready(ipc_pool, pred=lambda w: w["0"]["pid"] != ws["0"]["pid"])
 
 
