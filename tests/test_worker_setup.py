@@ -24,6 +24,7 @@ def test_device_defaults(device, mode, max_batch, credit, want):
             argv += [flag, str(v)]
     cfg = WorkerConfig.from_args(build_parser().parse_args(argv)).for_device(device.startswith("cuda"))
     assert (cfg.mode, cfg.max_batch, cfg.credit) == want
+    assert cfg.poll_us == (2000 if device.startswith("cuda") else 0)       # a CUDA data thread stays awake 2 ms
     assert cfg.usage_problem() is None
 
 

@@ -43,6 +43,9 @@ log = logging.getLogger("laya-pool.worker")
 _STARTED = time.monotonic()      # start-to-READY is measured from here (interpreter start-up is ~50 ms before it)
 
 
+POLL_US_CUDA = 2000          # --poll-us's default on CUDA
+
+
 @dataclass
 class WorkerConfig:
     """A worker's command line, typed. None: the default for the device (see `for_device`)."""
@@ -67,7 +70,7 @@ class WorkerConfig:
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
     compile_procs: int = 0                  # off by default: see worker.runtime.RuntimeConfig.compile_procs
-    poll_us: int = 0                        # after a reply, the data thread polls its socket this long before sleeping
+    poll_us: int | None = None              # after a reply, the data thread polls this long (default: see --poll-us)
     data_requests: str = "auto"             # requests straight to the data thread: auto = on CUDA (see --data-requests)
     direct: str = "auto"                    # clients send requests here themselves: auto = as data_requests (--direct)
     direct_endpoint: str = "tcp://127.0.0.1:*"   # where the direct socket binds (loopback only: it has no CURVE)
@@ -88,8 +91,12 @@ class WorkerConfig:
         data = self.data_requests if self.data_requests != "auto" else ("on" if on_cuda else "off")
         # Direct requests skip the broker's CURVE check, so a pool with keys keeps every request on the broker.
         direct = self.direct if self.direct != "auto" else ("on" if data == "on" and not self.keys else "off")
+        # A closed-loop caller's next request comes a round trip after its answer: a data thread still polling then
+        # answers it ~0.2 ms sooner than one woken from sleep (device run, fourteenth session, call 4); a CPU
+        # worker's forward is too slow for that to matter, and its cores are the tests'.
+        poll = self.poll_us if self.poll_us is not None else (POLL_US_CUDA if on_cuda else 0)
         return dataclasses.replace(self, max_batch=max_batch, compute_timeout=timeout, data_requests=data,
-                                   direct=direct,
+                                   direct=direct, poll_us=poll,
                                    credit=self.credit if self.credit is not None else max(2, 2 * max_batch),
                                    mode=self.mode or ("graph-cached" if on_cuda else "eager"))
 
@@ -416,10 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA, experimental: processes that compile the warm-up's kernels in parallel before it runs "
                         "(a cold Triton cache costs ~30 s of start-up in one process); 0 (default): off, because "
                         "the warm-up still recompiles most of them today (docs/PERF.md); env LAYA_COMPILE_PROCS")
-    p.add_argument("--poll-us", type=int, default=int(os.environ.get("LAYA_WORKER_POLL_US") or 0),
+    env_poll = os.environ.get("LAYA_WORKER_POLL_US")
+    p.add_argument("--poll-us", type=int, default=int(env_poll) if env_poll else None,
                    help="after each reply the data thread polls its socket this long (microseconds) before it sleeps, "
                         "so the next request of a closed-loop caller finds it awake (it burns its core meanwhile; "
-                        "while a group computes it always polls). Default 0; env LAYA_WORKER_POLL_US")
+                        f"while a group computes it always polls). Default {POLL_US_CUDA} on CUDA, 0 on a CPU; env "
+                        "LAYA_WORKER_POLL_US")
     p.add_argument("--data-requests", default=os.environ.get("LAYA_DATA_REQUESTS", d.data_requests),
                    choices=("auto", "on", "off"),
                    help="on: the broker sends requests to the data thread's own socket; off: to the I/O thread, "
