@@ -221,10 +221,10 @@ def test_a_spinning_client_polls_without_sleeping_and_gets_the_same_answers(tcp_
 
 
 def test_async_client(ipc_pool, expected):
-    """Concurrent calls over one asyncio client; the ipc pool's workers take requests directly, so after the first
-    round (sent while the client's connections to them were being made) they go there."""
+    """Concurrent calls over one asyncio client; the ipc pool's workers take requests directly, so (asked to) after
+    the first round (sent while the client's connections to them were being made) they go there."""
     async def go():
-        async with AsyncClient(ipc_pool.endpoint, timeout=30) as c:
+        async with AsyncClient(ipc_pool.endpoint, timeout=30, direct=True) as c:
             first = await asyncio.gather(*(c.predict(s, q) for s, q in CASES * 2))
             await asyncio.sleep(0.1)
             return first + await asyncio.gather(*(c.predict(s, q) for s, q in CASES * 2)), c._routes.sent
@@ -543,7 +543,7 @@ def test_kill_9_under_an_asyncio_client_going_direct(ipc_pool, runtime):
     errors: list = []
 
     async def go():
-        async with AsyncClient(ipc_pool.endpoint, timeout=20, retries=6) as c:
+        async with AsyncClient(ipc_pool.endpoint, timeout=20, retries=6, direct=True) as c:
             async def one(i):
                 try:
                     np.testing.assert_allclose((await c.forward(cases[i % 4])).flat, want[i % 4], rtol=1e-5,
