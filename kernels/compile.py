@@ -140,6 +140,9 @@ def log_keys(path: str) -> None:
     def logged(src, backend, options, env_vars):
         parts = {"pid": os.getpid(), "fn": getattr(src, "name", "?"), "triton": hashlib.sha256(
             triton_key().encode()).hexdigest()[:12], "src": src.hash()[:12], "fn_key": src.fn.cache_key[:12],
+            "fn_src": hashlib.sha256(src.fn.src.encode()).hexdigest()[:12], "line": src.fn.starting_line_number,
+            "module": f"{src.fn.fn.__module__} {src.fn.fn.__code__.co_filename}",
+            "globals": str([(n, repr(v)[:40]) for (n, _), (v, _) in src.fn.used_global_vals.items()])[:300],
             "attrs": str(src.attrs)[:200], "constants": str(sorted(src.constants.items()))[:300],
             "backend": backend.hash(), "options": options.hash()[:12], "extern_libs": str(options.extern_libs),
             "env": str(sorted(env_vars.items()))}

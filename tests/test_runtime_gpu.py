@@ -209,12 +209,16 @@ def _print_key_differences(path: Path) -> None:
     by = {}
     for r in rows:
         by.setdefault((r["fn"], r["constants"], r["attrs"]), {}).setdefault(r["pid"] == parent, r)
+    shown = 0
     for (fn, _, _), pair in list(by.items())[:200]:
         if len(pair) == 2:
             diff = {k: (v, pair[False][k]) for k, v in pair[True].items() if k != "pid" and v != pair[False][k]}
             print("key parts differing, parent vs child,", fn, diff)
-            return
-    print("no kernel compiled by both parent and child;", len(rows), "keys logged")
+            shown += 1
+            if shown == 4:
+                return
+    if not shown:
+        print("no kernel compiled by both parent and child;", len(rows), "keys logged")
 
 
 _COMPILE_AHEAD = r"""
