@@ -123,10 +123,15 @@ class Routes:
             wire.send_frames(r.sock, frames, copy=False)
         except zmq.Again:           # its queue is full (SEND_HWM)
             return False
+        self.took(r, rid)
+        return True
+
+    def took(self, r: Route, rid: int) -> None:
+        """Request `rid`'s attempt went to route `r` (sent by the caller: the asyncio client sends through its own
+        view of the socket)."""
         r.outstanding.add(rid)
         self.by_rid[rid] = r
         self.sent += 1
-        return True
 
     def answered(self, rid: Any, status: Any = None, reason: Any = None) -> None:
         """A reply to `rid` came (from wherever): forget where it went. A worker that says it is stopping is not

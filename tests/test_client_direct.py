@@ -158,3 +158,68 @@ def test_a_reply_that_came_before_its_worker_left_counts():
             t.join(5)
         broker.close(0)
         ctx.destroy(0)
+
+
+def _echo(sock, stop, routes=None):
+    """A bare ROUTER answering every request at once (and, as a broker, the table question): the client's own
+    speed is what is measured."""
+    while not stop.is_set():
+        if sock.poll(20):
+            ident, *frames = sock.recv_multipart()
+            m = wire.decode(frames)
+            if m.cmd == wire.Cmd.HEARTBEAT:
+                sock.send_multipart([ident, *wire.encode(wire.Cmd.HEARTBEAT, {"rid": m.header["rid"], "status": "ok",
+                                                                              "routes": routes})])
+            else:
+                sock.send_multipart([ident, *wire.encode_error(m.header["rid"], wire.STATUS_FINAL, "echo")])
+
+
+def test_an_asyncio_client_keeps_going_direct_under_load():
+    """Many concurrent calls over one AsyncClient(direct=True) to an instant worker: every attempt but the first
+    few goes direct and is answered there. Sent through the socket's plain view, a reply could wait for the next
+    event on its descriptor (ZeroMQ's edge-triggered readiness), its attempt time out, the worker be blamed and the
+    traffic move to the broker: 197 of ~13,000 calls went direct that way (fourteenth session)."""
+    import asyncio
+    import socket
+    import threading
+
+    from laya_pool.client.pool import AsyncClient
+
+    ctx = zmq.Context()
+    broker, broker_ep = _worker_socket(ctx)
+    worker, worker_ep = _worker_socket(ctx)
+    stop = threading.Event()
+    threads = [threading.Thread(target=_echo, args=(worker, stop), daemon=True),
+               threading.Thread(target=_echo, args=(broker, stop, [["w", worker_ep, socket.gethostname()]]),
+                                daemon=True)]
+    for t in threads:
+        t.start()
+
+    async def go():
+        c = AsyncClient(broker_ep, direct=True, timeout=5.0, retries=3)
+        build = lambda rid, cid: wire.encode(wire.Cmd.REQUEST, {"rid": rid, "cid": cid})      # noqa: E731
+        await c.call(wire.Cmd.REQUEST, build, direct=True)
+        await asyncio.sleep(0.2)                  # its connection made
+        calls = 0
+
+        async def loop():
+            nonlocal calls
+            for _ in range(150):
+                msg, attempts = await c.call(wire.Cmd.REQUEST, build, direct=True)
+                assert msg.header["error"]["message"] == "echo"
+                calls += 1
+        await asyncio.gather(*(loop() for _ in range(16)))
+        sent, dropped = c._routes.sent, c._routes.dropped
+        c.close()
+        return calls, sent, dropped
+
+    try:
+        calls, sent, dropped = asyncio.run(go())
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        broker.close(0)
+        worker.close(0)
+        ctx.destroy(0)
+    assert calls == 2400 and sent >= 0.95 * calls and dropped == 0, (calls, sent, dropped)
