@@ -25,12 +25,13 @@ from typing import Any
 
 import zmq
 from laya_pool.protocol import wire
+from laya_pool.protocol.contract import Reason
 from zmq.utils.monitor import recv_monitor_message
 
 REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
 RETRY_S = 1.0            # ... and this soon after a route failed, or after the broker did not answer the question
 SEND_HWM = 64            # requests queued towards one worker before a send is refused (and goes to the broker)
-_LEAVING = ("stopping", "worker-fault")     # a worker's replies that say it is going: send it nothing more
+_LEAVING = (Reason.STOPPING, Reason.WORKER_FAULT)   # a worker's replies that say it is going: send it nothing more
 
 
 @dataclass
