@@ -29,7 +29,8 @@ from laya_pool.protocol.contract import Reason
 from zmq.utils.monitor import recv_monitor_message
 
 REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
-RETRY_S = 1.0            # ... and this soon after a route failed, or after the broker did not answer the question
+RETRY_S = 1.0            # ... and this soon after a route failed (a broker that did not answer: REFRESH_S, since
+                         # each unanswered question costs its caller the question's timeout)
 SEND_HWM = 64            # requests queued towards one worker before a send is refused (and goes to the broker)
 _LEAVING = (Reason.STOPPING, Reason.WORKER_FAULT)   # a worker's replies that say it is going: send it nothing more
 
@@ -95,7 +96,7 @@ class Routes:
 
     def asked(self, table: Any, now: float) -> None:
         """The broker's table (None: it did not answer): open what is new, close what is gone or moved."""
-        self.next_ask = now + (REFRESH_S if table is not None else RETRY_S)
+        self.next_ask = now + REFRESH_S
         if table is None:
             return
         want = usable(table, self.host)

@@ -664,6 +664,25 @@ def test_broker_killed_and_restarted(ipc_pool, runtime):
     assert all(w["registrations"] == 1 for w in ws.values())     # re-registered with the new broker
 
 
+def test_a_direct_client_is_answered_while_the_broker_restarts(ipc_pool, runtime):
+    """The broker is the control plane, not the data path: with it killed, a client that knows the workers goes on
+    being answered by them directly (0 lost, no retry), while the supervisor starts a new broker."""
+    _wait_ready(ipc_pool)
+    rows = make_rows(21)
+    want, _ = _reference(runtime, rows)
+    with ipc_pool.client(timeout=10) as c:
+        for _ in range(4):                        # the table asked, the connections made
+            c.forward(rows)
+        before = c._routes.sent
+        os.kill(ipc_pool.status()["broker"]["pid"], signal.SIGKILL)
+        for _ in range(6):
+            res = c.forward(rows)
+            np.testing.assert_allclose(res.flat, want, rtol=1e-5, atol=1e-5)
+            assert res.attempts == 1
+        assert c._routes.sent - before == 6
+    _wait_ready(ipc_pool)
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 
 def test_cli_status_and_predict(tcp_pool, expected):
