@@ -969,6 +969,8 @@ class Client(_Base):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             if self._sock is not None and os.getpid() == self._pid:
+                if self._routes is not None:
+                    self._routes.close()      # a client dropped without close() keeps no socket open per worker
                 self._sock.close(0)
 
 
