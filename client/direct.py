@@ -28,6 +28,8 @@ from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 from zmq.utils.monitor import recv_monitor_message
 
+from .retry import reply_error
+
 REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
 RETRY_S = 1.0            # ... and this soon after a route failed (a broker that did not answer: REFRESH_S, since
                          # each unanswered question costs its caller the question's timeout)
@@ -145,6 +147,11 @@ class Routes:
         if status == wire.STATUS_RETRYABLE and reason in _LEAVING:
             self._fail(r)
 
+    def replied(self, header: dict) -> None:
+        """`answered` from a reply's header (whichever socket it came on)."""
+        err = reply_error(header) or {}
+        self.answered(header.get("rid"), header.get("status"), err.get("reason"))
+
     def detach(self, rid: int, blame: bool = False) -> None:
         """Request `rid` goes on elsewhere (a retry through the broker): forget its direct attempt; with `blame`
         (that attempt heard nothing) send that worker nothing more until the table lists it again."""
@@ -153,9 +160,6 @@ class Routes:
             r.outstanding.discard(rid)
             if blame:
                 self._fail(r)
-
-    def sockets(self) -> list[Any]:
-        return [r.sock for r in self.routes.values()]
 
     def events(self, mon: Any) -> list[int]:
         """Read a route's monitor; the request ids that were out on it when its connection dropped (re-send them)."""

@@ -888,8 +888,7 @@ class Client(_Base):
                     break
                 msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
                 if self._routes is not None:
-                    err = reply_error(msg.header) or {}
-                    self._routes.answered(msg.header.get("rid"), msg.header.get("status"), err.get("reason"))
+                    self._routes.replied(msg.header)
                 yield msg
 
     def _is_route(self, s: Any) -> bool:
@@ -1117,23 +1116,24 @@ class AsyncClient(_Base):
             for t in tasks:
                 t.cancel()
 
-    async def _read(self) -> None:
+    async def _read(self, sock: Any = None, source: str = "the pool") -> None:
+        """Hand every reply on `sock` (default: the broker's) to its call."""
+        sock = self._sock if sock is None else sock
         while True:
-            frames = await self._sock.recv_multipart()
+            frames = await sock.recv_multipart()
             try:
                 msg = wire.decode(frames)
             except wire.ProtocolError as e:
                 # It cannot be matched to a call, so it fails none of them: each waits for its own reply
                 # (or times out and retries with the same id, which the broker answers from its cache).
-                log.warning("dropped an undecodable message from the pool (%s)", e)
+                log.warning("dropped an undecodable message from %s (%s)", source, e)
                 continue
             self._deliver(msg)
 
     def _deliver(self, msg: wire.Message) -> None:
         rid = msg.header.get("rid")
         if self._routes is not None:
-            err = reply_error(msg.header) or {}
-            self._routes.answered(rid, msg.header.get("status"), err.get("reason"))
+            self._routes.replied(msg.header)
         fut = self._waiters.get(rid)
         if fut is not None and not fut.done():
             fut.set_result(msg)
@@ -1170,7 +1170,7 @@ class AsyncClient(_Base):
         import zmq.asyncio
 
         views = [zmq.asyncio.Socket.shadow(r.sock.underlying), zmq.asyncio.Socket.shadow(r.mon.underlying)]
-        tasks = [asyncio.ensure_future(self._read_route(views[0])),
+        tasks = [asyncio.ensure_future(self._read(views[0], f"worker {r.worker}")),
                  asyncio.ensure_future(self._watch_monitor(r, views[0], views[1]))]
         self._route_tasks[r.worker] = (tasks, views)
 
@@ -1180,16 +1180,6 @@ class AsyncClient(_Base):
             t.cancel()
         for v in views:
             v.close(linger=0)         # the asyncio views own nothing of their own: this closes the route's sockets
-
-    async def _read_route(self, sock: Any) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                msg = wire.decode(frames)
-            except wire.ProtocolError as e:
-                log.warning("dropped an undecodable message from a worker (%s)", e)
-                continue
-            self._deliver(msg)
 
     async def _watch_monitor(self, r: Any, view: Any, mon: Any) -> None:
         """A route's connection events: a dropped one re-sends at once what was on it (its replies read first)."""

@@ -305,6 +305,8 @@ def test_bad_requests_sent_directly_are_refused_naming_the_field(ipc_pool, runti
     try:
         no_cid = raw.ask(wire.encode_request(5, wire.pack_rows(make_rows(3))))
         assert no_cid.header["status"] == "final" and no_cid.header["error"]["field"] == "cid", no_cid.header
+        ping = raw.ask(wire.encode(Cmd.HEARTBEAT, {"rid": 9}))
+        assert (ping.header["status"], ping.header["rid"], ping.header["error"]["field"]) == ("final", 9, "command")
         garbage = raw.ask([b"LAYA9", b"\x02", msgpack.packb({"rid": 6})])
         assert garbage.header["status"] == "final" and garbage.header["error"]["field"] == "version", garbage.header
         too_long = make_rows(4, 1, 100_000)

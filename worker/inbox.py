@@ -219,9 +219,8 @@ class SocketInbox:
                 log.debug("worker %s: %s on the %s socket, ignored", self.identity, msg.cmd.name,
                           "direct" if direct else "data")
                 if direct:
-                    self.send(wire.encode_error(msg.header.get("rid") if isinstance(msg.header.get("rid"), (int, str))
-                                                else None, wire.STATUS_FINAL, f"a worker's direct socket takes "
-                                                f"requests only, not {msg.cmd.name}", field="command"), to)
+                    self.send(wire.encode_error(wire.rid_of(frames), wire.STATUS_FINAL, "a worker's direct socket "
+                                                f"takes requests only, not {msg.cmd.name}", field="command"), to)
                 continue
             if direct:
                 self.direct_taken += 1
