@@ -40,6 +40,9 @@ LOG2E = 1.4426950408889634
 # 2026-12-03, scripts/probe_parity.py: 0 of 512x1024 outputs differ from SDPA's on a local layer, 4e-6 on a
 # global one; blocks of 64 left 12-15% of the outputs one bf16 ulp apart, and the answers 8x further from the SDK).
 KEY_BLOCK = 128
+# Queries per program, warps, pipeline stages. The query block never changes a bit (module docstring); 8 warps keep
+# the MMA's column-to-thread map (two warpgroups stacked over the queries), so the row sum keeps cuDNN's order.
+TILE = (64, 4, 2)
 
 
 if triton is not None:
@@ -109,11 +112,11 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
 
     Tokens outside every row are left as they are (never read by a real row downstream). The SDK's bits (module
     docstring)."""
-    rows, bm = row_start.shape[0], 64
+    rows, (bm, warps, stages) = row_start.shape[0], TILE
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
     _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
                             WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=KEY_BLOCK,
-                            **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=4, num_stages=2)
+                            **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=warps, num_stages=stages)
     return out
 
 

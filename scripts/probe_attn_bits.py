@@ -15,6 +15,7 @@ ours against SDPA's masked call (the SDK's layout), per layer kind and shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -26,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from laya_pool.kernels import attention as at  # noqa: E402
 from laya_pool.kernels.attention import Rows, attention, attention_sdpa  # noqa: E402
 from laya_pool.kernels.fast import FastModel  # noqa: E402
 from laya_pool.kernels.reference import ReferenceModel  # noqa: E402
@@ -42,6 +44,20 @@ LENS = [512] * 6 + [300, 200, 130, 96, 48] + [128, 100, 77, 64, 33] * 4
 # product rounded apart 6 / 5, **fused into one FMA 0 / 0** (the kernel's order now); element by element onto the
 # carry 49-54; c-major within a thread 39 / 41; a first pass for each row's maximum (no rescale) 0.7 M; blocks of
 # 256 or 192 keys 0.2-0.5 M; lazy rescale 0.3-0.8 M.
+
+
+# ATTN_TILES: other tilings of our kernel (queries x warps x stages, comma-separated) to count and time beside it
+TILES = [tuple(int(x) for x in t.split("x")) for t in os.environ.get("ATTN_TILES", "").split(",") if t]
+
+
+@contextlib.contextmanager
+def tiled(tile):
+    """kernels/attention.py's TILE set to `tile` for the block."""
+    old, at.TILE = at.TILE, tile
+    try:
+        yield
+    finally:
+        at.TILE = old
 
 
 def count(a, b) -> int:
@@ -77,6 +93,9 @@ def bits(ck, fast, layers) -> dict:
         add(kind, "SDPA, additive masks (Rows)", li.sdpa(mask=rows.band if li.window else rows.mask))
         diagnose(li, kind, a, tally)
         add(kind, "ours", li.ours(a.heads, a.head_dim))
+        for tile in TILES:
+            with tiled(tile):
+                add(kind, f"ours, tile {tile}", li.ours(a.heads, a.head_dim))
         print(f"layer {layer} ({kind}) done", flush=True)
     return tally
 
@@ -109,9 +128,13 @@ def diagnose(li, kind: str, a, tally: dict) -> None:
         "query_mod_64": sorted((q % 64).tolist())[:60]})
 
 
+# calls between two events: with one, the host's launch latency is inside the time (the GPU waits for it)
+BACK_TO_BACK = int(os.environ.get("ATTN_BACK_TO_BACK", "10"))
+
+
 def timing(ck, shapes) -> dict:
-    """ms per call (CUDA events, median of 100 after 10) of ours and of SDPA's masked call on the padded layout
-    (attention_sdpa: gather, SDPA, scatter) for a local and a global layer."""
+    """ms per call (CUDA events around BACK_TO_BACK calls, median of 100 after 10) of ours and of SDPA's masked call
+    on the padded layout (attention_sdpa: gather, SDPA, scatter) for a local and a global layer."""
     a = ck.arch
     H, D = a.heads, a.head_dim
     out = {}
@@ -124,19 +147,26 @@ def timing(ck, shapes) -> dict:
         length = torch.full((R,), L, device="cuda", dtype=torch.int32)
         rows = Rows(start, length, L, T, a.half_window, torch.bfloat16)
         for kind, win in (("local", a.half_window), ("global", None)):
-            runs = {"ours": functools.partial(attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5),
-                    "sdpa": functools.partial(attention_sdpa, qkv, att, rows, H, D, D ** -0.5, local=win is not None)}
-            for name, fn in runs.items():
+            ours = functools.partial(attention, qkv[:T], att[:T], start, length, H, D, L, win, D ** -0.5)
+            runs = {"ours": (ours, None),
+                    "sdpa": (functools.partial(attention_sdpa, qkv, att, rows, H, D, D ** -0.5,
+                                               local=win is not None), None)}
+            runs.update({f"ours {'x'.join(map(str, t))}": (ours, t) for t in TILES})
+            for name, (call, tile) in runs.items():
+                def fn(call=call, tile=tile):
+                    with tiled(tile or at.TILE):
+                        call()
                 for _ in range(10):
                     fn()
                 ts = []
                 for _ in range(100):
                     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     e0.record()
-                    fn()
+                    for _ in range(BACK_TO_BACK):
+                        fn()
                     e1.record()
                     e1.synchronize()
-                    ts.append(e0.elapsed_time(e1))
+                    ts.append(e0.elapsed_time(e1) / BACK_TO_BACK)
                 ts.sort()
                 out[f"{R}x{L} {kind} {name}"] = (round(ts[50], 4), round(ts[95], 4))
                 print(f"{R}x{L} {kind:6s} {name}: {ts[50]:.4f} / {ts[95]:.4f} ms", flush=True)

@@ -389,9 +389,14 @@ def _small_m_patches():
             t = base(m, n_out, k, epi, sms)
             return Tiles(**{**t.__dict__, **change}) if m <= 64 else t
         return pick
+    from laya_pool.kernels import attention as at
     return {"w8": ("8 warps at M <= 64", g, "pick_tiles", tiles(warps=8)),
             "st6": ("6 stages at M <= 64", g, "pick_tiles", tiles(stages=6)),
-            "tma48": ("TMA at every M", g, "TMA_MIN_M", 0)}
+            "tma48": ("TMA at every M", g, "TMA_MIN_M", 0),
+            # attention tiles (kernels/attention.py TILE: queries per program, warps, stages)
+            "att128": ("attention 128 queries, 8 warps", at, "TILE", (128, 8, 2)),
+            "att128s3": ("attention 128 queries, 8 warps, 3 stages", at, "TILE", (128, 8, 3)),
+            "att64s3": ("attention 64 queries, 4 warps, 3 stages", at, "TILE", (64, 4, 3))}
 
 
 WANT_VARIANTS = os.environ.get("PROBE_MODEL_VARIANTS", "pdl,tma,sdpa").split(",")
