@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .launch import launch
+from .launch import launch, settle_keys
 
 try:
     import triton
@@ -167,3 +167,7 @@ def attention_sdpa(qkv: torch.Tensor, out: torch.Tensor, rows: Rows, heads: int,
     att = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.band if local else rows.mask, scale=scale)
     out.index_copy_(0, rows.slot, att.transpose(1, 2).reshape(R * L, heads * head_dim))
     return out
+
+
+# Every Triton function's cache key now, in definition order (launch.settle_keys says why).
+settle_keys(globals())

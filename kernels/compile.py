@@ -1,4 +1,4 @@
-"""Compiling the fast path's kernels before their first launch, in several processes at once (experimental, off).
+"""Compiling the fast path's kernels before their first launch, in several processes at once.
 
 A worker on a fresh machine (Triton's on-disk cache empty) spent ~30 s of its start compiling the kernel
 specializations of its warm-up one after another (device run of 2026-12-04: READY 43.9 s after `up`, warm-up
@@ -9,10 +9,10 @@ specializations of its warm-up one after another (device run of 2026-12-04: READ
 2. `compile_in_processes` deals the list out to child processes, each compiling its share into the shared on-disk
    cache from the signature, constants, attributes and options the hook saw, and loading each kernel once (which
    builds its launcher, a C module Triton compiles with the host's compiler and caches on disk beside it).
-3. The warm-up proper should then find every kernel on disk. It does not yet: on the H200 it compiled 31 of 35
-   again under other on-disk keys, although Triton's in-process keys match (docs/PERF.md, twelfth session).
-   `log_keys` (LAYA_COMPILE_KEYS=FILE) logs each key's parts in the parent and the children to find the difference;
-   until then the worker leaves this off (`--compile-procs 0`).
+3. The warm-up proper then finds every kernel on disk. Until the fifteenth session it did not (it compiled 31 of 35
+   again): a Triton function's key depended on which kernel the process had touched first (kernels/launch.py
+   `settle_keys`, which every kernel module now calls at import). `log_keys` (LAYA_COMPILE_KEYS=FILE) logs each
+   key's parts in the parent and the children, which is how that was found.
 
 A failed child costs nothing but time: whatever it did not compile, the warm-up compiles as before.
 """

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .launch import settle_keys
+
 try:
     import triton
     import triton.language as tl
@@ -141,3 +143,7 @@ if triton is not None:
         ok = i < n
         x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + i, gelu(x, table_ptr, TABLE).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# Every Triton function's cache key now, in definition order (launch.settle_keys says why).
+settle_keys(globals())

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .exact import gelu_table, needs_table
-from .launch import launch, prefetching, sms
+from .launch import launch, prefetching, settle_keys, sms
 
 try:
     import triton
@@ -410,3 +410,7 @@ def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:
     if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or os.environ.get("LAYA_TMA") == "0":
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
+
+
+# Every Triton function's cache key now, in definition order (launch.settle_keys says why).
+settle_keys(globals())

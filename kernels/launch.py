@@ -28,6 +28,22 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
     triton = None
 
 
+def settle_keys(namespace: dict) -> None:
+    """Compute the cache key of every Triton function in `namespace` (a kernel module's globals), in definition order.
+
+    Called at the end of each kernel module, so a key no longer depends on which kernel a process touched first:
+    Triton 3.6 folds a helper's global constants into its caller's key only if the helper's own key was computed
+    before (DependenciesFinder._update_hash merges the helper's `used_global_vals` before it asks for its key). The
+    worker, which checks its GELU (exact.gelu) at load, and the compile-ahead children, which start from a GEMM, got
+    different keys for 31 of 35 kernels and compiled them all twice (docs/PERF.md, fifteenth session, call 1)."""
+    if triton is None:
+        return
+    from triton.runtime.jit import JITFunction
+    for value in list(namespace.values()):
+        if isinstance(value, JITFunction):     # Triton's interpreter (TRITON_INTERPRET=1) has no keys: skipped
+            _ = value.cache_key
+
+
 def gdc(device: torch.device) -> bool:
     """Whether kernels on `device` wait for their predecessors in-kernel (so may be launched with PDL)."""
     if device.type != "cuda" or os.environ.get("LAYA_PDL", "1") == "0":
@@ -99,3 +115,7 @@ if triton is not None:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+# Every Triton function's cache key now, in definition order (launch.settle_keys says why).
+settle_keys(globals())

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .launch import settle_keys
+
 try:
     import triton
     import triton.language as tl
@@ -77,3 +79,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                          HAS_BIAS=b is not None, BIAS_APART=bias_apart, IEEE=ieee, BM=BM, BN=BN, BK=BK,
                          num_warps=4, num_stages=3)
     return y.reshape(*shape[:-1], N)
+
+
+# Every Triton function's cache key now, in definition order (launch.settle_keys says why).
+settle_keys(globals())

@@ -30,7 +30,7 @@ there) and the tree spelled out with splits (exact, 3.6x slower than torch).
 """
 from __future__ import annotations
 
-from .launch import launch
+from .launch import launch, settle_keys
 
 try:
     import triton
@@ -316,3 +316,7 @@ def features(score, markers, h, row_start, logits, act_in, absent: float, wide: 
 def softmax_rows(x, y) -> None:
     rows, c = x.shape
     _softmax_kernel[(rows,)](x, y, c, BLOCK=_block(max(c, 2)), **launch(x.device, rows), num_warps=1)
+
+
+# Every Triton function's cache key now, in definition order (launch.settle_keys says why).
+settle_keys(globals())

@@ -40,3 +40,27 @@ def test_compile_procs_is_bounded_and_off_by_default():
     assert compile_procs(0) == 0 and compile_procs(3) == 3
     auto = compile_procs(None)
     assert 0 <= auto <= 8 and auto <= len(os.sched_getaffinity(0))
+
+
+_KEYS = r"""
+import sys
+from laya_pool.kernels import attention, exact, gemm, launch, rows
+first = {"gelu": exact._gelu_kernel, "gemm": gemm._gemm_kernel, "norm": rows._layer_norm_kernel}[sys.argv[1]]
+first.cache_key
+print(gemm._gemm_kernel.cache_key, rows._layer_norm_kernel.cache_key, attention._attention_kernel.cache_key)
+"""
+
+
+def test_kernel_keys_do_not_depend_on_which_kernel_a_process_touched_first():
+    """Triton folds a helper's constants into its caller's key only if the helper's key came first, so a worker
+    (GELU checked at load) and a compile-ahead child (a GEMM first) named the same kernel differently, and the
+    warm-up compiled again what the children had compiled (H200, fourteenth session). Each process starts from
+    another kernel; every key must agree (without kernels/launch.py settle_keys the GEMM's differs)."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}    # the interpreter has no keys
+    keys = {tuple(subprocess.run([sys.executable, "-c", _KEYS, first], env=env, capture_output=True, text=True,
+                           check=True, timeout=120).stdout.split()[-3:]) for first in ("gelu", "gemm", "norm")}
+    assert len(keys) == 1, keys

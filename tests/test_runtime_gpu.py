@@ -243,8 +243,6 @@ print(json.dumps({"ahead": ahead, "compiled_in_warmup": len(new), "new": [p[len(
 """
 
 
-@pytest.mark.xfail(strict=True, reason="H200, 2026-12-04: the warm-up compiled 31 of 35 kernels again (other on-disk "
-                   "cache keys than the children's; cause not found), so --compile-procs is off by default")
 def test_kernels_compiled_ahead_leave_nothing_for_the_warm_up_to_compile(tiny_ckpt, tmp_path):
     """A cold Triton cache (a fresh machine): the recorded kernels compiled by three child processes are every
     kernel and launcher the warm-up needs (it builds none); without them it compiles many (the check can fail); a second
