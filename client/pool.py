@@ -980,12 +980,10 @@ class AsyncClient(_Base):
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
-                 calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = False):
-        """As `Client`'s, but `direct` (a request's first attempt to a worker on this host, client/direct.py) is off by
-        default: with 64 requests in flight from 8 processes it gave 4,448 req/s against 5,917 through the broker
-        (device run, fourteenth session, call 6). The likely cause was found and fixed after that run (sends on the
-        route's plain socket hid arriving replies from the asyncio reader: `_send_direct`; on the CPU machine 13,800
-        calls/s direct against 4,300 before, tests/test_client_direct.py); the default waits for a device run."""
+                 calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True):
+        """As `Client`'s. `direct` on by default since the fifteenth session's device run: 64 requests of 1x48 in flight
+        from 8 processes, 5,436 req/s direct (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine
+        (docs/PERF.md, fifteenth session, call 1)."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self._set_decoding(lang_temperatures, calibration)

@@ -70,7 +70,7 @@ def parse_mix(text: str) -> list[Shape]:
 
 
 def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape], seed: int, out: mp.Queue,
-                 direct: bool = False) -> None:
+                 direct: bool = True) -> None:
     import random
 
     async def main() -> dict:
@@ -147,7 +147,7 @@ def _sample_cpu(pool_pids, children: list, seconds: float, out: list) -> None:
 
 def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, rows: int = 1, tokens: int = 48,
              kill_after: float | None = None, mix: list[Shape] | None = None, pool_pids=None,
-             direct: bool = False) -> dict:
+             direct: bool = True) -> dict:
     """Drive `endpoint` for `seconds` with `concurrency` requests in flight (of `rows` x `tokens`, or drawn
     from `mix`); returns the measurements, with the CPU each process used (`pool_pids`: a callable giving the
     pool's pids and roles, for a pool on this host)."""
@@ -205,7 +205,7 @@ def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: floa
     def go(pool, concurrency, kill):
         return run_load(pool.endpoint, concurrency=concurrency, procs=args.procs, seconds=args.seconds,
                         rows=args.rows, tokens=args.tokens, kill_after=kill, mix=args.mix,
-                        pool_pids=lambda: cpu.tree(pool.process.pid), direct=args.direct)
+                        pool_pids=lambda: cpu.tree(pool.process.pid), direct=not args.via_broker)
     with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600,
                     extra_args=shlex.split(extra)) as pool:
         runs = [go(pool, n, None) for n in args.concurrency]
@@ -280,9 +280,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None, help="draw throughput and latency against concurrency here")
     ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a TTY)")
-    ap.add_argument("--direct", action="store_true",
-                    help="the clients (AsyncClient) send first attempts to the workers directly where the pool offers "
-                         "it (off by default, as AsyncClient's: docs/PERF.md, fourteenth session)")
+    ap.add_argument("--via-broker", action="store_true",
+                    help="the clients (AsyncClient) send every request through the broker (direct=False); by default "
+                         "first attempts go to the workers directly where the pool offers it, as AsyncClient's do")
     args = ap.parse_args()
     global QUIET
     QUIET = args.quiet
@@ -299,7 +299,7 @@ def main() -> int:
     if args.frontend:
         runs = [run_load(args.frontend, concurrency=n, procs=args.procs, seconds=args.seconds, rows=args.rows,
                          tokens=args.tokens, kill_after=args.kill_after if n == args.concurrency[-1] else None,
-                         mix=args.mix, direct=args.direct) for n in args.concurrency]
+                         mix=args.mix, direct=not args.via_broker) for n in args.concurrency]
         report["pool"] = dict(runs[-1], sweep=runs) if len(runs) > 1 else runs[0]
         for r in runs:
             print(_line("pool", r))
