@@ -144,13 +144,23 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _rope_tables(pos_ptr, cos_ptr, sin_ptr, rm, row_ok, pid_n, N_OUT, ROPE_HEADS, HALF: tl.constexpr,
+                     BN: tl.constexpr):
+        """cos and sin [BM, BN / 2] of a ROPE program's pairs (1 and 0 where a pair does not rotate)."""
+        pair = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        rot = row_ok[:, None] & (pair < N_OUT // 2)[None, :] & (pair // HALF < ROPE_HEADS)[None, :]
+        pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
+        t = pos[:, None] * HALF + (pair % HALF)[None, :]
+        return tl.load(cos_ptr + t, mask=rot, other=1.0), tl.load(sin_ptr + t, mask=rot, other=0.0)
+
+    @triton.jit
     def _gemm_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, table_ptr,
                      M, N_OUT, K, sam, swn, som, PARTNER, ROPE_HEADS, CHUNKS, sps,
                      EPI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_APART: tl.constexpr, ACT: tl.constexpr,
                      HALF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      TMA: tl.constexpr, USE_GDC: tl.constexpr, CHUNK: tl.constexpr = 0, SPLIT: tl.constexpr = False,
                      GELU_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                     W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128):
+                     W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128, EARLY: tl.constexpr = False):
         # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
         # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
         CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
@@ -169,6 +179,15 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < N_OUT
         row_ok = rm < M
+        if EARLY:
+            # The epilogue's operands read before the K loop, so their latency hides behind it (LAYA_EARLY_EPI=1,
+            # experimental): the residual tile, or the RoPE rows' positions. After wait_turn: h is an activation.
+            if EPI == 1 and not SPLIT:
+                h_early = tl.load(out_ptr + rm[:, None] * som + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                                  other=0.0)
+            if EPI == 3:
+                c_early, s_early = _rope_tables(pos_ptr, cos_ptr, sin_ptr, rm, row_ok, pid_n, N_OUT, ROPE_HEADS,
+                                                HALF, BN)
         if CHUNK > 0:
             # K in two fixed chunks (module docstring). SPLIT: this program runs chunk program_id(2) alone and
             # leaves its sum in the workspace `out_ptr` [2, M, N_OUT]. Otherwise one loop runs both chains side by
@@ -242,7 +261,10 @@ if triton is not None:
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
         elif EPI == 1:
             y = _finish(acc, bias_ptr, table_ptr, cols, col_ok, CD, HAS_BIAS, BIAS_APART, ACT, GELU_TABLE)
-            h = tl.load(out_ptrs, mask=ok, other=0.0)
+            if EARLY:
+                h = h_early
+            else:
+                h = tl.load(out_ptrs, mask=ok, other=0.0)
             tl.store(out_ptrs, h + y, mask=ok)
         elif EPI == 2:
             inp = acc.to(CD).to(tl.float32)
@@ -260,10 +282,10 @@ if triton is not None:
             j = pair % HALF
             pair_ok = row_ok[:, None] & (pair < N_OUT // 2)[None, :]
             rot = pair_ok & (head < ROPE_HEADS)[None, :]
-            pos = tl.load(pos_ptr + rm, mask=row_ok, other=0)
-            t = pos[:, None] * HALF + j[None, :]
-            c = tl.load(cos_ptr + t, mask=rot, other=1.0)
-            s = tl.load(sin_ptr + t, mask=rot, other=0.0)
+            if EARLY:
+                c, s = c_early, s_early
+            else:
+                c, s = _rope_tables(pos_ptr, cos_ptr, sin_ptr, rm, row_ok, pid_n, N_OUT, ROPE_HEADS, HALF, BN)
             # torch's x * cos + rotate_half(x) * sin: each product rounded, then the sum
             y1 = tl.where(rot, _mul(x1, c) - _mul(x2, s), x1)
             y2 = tl.where(rot, _mul(x2, c) + _mul(x1, s), x2)
@@ -399,7 +421,8 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                        HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
                        GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
-                       PIECES=32 * t.warps, **options, num_warps=t.warps, num_stages=t.stages)
+                       PIECES=32 * t.warps, EARLY=os.environ.get("LAYA_EARLY_EPI") == "1", **options,
+                       num_warps=t.warps, num_stages=t.stages)
 
 
 TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off
