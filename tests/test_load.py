@@ -81,6 +81,11 @@ def test_sweep_of_a_mixed_load_writes_json_and_curve(tiny_ckpt, tmp_path):
             assert set(r["per_shape"]) == {"1x48", "2x64"}
             assert sum(s["answered"] for s in r["per_shape"].values()) == r["answered"]
             assert r["per_shape"]["1x48"]["answered"] > r["per_shape"]["2x64"]["answered"]   # weights 3:1
+            # what the worker counted in the run's window (a request given up at the end is counted there only)
+            g = r["groups"]
+            assert r["answered"] <= g["requests"] <= r["answered"] + r["concurrency"], (r["answered"], g)
+    assert {r["groups"]["mean_group"] for r in rep["baseline"]["sweep"]} == {1.0}       # --max-batch 1
+    assert rep["pool"]["sweep"][-1]["groups"]["mean_group"] >= 1.0
     assert rep["pool"]["pool_args"] == "--max-batch 4" and rep["baseline"]["pool_args"] == "--max-batch 1"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sum(" in flight " in line for line in proc.stdout.splitlines()) == 4   # one line per run

@@ -36,11 +36,13 @@ from pathlib import Path
 
 import numpy as np
 from laya_pool.client.pool import AsyncClient, Client, local_pool  # noqa: E402
+from laya_pool.protocol import contract  # noqa: E402
 
 from . import cpu  # noqa: E402
 from .progress import Progress, enabled  # noqa: E402
 
 QUIET = False           # --quiet: no progress bar
+HEARTBEAT_S = contract.HEARTBEAT_MS / 1e3 + 0.2     # a worker's stats reach the broker with its heartbeat
 
 
 def _rows(n_rows: int, tokens: int) -> list:
@@ -102,6 +104,22 @@ def _stats(seconds: list[float]) -> dict:
             "p95_ms": ms[int(0.95 * (len(ms) - 1))] if ms else None}
 
 
+def _worker_counts(endpoint: str) -> dict[str, int]:
+    """Requests answered and merged, summed over the pool's workers (their last heartbeat's stats)."""
+    with Client(endpoint, timeout=5.0, retries=2) as c:
+        workers = c.status()["workers"]
+    return {k: sum(int((w.get("stats") or {}).get(k) or 0) for w in workers)
+            for k in ("ok", "merged_runs", "merged_requests")}
+
+
+def groups(before: dict[str, int], after: dict[str, int]) -> dict:
+    """Forwards and the mean group (requests per forward) between two `_worker_counts`; pure."""
+    ok = after["ok"] - before["ok"]
+    merged = after["merged_requests"] - before["merged_requests"]
+    forwards = after["merged_runs"] - before["merged_runs"] + ok - merged
+    return {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None}
+
+
 def _killer(endpoint: str, after: float, done: dict) -> None:
     time.sleep(after)
     with Client(endpoint, timeout=5.0, retries=2) as c:
@@ -159,6 +177,8 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
                 c.forward(_rows(r, t))
             except Exception as e:
                 warm_failed.append(f"{type(e).__name__}: {e}")
+    time.sleep(HEARTBEAT_S)                    # the warm calls in the workers' stats
+    counted = _worker_counts(endpoint)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = max(1, min(procs, concurrency))
@@ -182,6 +202,8 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     wall = time.perf_counter() - t0
     for p in children:
         p.join(30)
+    time.sleep(HEARTBEAT_S)                    # the run's last requests in the workers' stats
+    grouped = groups(counted, _worker_counts(endpoint))
     per_shape = {f"{r}x{t}": [x for part in parts for x in part["latencies"][f"{r}x{t}"]] for r, t, _ in mix}
     everything = [x for xs in per_shape.values() for x in xs]
     failed = warm_failed + [x for part in parts for x in part["failed"]]
@@ -189,7 +211,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
            "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
            "errors": failed[:5], "throughput_rps": total["answered"] / wall, "p50_ms": total["p50_ms"],
-           "p95_ms": total["p95_ms"], "killed": killed or None, "cpu": used}
+           "p95_ms": total["p95_ms"], "killed": killed or None, "groups": grouped, "cpu": used}
     if len(mix) > 1:
         out["mix"] = [[r, t, w] for r, t, w in mix]
         out["per_shape"] = {k: _stats(v) for k, v in per_shape.items()}
@@ -252,6 +274,8 @@ def _line(name: str, r: dict) -> str:
     ms = "  ".join(f"{k} {r[k + '_ms']:7.2f} ms" if r[k + "_ms"] is not None else f"{k} -" for k in ("p50", "p95"))
     s = (f"{name:44s} {r['concurrency']:4d} in flight {r['throughput_rps']:8.1f} req/s  {ms}  "
          f"answered {r['answered']}  lost {r['lost']}")
+    if (r.get("groups") or {}).get("mean_group"):
+        s += f"  mean group {r['groups']['mean_group']}"
     if r.get("killed"):
         k = r["killed"]
         s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
