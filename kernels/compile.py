@@ -90,22 +90,42 @@ def marker(specs: list[Spec], cache_dir: str) -> Path:
     return Path(cache_dir) / f"laya-pool-warm-{h.hexdigest()[:32]}"
 
 
-def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0) -> dict:
-    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes, unless a marker says they are
-    there; returns what happened: {"kernels", "procs", "seconds", "failed"} ("failed": children that did not finish
-    cleanly) or {"kernels", "cached": True}."""
-    t = time.perf_counter()
+def cold(cache_dir: str) -> bool:
+    """No marker in `cache_dir` (`marker`): probably a machine that has not compiled our kernels yet, worth starting
+    compile processes for before the kernels needed are known. (A marker of older kernel sources says otherwise;
+    then `compile_in_processes` starts its processes itself, later.)"""
+    return not any(Path(cache_dir).glob("laya-pool-warm-*"))
+
+
+def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
+    """`procs` compile processes, started now: each imports torch and Triton (seconds), then waits for its share on
+    stdin. A worker starts them before it reads its checkpoint, so their imports overlap it; one whose parent dies
+    reads the end of its stdin and leaves."""
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])      # children inherit the variable and log theirs
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return [subprocess.Popen([sys.executable, "-m", __spec__.name if __spec__ else __name__, str(device)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+            for _ in range(max(1, procs))]
+
+
+def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0,
+                         children: list[subprocess.Popen] | None = None) -> dict:
+    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes (`children`, from `spawn`, or
+    started here), unless a marker says they are there; returns what happened: {"kernels", "procs", "seconds",
+    "failed"} ("failed": children that did not finish cleanly) or {"kernels", "cached": True}."""
+    t = time.perf_counter()
     done = marker(specs, knobs.cache.dir)
     if not specs or done.exists():
+        for p in children or []:                   # told there is nothing to do: they leave
+            p.stdin.close()
+            p.wait()
+            p.stdout.close()
         return {"kernels": len(specs), "cached": True}
-    shares = deal(specs, max(1, procs))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    children = [subprocess.Popen([sys.executable, "-m", __spec__.name if __spec__ else __name__, str(device)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-                for _ in shares]
-    for p, share in zip(children, shares):   # all started first: each imports torch while the next is fed
+    children = children or spawn(procs, device)
+    shares = deal(specs, len(children))
+    shares += [[]] * (len(children) - len(shares))
+    for p, share in zip(children, shares):
         p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
         p.stdin.close()
     failed = 0
@@ -123,7 +143,7 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
     if not failed:
         done.parent.mkdir(parents=True, exist_ok=True)
         done.write_text(f"{len(specs)} kernel specializations compiled by laya-pool's worker\n")
-    return {"kernels": len(specs), "procs": len(shares), "seconds": round(time.perf_counter() - t, 2),
+    return {"kernels": len(specs), "procs": len([s for s in shares if s]), "seconds": round(time.perf_counter() - t, 2),
             "failed": failed}
 
 
@@ -164,10 +184,16 @@ def _child(device: int) -> int:
     """A child: compile the specializations read from stdin; print "compiled N of M"."""
     import torch
     from triton.runtime.driver import driver
-    torch.cuda.set_device(device)
+
+    from . import attention, exact, gemm, rows  # noqa: F401 - the imports a share needs, done while the parent loads
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])
-    todo = pickle.loads(sys.stdin.buffer.read())
+    data = sys.stdin.buffer.read()
+    if not data:
+        return 0                     # the parent died before it had a share for this process
+    todo = pickle.loads(data)
+    if todo:
+        torch.cuda.set_device(device)    # a CUDA context only for a process with work (after the parent's load)
     done = 0
     for module, name, data in todo:
         try:

@@ -180,8 +180,8 @@ if triton is not None:
         col_ok = cols < N_OUT
         row_ok = rm < M
         if EARLY:
-            # The epilogue's operands read before the K loop, so their latency hides behind it (LAYA_EARLY_EPI=1,
-            # experimental): the residual tile, or the RoPE rows' positions. After wait_turn: h is an activation.
+            # The epilogue's operands read before the K loop, so their latency hides behind it (`early_epilogue`):
+            # the residual tile, or the RoPE tables. After wait_turn: h is an activation.
             if EPI == 1 and not SPLIT:
                 h_early = tl.load(out_ptr + rm[:, None] * som + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                                   other=0.0)
@@ -421,8 +421,20 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
                        EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                        HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
                        GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
-                       PIECES=32 * t.warps, EARLY=os.environ.get("LAYA_EARLY_EPI") == "1", **options,
+                       PIECES=32 * t.warps, EARLY=early_epilogue(m), **options,
                        num_warps=t.warps, num_stages=t.stages)
+
+
+# Device run of 2026-12-04 (fifteenth session, call 2), graph replay with every GEMM's epilogue operands read before
+# its K loop against after it: 1x48 0.945 against 0.973 ms, 32x48 3.623 / 3.593, 4x256 2.753 / 2.632, 16x512 16.82 /
+# 14.87 (a 128x128 tile holding its residual tile through the loop spills); same bits at every shape.
+EARLY_MAX_M = 64
+
+
+def early_epilogue(m: int) -> bool:
+    """Whether a GEMM of M rows reads its epilogue's operands before its K loop (LAYA_EARLY_EPI=1: always, 0: never)."""
+    forced = os.environ.get("LAYA_EARLY_EPI")
+    return forced == "1" if forced in ("0", "1") else m <= EARLY_MAX_M
 
 
 TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off

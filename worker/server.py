@@ -69,7 +69,7 @@ class WorkerConfig:
     overlap: str = "on"                     # CUDA: launch the next group while the current one computes
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
-    compile_procs: int = 0                  # off by default: see worker.runtime.RuntimeConfig.compile_procs
+    compile_procs: int | None = None        # None: one per spare core, at most 8 (worker.runtime.compile_procs)
     poll_us: int | None = None              # after a reply, the data thread polls this long (default: see --poll-us)
     data_requests: str = "auto"             # requests straight to the data thread: auto = on CUDA (see --data-requests)
     direct: str = "auto"                    # clients send requests here themselves: auto = as data_requests (--direct)
@@ -119,7 +119,7 @@ class WorkerConfig:
                     "free port (tcp://127.0.0.1:*) and an ipc path names the worker ({id}: ipc:///run/laya/{id}.sock)")
         if not 0 <= self.poll_us <= 10_000_000:
             return f"--poll-us must be in 0..10000000 (got {self.poll_us}); check LAYA_WORKER_POLL_US"
-        if not 0 <= self.compile_procs <= 64:
+        if self.compile_procs is not None and not 0 <= self.compile_procs <= 64:
             return f"--compile-procs must be in 0..64 (got {self.compile_procs}); check LAYA_COMPILE_PROCS"
         if self.gil_switch_ms is not None and not 0.01 <= self.gil_switch_ms <= 1000:
             return f"--gil-switch-ms must be in 0.01..1000 (got {self.gil_switch_ms}); check LAYA_GIL_SWITCH_MS"
@@ -419,10 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "milliseconds while the other waits (a landed group unanswered, a reply unsent): 0.5 cut "
                         "such a wait from 2.0 to 0.6 ms in a two-thread test (docs/PERF.md). For measuring; env "
                         "LAYA_GIL_SWITCH_MS")
-    p.add_argument("--compile-procs", type=int, default=int(os.environ.get("LAYA_COMPILE_PROCS") or 0),
-                   help="CUDA, experimental: processes that compile the warm-up's kernels in parallel before it runs "
-                        "(a cold Triton cache costs ~30 s of start-up in one process); 0 (default): off, because "
-                        "the warm-up still recompiles most of them today (docs/PERF.md); env LAYA_COMPILE_PROCS")
+    env_procs = os.environ.get("LAYA_COMPILE_PROCS")
+    p.add_argument("--compile-procs", type=int, default=int(env_procs) if env_procs else None,
+                   help="CUDA: processes that compile the warm-up's kernels in parallel on a machine whose Triton "
+                        "cache lacks them (started before the checkpoint is read, so their imports overlap it); "
+                        "default one per spare core, at most 8; 0: off (one process compiles them as the warm-up runs "
+                        "them); env LAYA_COMPILE_PROCS")
     env_poll = os.environ.get("LAYA_WORKER_POLL_US")
     p.add_argument("--poll-us", type=int, default=int(env_poll) if env_poll else None,
                    help="after each reply the data thread polls its socket this long (microseconds) before it sleeps, "
@@ -498,6 +500,19 @@ def _open_context(torch: Any, torch_device: str) -> threading.Thread | None:
     return t
 
 
+def _compilers(cfg: WorkerConfig, torch_device: str) -> list[Any] | None:
+    """On a cold Triton cache, the warm-up's compile processes started now, so their imports overlap the checkpoint's
+    load (kernels/compile.py); None where the warm-up compiles nothing ahead or the cache looks warm."""
+    from .runtime import compile_procs
+    procs = compile_procs(cfg.compile_procs)
+    if not torch_device.startswith("cuda") or procs < 2:
+        return None
+    from laya_pool.kernels.compile import cold, knobs, spawn
+    if knobs is None or not cold(knobs.cache.dir):
+        return None
+    return spawn(procs, int(torch_device.partition(":")[2] or 0))
+
+
 def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: dict[str, float],
                    context: threading.Thread | None = None) -> tuple[Any, float]:
     """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms); `phases` gets ms per step."""
@@ -505,6 +520,7 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
     from .runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
     from .workspace import Capacity
 
+    compilers = _compilers(cfg, torch_device)
     log.info("worker %s: loading %s", cfg.id, cfg.model)
     t = time.perf_counter()
     try:
@@ -541,7 +557,7 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
 
     t = time.perf_counter()
     try:
-        steps = rt.warmup(progress)
+        steps = rt.warmup(progress, compilers)
     except Exception as e:  # noqa: BLE001
         log.exception("warm-up failed")
         raise _Exit(contract.EXIT_FATAL) from e
