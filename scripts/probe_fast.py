@@ -430,7 +430,8 @@ def step_model(model_dir, report):
                 ("no prefetch", {"LAYA_PREFETCH": "0"}),
                 ("PDL for single-wave grids only: waves", {"LAYA_PDL_WAVES": "one"}),
                 ("epilogue operands read before the K loop at every M: early", {"LAYA_EARLY_EPI": "1"}),
-                ("epilogue operands read after the K loop at every M: late", {"LAYA_EARLY_EPI": "0"}))
+                ("epilogue operands read after the K loop at every M: late", {"LAYA_EARLY_EPI": "0"}),
+                ("RoPE tables read before the K loop at every M: rope", {"LAYA_EARLY_EPI": "rope"}))
         for label, env in envs + tuple((k_, None) for k_ in patches):
             if env is None:
                 if label not in WANT_VARIANTS:
