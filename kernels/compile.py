@@ -90,17 +90,9 @@ def marker(specs: list[Spec], cache_dir: str) -> Path:
     return Path(cache_dir) / f"laya-pool-warm-{h.hexdigest()[:32]}"
 
 
-def cold(cache_dir: str) -> bool:
-    """No marker in `cache_dir` (`marker`): probably a machine that has not compiled our kernels yet, worth starting
-    compile processes for before the kernels needed are known. (A marker of older kernel sources says otherwise;
-    then `compile_in_processes` starts its processes itself, later.)"""
-    return not any(Path(cache_dir).glob("laya-pool-warm-*"))
-
-
 def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
-    """`procs` compile processes, started now: each imports torch and Triton (seconds), then waits for its share on
-    stdin. A worker starts them before it reads its checkpoint, so their imports overlap it; one whose parent dies
-    reads the end of its stdin and leaves."""
+    """`procs` compile processes: each imports torch and Triton, then waits for its share on stdin (one whose parent
+    dies reads the end of its stdin and leaves)."""
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])      # children inherit the variable and log theirs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -109,23 +101,17 @@ def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
             for _ in range(max(1, procs))]
 
 
-def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0,
-                         children: list[subprocess.Popen] | None = None) -> dict:
-    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes (`children`, from `spawn`, or
-    started here), unless a marker says they are there; returns what happened: {"kernels", "procs", "seconds",
-    "failed"} ("failed": children that did not finish cleanly) or {"kernels", "cached": True}."""
+def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0) -> dict:
+    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes, unless a marker says they are
+    there; returns what happened: {"kernels", "procs", "seconds", "failed"} ("failed": children that did not finish
+    cleanly) or {"kernels", "cached": True}."""
     t = time.perf_counter()
     done = marker(specs, knobs.cache.dir)
     if not specs or done.exists():
-        for p in children or []:                   # told there is nothing to do: they leave
-            p.stdin.close()
-            p.wait()
-            p.stdout.close()
         return {"kernels": len(specs), "cached": True}
-    children = children or spawn(procs, device)
-    shares = deal(specs, len(children))
-    shares += [[]] * (len(children) - len(shares))
-    for p, share in zip(children, shares):
+    shares = deal(specs, max(1, procs))
+    children = spawn(len(shares), device)
+    for p, share in zip(children, shares):   # all started first: each imports torch while the next is fed
         p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
         p.stdin.close()
     failed = 0
@@ -143,7 +129,7 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
     if not failed:
         done.parent.mkdir(parents=True, exist_ok=True)
         done.write_text(f"{len(specs)} kernel specializations compiled by laya-pool's worker\n")
-    return {"kernels": len(specs), "procs": len([s for s in shares if s]), "seconds": round(time.perf_counter() - t, 2),
+    return {"kernels": len(specs), "procs": len(shares), "seconds": round(time.perf_counter() - t, 2),
             "failed": failed}
 
 

@@ -41,30 +41,6 @@ def test_compile_procs_is_bounded_and_one_per_spare_core_by_default():
     assert compile_procs(0) == 0 and compile_procs(3) == 3
 
 
-def test_a_cold_cache_has_no_marker(tmp_path):
-    from laya_pool.kernels.compile import cold
-    assert cold(str(tmp_path))
-    marker(specs(3), str(tmp_path)).write_text("done")
-    assert not cold(str(tmp_path))
-
-
-def test_spawned_compilers_leave_when_told_there_is_nothing(tmp_path):
-    """Started before the kernels are known (the worker's start), then told the cache holds them all: they exit
-    cleanly, none left behind. (Without Triton a worker starts none.)"""
-    pytest.importorskip("triton")
-    from laya_pool.kernels import compile as cp
-    children = cp.spawn(2)
-    assert len(children) == 2
-    done = marker(specs(2), cp.knobs.cache.dir)
-    done.parent.mkdir(parents=True, exist_ok=True)
-    done.write_text("done")
-    try:
-        assert cp.compile_in_processes(specs(2), 2, children=children) == {"kernels": 2, "cached": True}
-    finally:
-        done.unlink()
-    assert [p.poll() for p in children] == [0, 0]
-
-
 _KEYS = r"""
 import sys
 from laya_pool.kernels import attention, exact, gemm, launch, rows

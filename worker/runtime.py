@@ -317,11 +317,9 @@ class Runtime:
         torch.cuda.empty_cache()
         return before - torch.cuda.memory_reserved(self.device)
 
-    def warmup(self, progress: Callable[[int, int, str], None] | None = None,
-               compilers: list[Any] | None = None) -> dict[str, float]:
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> dict[str, float]:
         """Capture what steady traffic will need, off the request path; returns ms per step. `progress(i, n,
-        what)` is called before each step (the worker logs it: a long warm-up is not silent). `compilers`: compile
-        processes started earlier (kernels/compile.py `spawn`), used instead of starting `compile_procs` now."""
+        what)` is called before each step (the worker logs it: a long warm-up is not silent)."""
         out = {}
         if not self.is_cuda:
             return out
@@ -329,13 +327,12 @@ class Runtime:
         cached = self.warmup_plan() if self.config.mode == "graph-cached" else []
         fixed = self.config.mode == "graph-fixed" and self.fixed is None and self.fixed_failed is None
         first = Shape(1, ROW_LEN_STEP, 2)
-        procs = len(compilers) if compilers else compile_procs(self.config.compile_procs)
+        procs = compile_procs(self.config.compile_procs)
         n = 1 + (procs > 1) + fixed + len(cached)
         if procs > 1:
             say(1, n, f"kernels, compiled in {procs} processes")
             t = time.perf_counter()
-            out["compile"] = self._compile_ahead([first] + ([self.fixed_shape] if fixed else []) + cached, procs,
-                                                 compilers)
+            out["compile"] = self._compile_ahead([first] + ([self.fixed_shape] if fixed else []) + cached, procs)
             out["compile ms"] = (time.perf_counter() - t) * 1e3
         say(1 + (procs > 1), n, "eager forward")
         t = time.perf_counter()
@@ -359,7 +356,7 @@ class Runtime:
             out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
         return out
 
-    def _compile_ahead(self, shapes: list[Shape], procs: int, compilers: list[Any] | None = None) -> dict:
+    def _compile_ahead(self, shapes: list[Shape], procs: int) -> dict:
         """The kernels the forwards of `shapes` launch, compiled into Triton's on-disk cache by `procs` processes
         (kernels/compile.py); the forwards here launch nothing."""
         from laya_pool.kernels.compile import compile_in_processes, knobs, recorded
@@ -369,7 +366,7 @@ class Runtime:
             with recorded() as specs, torch.cuda.stream(self.stream):
                 for shape in shapes:
                     self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
-            return compile_in_processes(specs, procs, self.device.index or 0, children=compilers)
+            return compile_in_processes(specs, procs, self.device.index or 0)
         except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up compiles whatever this did not
             return {"error": f"{type(e).__name__}: {e}"}
 

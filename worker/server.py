@@ -422,9 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     env_procs = os.environ.get("LAYA_COMPILE_PROCS")
     p.add_argument("--compile-procs", type=int, default=int(env_procs) if env_procs else None,
                    help="CUDA: processes that compile the warm-up's kernels in parallel on a machine whose Triton "
-                        "cache lacks them (started before the checkpoint is read, so their imports overlap it); "
-                        "default one per spare core, at most 8; 0: off (one process compiles them as the warm-up runs "
-                        "them); env LAYA_COMPILE_PROCS")
+                        "cache lacks them; default one per spare core, at most 8; 0: off (one process compiles them as "
+                        "the warm-up runs them, ~20 s more from a cold cache on the H200); env LAYA_COMPILE_PROCS")
     env_poll = os.environ.get("LAYA_WORKER_POLL_US")
     p.add_argument("--poll-us", type=int, default=int(env_poll) if env_poll else None,
                    help="after each reply the data thread polls its socket this long (microseconds) before it sleeps, "
@@ -500,19 +499,6 @@ def _open_context(torch: Any, torch_device: str) -> threading.Thread | None:
     return t
 
 
-def _compilers(cfg: WorkerConfig, torch_device: str) -> list[Any] | None:
-    """On a cold Triton cache, the warm-up's compile processes started now, so their imports overlap the checkpoint's
-    load (kernels/compile.py); None where the warm-up compiles nothing ahead or the cache looks warm."""
-    from .runtime import compile_procs
-    procs = compile_procs(cfg.compile_procs)
-    if not torch_device.startswith("cuda") or procs < 2:
-        return None
-    from laya_pool.kernels.compile import cold, knobs, spawn
-    if knobs is None or not cold(knobs.cache.dir):
-        return None
-    return spawn(procs, int(torch_device.partition(":")[2] or 0))
-
-
 def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: dict[str, float],
                    context: threading.Thread | None = None) -> tuple[Any, float]:
     """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms); `phases` gets ms per step."""
@@ -520,7 +506,6 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
     from .runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
     from .workspace import Capacity
 
-    compilers = _compilers(cfg, torch_device)
     log.info("worker %s: loading %s", cfg.id, cfg.model)
     t = time.perf_counter()
     try:
@@ -557,7 +542,7 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
 
     t = time.perf_counter()
     try:
-        steps = rt.warmup(progress, compilers)
+        steps = rt.warmup(progress)
     except Exception as e:  # noqa: BLE001
         log.exception("warm-up failed")
         raise _Exit(contract.EXIT_FATAL) from e
