@@ -128,7 +128,7 @@ def test_padding_and_bucket_edges(ckpt):
         got, want = rt.run(b), eager.run(b)
         assert got.metrics["graph"] in ("miss", "hit"), got.metrics
         assert np.array_equal(got.logits, want.logits) and np.array_equal(got.act, want.act), (n, length, k)
-    assert rt.bucket(Batch.from_rows(rows(5, 65, 3))) == Shape(8, 128, 4)
+    assert rt.bucket(Batch.from_rows(rows(5, 65, 3))) == Shape(8, 80, 4)
 
 
 def test_injected_copy_failure_drains_and_next_request_is_right(ckpt, tiny_ckpt):
