@@ -111,21 +111,29 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
         return {"kernels": len(specs), "cached": True}
     shares = deal(specs, max(1, procs))
     children = spawn(len(shares), device)
-    for p, share in zip(children, shares):   # all started first: each imports torch while the next is fed
-        p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
-        p.stdin.close()
     failed = 0
-    deadline = time.monotonic() + timeout
-    for p in children:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    try:
+        for p, share in zip(children, shares):   # all started first: each imports torch while the next is fed
+            p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
+            p.stdin.close()
+        deadline = time.monotonic() + timeout
+        for p in children:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            out = p.stdout.read().decode(errors="replace").split()
+            ok = p.returncode == 0 and len(out) == 4 and out[0] == "compiled" and out[1] == out[3]
+            failed += not ok
+    finally:                 # a child that died while being fed (a broken pipe) leaves none of them behind
+        for p in children:
+            if p.poll() is None:
+                p.kill()
             p.wait()
-        out = p.stdout.read().decode(errors="replace").split()
-        p.stdout.close()
-        ok = p.returncode == 0 and len(out) == 4 and out[0] == "compiled" and out[1] == out[3]
-        failed += not ok
+            for f in (p.stdin, p.stdout):
+                if not f.closed:
+                    f.close()
     if not failed:
         done.parent.mkdir(parents=True, exist_ok=True)
         done.write_text(f"{len(specs)} kernel specializations compiled by laya-pool's worker\n")
@@ -171,15 +179,15 @@ def _child(device: int) -> int:
     import torch
     from triton.runtime.driver import driver
 
-    from . import attention, exact, gemm, rows  # noqa: F401 - the imports a share needs, done while the parent loads
+    from . import attention, exact, gemm, rows  # noqa: F401 - the imports a share needs, before its share is read
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])
     data = sys.stdin.buffer.read()
     if not data:
-        return 0                     # the parent died before it had a share for this process
+        return 0                     # the parent died before it fed this process
     todo = pickle.loads(data)
     if todo:
-        torch.cuda.set_device(device)    # a CUDA context only for a process with work (after the parent's load)
+        torch.cuda.set_device(device)    # a CUDA context only for a process with work
     done = 0
     for module, name, data in todo:
         try:

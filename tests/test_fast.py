@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from laya_pool.kernels.arch import parse_arch
-from laya_pool.kernels.gemm import Epi, Tiles, fill_tiles, pick_tiles
+from laya_pool.kernels.gemm import Epi, Tiles, early_epilogue, fill_tiles, pick_tiles
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.worker.checkpoint import load_checkpoint
 
@@ -49,6 +49,20 @@ def test_every_tile_choice_keeps_the_invariance_preconditions(preset):
         for m in list(range(1, 130)) + [192, 256, 512, 513, 1024, 1536, 2048, 4096, 8192, 16384]:
             for t in (pick_tiles(m, n, k, epi), fill_tiles(pick_tiles(m, n, k, epi), m, n, 132)):
                 assert t.bm >= 64 and t.warps in (4, 8) and t.bk % 16 == 0 and t.bn >= 16, (preset, n, k, epi, m, t)
+
+
+def test_epilogue_operands_come_early_only_at_small_m(monkeypatch):
+    """Read before the K loop at M <= 64 (1x48 3% faster on the H200); at large M a 128x128 tile holding its residual
+    spills (16x512 13% slower). LAYA_EARLY_EPI forces either way, or the RoPE tables alone at every M."""
+    monkeypatch.delenv("LAYA_EARLY_EPI", raising=False)
+    assert early_epilogue(48, Epi.RESIDUAL) and early_epilogue(64, Epi.ROPE)
+    assert not early_epilogue(65, Epi.RESIDUAL) and not early_epilogue(8192, Epi.ROPE)
+    monkeypatch.setenv("LAYA_EARLY_EPI", "1")
+    assert early_epilogue(8192, Epi.RESIDUAL)
+    monkeypatch.setenv("LAYA_EARLY_EPI", "0")
+    assert not early_epilogue(48, Epi.RESIDUAL)
+    monkeypatch.setenv("LAYA_EARLY_EPI", "rope")
+    assert early_epilogue(8192, Epi.ROPE) and not early_epilogue(8192, Epi.RESIDUAL)
 
 
 def test_small_m_gets_enough_programs_to_stream_weights():

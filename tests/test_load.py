@@ -24,6 +24,7 @@ def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
     assert clean["lost"] == 0 and clean["answered"] > 50 and clean["killed"] is None
     assert kill["lost"] == 0 and kill["answered"] > 50
     assert kill["killed"]["killed"] in {"0", "1"} and kill["killed"]["ready_again_s"] > 0
+    assert kill["groups"] is None            # a restarted worker counts from 0: no figure rather than a wrong one
     assert "lost 0" in proc.stdout
     # Where the CPU went: both workers computed (the CPU pool's forwards), the broker routed, two clients sent.
     used = clean["cpu"]
@@ -33,6 +34,15 @@ def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
     # The worker names its threads in the OS, so the busiest ones are told apart (worker/threadname.py).
     assert any(name in ("compute", "io") for r in used if r["role"] == "worker" for name, _ in r["top_threads"]), used
     assert "cpu: " in proc.stdout
+
+
+def test_groups_from_two_snapshots():
+    from laya_pool.tools.load import groups
+    before = {("0", 11): (10, 2, 6), ("1", 12): (0, 0, 0)}
+    after = {("0", 11): (30, 5, 20), ("1", 12): (4, 0, 0)}
+    # 24 requests: 3 merged runs of 14 requests, 10 alone: 13 forwards
+    assert groups(before, after) == {"requests": 24, "forwards": 13, "mean_group": 1.85}
+    assert groups(before, {("0", 99): (5, 0, 0), ("1", 12): (4, 0, 0)}) is None     # worker 0 restarted
 
 
 def test_cpu_use_from_two_snapshots():

@@ -73,6 +73,17 @@ def test_runtime_refuses_a_third_launch_and_frees_a_failed_ones_slot(tiny_ckpt):
 
 # -- smallest cover, deferred captures ----------------------------------------------------------------------
 
+def test_a_close_cover_settles_a_bucket_and_a_far_one_does_not():
+    """Buckets step by 16 tokens; a held bucket no longer than the 64-token step would have made serves a miss for
+    good (no more captures than steps of 64 made), anything larger is captured when idle."""
+    from laya_pool.worker.runtime import settles
+    assert settles(Shape(1, 32, 4), Shape(1, 48, 4)) and settles(Shape(8, 112, 4), Shape(8, 128, 4))
+    assert settles(Shape(4, 64, 2), Shape(4, 64, 4))                        # more marker slots: the same work
+    assert not settles(Shape(1, 48, 4), Shape(1, 128, 4))                  # 128 > 64: worth its own graph
+    assert not settles(Shape(2, 48, 4), Shape(4, 48, 4))                   # more rows
+    assert not settles(Shape(1, 80, 4), Shape(1, 256, 4)) and settles(Shape(1, 80, 4), Shape(1, 128, 4))
+
+
 def test_smallest_cover_picks_the_least_padded_holder():
     held = [Shape(32, 64, 4), Shape(4, 64, 4), Shape(8, 128, 4), Shape(16, 512, 16)]
     assert smallest_cover(Shape(3, 64, 4), held) == Shape(4, 64, 4)

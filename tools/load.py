@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from laya_pool.client.pool import AsyncClient, Client, local_pool  # noqa: E402
@@ -42,7 +43,8 @@ from . import cpu  # noqa: E402
 from .progress import Progress, enabled  # noqa: E402
 
 QUIET = False           # --quiet: no progress bar
-HEARTBEAT_S = contract.HEARTBEAT_MS / 1e3 + 0.2     # a worker's stats reach the broker with its heartbeat
+# A worker's stats reach the broker with its heartbeat, sent once a heartbeat interval passed, checked every half one.
+HEARTBEAT_S = 1.5 * contract.HEARTBEAT_MS / 1e3 + 0.2
 
 
 def _rows(n_rows: int, tokens: int) -> list:
@@ -104,19 +106,25 @@ def _stats(seconds: list[float]) -> dict:
             "p95_ms": ms[int(0.95 * (len(ms) - 1))] if ms else None}
 
 
-def _worker_counts(endpoint: str) -> dict[str, int]:
-    """Requests answered and merged, summed over the pool's workers (their last heartbeat's stats)."""
+COUNTS = ("ok", "merged_runs", "merged_requests")
+
+
+def _worker_counts(endpoint: str) -> dict[tuple[str, Any], tuple[int, ...]]:
+    """Requests answered and merged per worker process ((id, pid): a restarted worker counts from 0 again), from
+    their last heartbeat's stats."""
     with Client(endpoint, timeout=5.0, retries=2) as c:
         workers = c.status()["workers"]
-    return {k: sum(int((w.get("stats") or {}).get(k) or 0) for w in workers)
-            for k in ("ok", "merged_runs", "merged_requests")}
+    return {(w["id"], w.get("pid")): tuple(int((w.get("stats") or {}).get(k) or 0) for k in COUNTS)
+            for w in workers}
 
 
-def groups(before: dict[str, int], after: dict[str, int]) -> dict:
-    """Forwards and the mean group (requests per forward) between two `_worker_counts`; pure."""
-    ok = after["ok"] - before["ok"]
-    merged = after["merged_requests"] - before["merged_requests"]
-    forwards = after["merged_runs"] - before["merged_runs"] + ok - merged
+def groups(before: dict, after: dict) -> dict | None:
+    """Forwards and the mean group (requests per forward) between two `_worker_counts`; None if a worker process
+    came or went between them (its counts cover another window); pure."""
+    if set(before) != set(after):
+        return None
+    ok, runs, merged = (sum(after[w][i] - before[w][i] for w in after) for i in range(len(COUNTS)))
+    forwards = runs + ok - merged
     return {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None}
 
 

@@ -79,6 +79,20 @@ def bucket_of(rows: int, row_len: int, row_markers: int, cap: Capacity, max_len:
                  min(_pow2(row_markers, 2), cap.row_markers))
 
 
+# A cover whose rows pad a bucket's rows by at most this many tokens is kept as that bucket's graph: what every
+# bucket cost when lengths rounded to 64, so finer steps never make more captures than they did then.
+COVER_SLACK = 64
+
+
+def settles(shape: Shape, cover: Shape) -> bool:
+    """Whether `cover` (a held bucket that holds `shape`) serves `shape` for good, with no capture of its own: the
+    same rows x length (only more marker slots), or the same rows no longer than `shape`'s length rounded up to a
+    multiple of COVER_SLACK (the bucket the old rule made); pure."""
+    if cover.rows * cover.row_len == shape.rows * shape.row_len:
+        return True
+    return cover.rows == shape.rows and cover.row_len <= -(-shape.row_len // COVER_SLACK) * COVER_SLACK
+
+
 def merged_buckets(classes: tuple[Shape, ...], max_group: int, cap: Capacity, max_len: int) -> list[Shape]:
     """The buckets groups of 1..`max_group` requests of each class produce, as worker.merge admits them.
 
@@ -416,10 +430,9 @@ class Runtime:
         if entry is not None:
             return shape, entry, {"graph": "hit"}
         # A miss never waits for a capture: a captured bucket that holds it gives the same bits; else eager.
-        # The bucket is captured once no request waits (`idle_work`), unless its cover does the same work (the
-        # same rows x length, only more marker slots): then the cover is as good as its own graph.
+        # The bucket is captured once no request waits (`idle_work`), unless its cover is close enough (`settles`).
         cover = smallest_cover(shape, self.cache.keys())
-        if cover is not None and cover.rows * cover.row_len == shape.rows * shape.row_len:
+        if cover is not None and settles(shape, cover):
             self.cache.counters.covered += 1
             return cover, self.cache.use(cover), {"graph": "covered"}
         cacheable = self.cache.defer(shape)
