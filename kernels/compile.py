@@ -91,8 +91,7 @@ def marker(specs: list[Spec], cache_dir: str) -> Path:
 
 
 def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
-    """`procs` compile processes: each imports torch and Triton, then waits for its share on stdin (one whose parent
-    dies reads the end of its stdin and leaves)."""
+    """`procs` compile processes, each waiting for its share on stdin (`_child`)."""
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])      # children inherit the variable and log theirs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -178,16 +177,10 @@ def _child(device: int) -> int:
     """A child: compile the specializations read from stdin; print "compiled N of M"."""
     import torch
     from triton.runtime.driver import driver
-
-    from . import attention, exact, gemm, rows  # noqa: F401 - the imports a share needs, before its share is read
+    torch.cuda.set_device(device)
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])
-    data = sys.stdin.buffer.read()
-    if not data:
-        return 0                     # the parent died before it fed this process
-    todo = pickle.loads(data)
-    if todo:
-        torch.cuda.set_device(device)    # a CUDA context only for a process with work
+    todo = pickle.loads(sys.stdin.buffer.read())
     done = 0
     for module, name, data in todo:
         try:
