@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .launch import launch, settle_keys
+from .launch import dispatch, launch, settle_keys
 
 try:
     import triton
@@ -114,9 +114,10 @@ def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row
     docstring)."""
     rows, (bm, warps, stages) = row_start.shape[0], TILE
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
-    _attention_kernel[grid](qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0),
-                            WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=KEY_BLOCK,
-                            **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=warps, num_stages=stages)
+    args = (qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0))
+    dispatch(_attention_kernel, grid, args,
+             dict(WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=KEY_BLOCK,
+                  **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=warps, num_stages=stages), qkv.device)
     return out
 
 

@@ -33,13 +33,12 @@ Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .exact import gelu_table, needs_table
-from .launch import launch, prefetching, settle_keys, sms
+from .launch import _FORGET, cached, compile_launch, env, launch, prefetching, settle_keys, sms, switches
 
 try:
     import triton
@@ -358,7 +357,7 @@ def k_chunk(k: int) -> int:
     alone, never of M or of the device, so every worker and every batch reduces the same chunks in the same order.
     Two chunks: enough programs at small M (1024 columns in tiles of 16, twice), and the unsplit kernel runs both
     chains in one loop, so large M pays only a second accumulator."""
-    if k < 1024 or os.environ.get("LAYA_K_CHUNKS") != "1":
+    if k < 1024 or env("LAYA_K_CHUNKS") != "1":
         # One chain, the default since 2026-12-04: cuBLAS's order at the M the SDK runs (a few hundred tokens and
         # up), so the residual GEMMs give the SDK's bits (probe_parity's gemm_residual: 5.1e-4 of outputs differed
         # with chunks, 0 without); `fill_tiles` gives small M its programs back. LAYA_K_CHUNKS=1: two chunks.
@@ -373,8 +372,44 @@ def split_tiles(t: Tiles, m: int, n_out: int, chunks: int, sms: int) -> Tiles:
     return t
 
 
+# A GEMM launch made once, by its call's shapes, strides, dtypes, alignments, options and switches (`_plan_key`):
+# the compiled kernel, its grid, its integer arguments, the TMA blocks (None: pointers) and the GELU table, so that a
+# launch of the same kind skips the tile choice and Triton's dispatch (kernels/launch.py `dispatch`: why).
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 2048          # eager mode meets a new M on every request: a bound, then start again
+_FORGET.append(_PLANS.clear)
+
+
+def _aligned(t) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _plan_key(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, split_stride) -> tuple:
+    """Everything `_launch` decides from, and what Triton specializes the launch on."""
+    r = None if rope is None else (rope[3], rope[4], rope[0].dtype, rope[1].dtype, rope[2].dtype, _aligned(rope[0]),
+                                   _aligned(rope[1]), _aligned(rope[2]))
+    b = None if bias is None else (bias.dtype, _aligned(bias))
+    return (a.shape, a.stride(0), a.dtype, _aligned(a), w.shape, w.dtype, _aligned(w), out.shape, out.stride(),
+            out.dtype, _aligned(out), b, r, epi, act, bias_apart, tiles, tma, chunk, split_stride, a.get_device(),
+            switches())
+
+
 def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: Tiles | None, tma: bool | None,
             chunk: int | None, split_stride: int | None) -> None:
+    key = None
+    if cached(a.device):
+        key = _plan_key(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, split_stride)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            compiled, grid, ints, blocks, table = plan
+            a_arg, w_arg = a, w
+            if blocks is not None:
+                a_arg = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], blocks[0])
+                w_arg = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], blocks[1])
+            pos, cos, sin = rope[:3] if rope is not None else (w, w, w)
+            compiled(grid, (a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin,
+                            table if table is not None else w) + ints)
+            return
     m, k = a.shape
     n = w.shape[0]
     assert a.stride(1) == 1 and w.is_contiguous() and out.stride(-1) == 1 and w.shape[1] == k
@@ -415,14 +450,22 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     table = gelu_table(a.device) if gelu else w
     options = launch(a.device, grid[0] * grid[1] * grid[2])
     ahead = prefetching(options) and not tma and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0
-    _gemm_kernel[grid](a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table,
-                       m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks,
-                       split_stride or 0,
-                       EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
-                       HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
-                       GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
-                       PIECES=32 * t.warps, EARLY=early_epilogue(m, epi), **options,
-                       num_warps=t.warps, num_stages=t.stages)
+    args = (a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table)
+    ints = (m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks, split_stride or 0)
+    kwargs = dict(EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
+                  HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
+                  GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
+                  PIECES=32 * t.warps, EARLY=early_epilogue(m, epi), **options,
+                  num_warps=t.warps, num_stages=t.stages)
+    if key is None:
+        _gemm_kernel[grid](*args, *ints, **kwargs)
+        return
+    compiled = compile_launch(_gemm_kernel, grid, args + ints, kwargs)
+    if compiled is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        blocks = ([t.bm, t.bk], [t.bn, t.bk]) if tma else None
+        _PLANS[key] = (compiled, grid, ints, blocks, table if gelu else None)
 
 
 # Device run of 2026-12-04 (fifteenth session, call 2), graph replay with every GEMM's epilogue operands read before
@@ -434,7 +477,7 @@ EARLY_MAX_M = 64
 def early_epilogue(m: int, epi: Epi) -> bool:
     """Whether a GEMM of M rows reads its epilogue's operands before its K loop (LAYA_EARLY_EPI=1: always, 0: never,
     rope: the RoPE tables at every M, whose [BM, BN/2] fp32 pair is half a residual tile's registers)."""
-    forced = os.environ.get("LAYA_EARLY_EPI")
+    forced = env("LAYA_EARLY_EPI")
     if forced in ("0", "1"):
         return forced == "1"
     return m <= EARLY_MAX_M or (forced == "rope" and epi == Epi.ROPE)
@@ -445,7 +488,7 @@ TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a
 
 def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:
     """The copy engine for the operands when M is large and the operands meet its 16-byte rules."""
-    if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or os.environ.get("LAYA_TMA") == "0":
+    if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or env("LAYA_TMA") == "0":
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
 

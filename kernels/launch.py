@@ -14,6 +14,14 @@ from HBM overlaps the kernels before it instead of starting when they end. A hin
 Tried and dropped (device run of 2026-12-04, twelfth session): letting the successor launch before a kernel's own
 wait, so a chain of waiting kernels and their prefetches runs ahead: 1x48 1.151 ms against 0.966 (the waiting
 blocks and their prefetches crowd the kernel that computes), no gain at larger shapes.
+
+Launching without Triton's dispatch (`dispatch`): Triton's `kernel[grid](...)` binds every argument, builds a cache
+key as a string and checks the kernel's globals on every call, about 42 us of host time a launch on the H200's host
+against 14 us for the compiled kernel called directly (docs/PERF.md, eleventh session). Eager mode is 217 launches a
+forward, so that host time is eager mode's time. `dispatch` keeps each compiled kernel under a key made of what
+Triton specializes on (each tensor's dtype and 16-byte alignment, each integer's value class, the constexprs and the
+launch options) and calls it directly after the first launch of its kind; a graph capture records the same launch
+either way. `LAYA_LAUNCH_CACHE=0` turns it off (every launch through Triton's dispatch, as before).
 """
 from __future__ import annotations
 
@@ -26,6 +34,38 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
+
+
+# CPython's bytes dict behind os.environ (POSIX): `os.environ.get` encodes and decodes on every call (0.7 us here,
+# several a launch); `env` reads the same variables without that. Elsewhere, os.environ itself.
+_RAW = getattr(os.environ, "_data", None)
+_NAMES: dict[str, bytes] = {}
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """os.environ.get(name, default), cheaply (asked on every launch; probes and tests change these between calls)."""
+    if not isinstance(_RAW, dict):
+        return os.environ.get(name, default)
+    raw = _NAMES.get(name)
+    if raw is None:
+        raw = _NAMES[name] = os.fsencode(name)
+    value = _RAW.get(raw)
+    return default if value is None else os.fsdecode(value)
+
+
+# Every variable that changes how a kernel of ours is launched: part of every cached launch's key (`switches`).
+SWITCHES = ("LAYA_PDL", "LAYA_PDL_WAVES", "LAYA_PREFETCH", "LAYA_TMA", "LAYA_EARLY_EPI", "LAYA_K_CHUNKS",
+            "LAYA_GELU_TABLE", "LAYA_LAUNCH_CACHE")
+
+
+_SWITCH_KEYS = tuple(os.fsencode(name) for name in SWITCHES)
+
+
+def switches() -> tuple:
+    """The SWITCHES' values as set now, undecoded (a key's part, read on every cached launch)."""
+    if isinstance(_RAW, dict):
+        return tuple(map(_RAW.get, _SWITCH_KEYS))
+    return tuple(map(os.environ.get, SWITCHES))
 
 
 def settle_keys(namespace: dict) -> None:
@@ -46,7 +86,7 @@ def settle_keys(namespace: dict) -> None:
 
 def gdc(device: torch.device) -> bool:
     """Whether kernels on `device` wait for their predecessors in-kernel (so may be launched with PDL)."""
-    if device.type != "cuda" or os.environ.get("LAYA_PDL", "1") == "0":
+    if device.type != "cuda" or env("LAYA_PDL", "1") == "0":
         return False
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _HOPPER:          # asked on every launch: read the device once
@@ -71,7 +111,7 @@ def launch(device: torch.device, programs: int) -> dict:
     32x48 3.530 ms against 3.608, 4x256 2.501 against 2.602, 1x48 and 16x512 unchanged, the same bits.
     LAYA_PDL_WAVES=one: only single-wave grids early (as before)."""
     wait = gdc(device)
-    if wait and programs > sms(device) and os.environ.get("LAYA_PDL_WAVES", "all") == "all":
+    if wait and programs > sms(device) and env("LAYA_PDL_WAVES", "all") == "all":
         return {"USE_GDC": LATE, "launch_pdl": True}
     return {"USE_GDC": wait, "launch_pdl": wait and programs <= sms(device)}
 
@@ -79,7 +119,7 @@ def launch(device: torch.device, programs: int) -> dict:
 def prefetching(options: dict) -> bool:
     """Whether a GEMM launched with `options` (from `launch`) should prefetch its weights while it waits: only
     when it is launched early (single-wave), so that there is a predecessor to overlap."""
-    return options["launch_pdl"] and options["USE_GDC"] is True and os.environ.get("LAYA_PREFETCH", "1") != "0"
+    return options["launch_pdl"] and options["USE_GDC"] is True and env("LAYA_PREFETCH", "1") != "0"
 
 
 _SMS: dict[int, int] = {}
@@ -92,6 +132,108 @@ def sms(device: torch.device) -> int:
     if i not in _SMS:
         _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SMS[i]
+
+
+class Compiled:
+    """A kernel Triton compiled, launched without its dispatch: its launcher and function, and the values of the
+    parameters after the positional arguments of the launch it came from (constexprs and defaults: fixed by the key
+    it is kept under)."""
+    __slots__ = ("run", "function", "packed", "tail")
+
+    def __init__(self, kernel, compiled, positional: int, kwargs: dict):
+        self.run = compiled.run          # (loads the module on first use: it was launched once already)
+        self.function = compiled.function
+        self.packed = compiled.packed_metadata
+        self.tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[positional:])
+
+    def __call__(self, grid: tuple, args: tuple) -> None:
+        """Launch on the current stream of the current device, as Triton's dispatch would (no launch hooks: `cached`
+        is False while any is set)."""
+        g = (*grid, 1, 1)
+        self.run(g[0], g[1], g[2], _stream(_device()), self.function, self.packed, None, None, None, *args, *self.tail)
+
+
+_ENTRIES: dict[tuple, Compiled | None] = {}
+_MAX_ENTRIES = 4096       # a bound on a process's cache (keys hold value classes, not values: a few per kernel kind)
+_device = _stream = None
+
+
+def cached(device: torch.device) -> bool:
+    """Whether launches on `device` go through `dispatch`'s cache (CUDA, Triton compiled rather than interpreted, no
+    launch hooks such as a Triton profiler's, LAYA_LAUNCH_CACHE not 0)."""
+    global _device, _stream
+    if triton is None or device.type != "cuda" or env("LAYA_LAUNCH_CACHE", "1") == "0" or _INTERPRETED:
+        return False
+    hooks = triton.knobs.runtime
+    if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+        return False
+    if _stream is None:
+        from triton.runtime.driver import driver
+        # Triton's own: torch's current device (after CUDA's start, which a launch made already, its C call alone)
+        # and current raw stream.
+        _device = getattr(torch._C, "_cuda_getDevice", driver.active.get_current_device)
+        _stream = driver.active.get_current_stream
+    return True
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"     # read once, as Triton reads it for its jit decorator
+
+
+def _spec(args: tuple) -> tuple | None:
+    """What Triton specializes a launch's positional arguments on, or finer: a tensor's dtype and 16-byte alignment,
+    an integer's class (equal to 1, divisible by 16, its width), a float's or a bool's type. None for anything else
+    (a tensor descriptor): such a launch takes Triton's own dispatch."""
+    out = []
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            out.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31, -2**63 <= a < 2**63))
+        elif kind is float or kind is bool or a is None:
+            out.append(kind)
+        elif isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            return None
+    return tuple(out)
+
+
+def compile_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> Compiled | None:
+    """kernel[grid](*args, **kwargs) through Triton's dispatch (compiling it if need be), and the compiled kernel to
+    launch the same kind again directly (None where Triton returned none)."""
+    compiled = kernel[grid](*args, **kwargs)
+    if compiled is None or not hasattr(compiled, "packed_metadata"):
+        return None
+    return Compiled(kernel, compiled, len(args), kwargs)
+
+
+def dispatch(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.device) -> None:
+    """kernel[grid](*args, **kwargs) (every argument Triton specializes on positional, constexprs and launch options in
+    kwargs), without Triton's dispatch once a launch of its kind was made (module docstring)."""
+    if not cached(device):
+        kernel[grid](*args, **kwargs)
+        return
+    spec = _spec(args)
+    if spec is None:
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, _device(), spec, tuple(kwargs.items()))
+    entry = _ENTRIES.get(key)
+    if entry is not None:
+        entry(grid, args)
+        return
+    if len(_ENTRIES) >= _MAX_ENTRIES:
+        _ENTRIES.clear()
+    _ENTRIES[key] = compile_launch(kernel, grid, args, kwargs)
+
+
+def forget() -> None:
+    """Drop every cached launch (a probe that patches a kernel module's Python between launches calls this)."""
+    _ENTRIES.clear()
+    for hook in _FORGET:
+        hook()
+
+
+_FORGET: list = []        # other caches of launches (kernels/gemm.py's plans) register their own clearing here
 
 
 if triton is not None:

@@ -30,7 +30,7 @@ there) and the tree spelled out with splits (exact, 3.6x slower than torch).
 """
 from __future__ import annotations
 
-from .launch import launch, settle_keys
+from .launch import dispatch, launch, settle_keys
 
 try:
     import triton
@@ -269,8 +269,8 @@ def width(n: int) -> int:
 def embed(ids, row_start, row_len, emb, w, h, x, pos, row, pad_id: int, eps: float) -> None:
     t, n = h.shape
     rows = row_start.shape[0]
-    _embed_kernel[(t,)](ids, row_start, row_len, emb, w, h, x, pos, row, rows, ids.shape[0], pad_id, eps,
-                        N=n, S=width(n), RB=_block(max(rows, 2)), **launch(h.device, t), num_warps=4)
+    dispatch(_embed_kernel, (t,), (ids, row_start, row_len, emb, w, h, x, pos, row, rows, ids.shape[0], pad_id, eps),
+             dict(N=n, S=width(n), RB=_block(max(rows, 2)), **launch(h.device, t), num_warps=4), h.device)
 
 
 def _pending_args(pending, h) -> tuple[tuple, dict]:
@@ -287,35 +287,37 @@ def layer_norm(h, w, b, x, eps: float, pending=None) -> None:
     """x <- bf16 LN(h); first h += the split GEMM `pending` left, if any."""
     t, n = h.shape
     args, flags = _pending_args(pending, h)
-    _layer_norm_kernel[(t,)](h, w, b if b is not None else w, x, eps, *args, N=n, S=width(n), HAS_BIAS=b is not None,
-                             **flags, **launch(h.device, t), num_warps=4)
+    dispatch(_layer_norm_kernel, (t,), (h, w, b if b is not None else w, x, eps, *args),
+             dict(N=n, S=width(n), HAS_BIAS=b is not None, **flags, **launch(h.device, t), num_warps=4), h.device)
 
 
 def head_entry(h, row, qtype, final_w, type_emb, w1, b1, x, eps: float, eps1: float, pending=None) -> None:
     t, n = h.shape
     args, flags = _pending_args(pending, h)
-    _head_entry_kernel[(t,)](h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, *args, N=n, S=width(n),
-                             **flags, **launch(h.device, t), num_warps=4)
+    dispatch(_head_entry_kernel, (t,), (h, row, qtype, final_w, type_emb, w1, b1, x, eps, eps1, *args),
+             dict(N=n, S=width(n), **flags, **launch(h.device, t), num_warps=4), h.device)
 
 
 def gather_norm(h, row_start, markers, w, b, x, max_row_len: int, eps: float) -> None:
     rows, k = markers.shape
     n = h.shape[1]
-    _gather_norm_kernel[(rows * k,)](h, row_start, markers, w, b, x, k, max_row_len, h.shape[0], eps, N=n, S=width(n),
-                                     **launch(h.device, rows * k), num_warps=4)
+    dispatch(_gather_norm_kernel, (rows * k,), (h, row_start, markers, w, b, x, k, max_row_len, h.shape[0], eps),
+             dict(N=n, S=width(n), **launch(h.device, rows * k), num_warps=4), h.device)
 
 
 def features(score, markers, h, row_start, logits, act_in, absent: float, wide: int) -> None:
     rows, k = markers.shape
     n = h.shape[1]
     blk = _block(n)
-    _features_kernel[(rows,)](score, markers, h, row_start, logits, act_in, k, h.shape[0], absent, act_in.stride(0),
-                              N=n, BLOCK=blk, WIDE=_block(wide), **launch(h.device, rows), num_warps=_warps(blk))
+    dispatch(_features_kernel, (rows,),
+             (score, markers, h, row_start, logits, act_in, k, h.shape[0], absent, act_in.stride(0)),
+             dict(N=n, BLOCK=blk, WIDE=_block(wide), **launch(h.device, rows), num_warps=_warps(blk)), h.device)
 
 
 def softmax_rows(x, y) -> None:
     rows, c = x.shape
-    _softmax_kernel[(rows,)](x, y, c, BLOCK=_block(max(c, 2)), **launch(x.device, rows), num_warps=1)
+    dispatch(_softmax_kernel, (rows,), (x, y, c), dict(BLOCK=_block(max(c, 2)), **launch(x.device, rows), num_warps=1),
+             x.device)
 
 
 # Every Triton function's cache key now, in definition order (launch.settle_keys says why).

@@ -33,6 +33,7 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from laya_pool.kernels import rows as rk  # noqa: E402
 from laya_pool.kernels.gemm import Act, Epi, Tiles, gemm, k_chunk, pick_tiles, residual  # noqa: E402
+from laya_pool.kernels.launch import forget  # noqa: E402
 
 ALT = [Tiles(64, 16, 64, 4, 4), Tiles(64, 32, 128, 4, 4), Tiles(64, 64, 64, 4, 3), Tiles(64, 128, 64, 4, 3),
        Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3), Tiles(128, 128, 128, 8, 2), Tiles(128, 256, 64, 8, 3)]
@@ -439,6 +440,7 @@ def step_model(model_dir, report):
                 desc, mod, attr, value = patches[label]
                 old_value = getattr(mod, attr)
                 setattr(mod, attr, value)
+                forget()           # cached launches hold the tile choice made before the patch
                 try:
                     lv, av = fast(**inp)
                     variants[desc] = (graph_time(lambda inp=inp: fast(**inp), reps=1, samples=30),
@@ -446,6 +448,7 @@ def step_model(model_dir, report):
                                       float((torch.softmax(lv, -1) - pr).abs().max()))
                 finally:
                     setattr(mod, attr, old_value)
+                    forget()
                 continue
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:
                 continue
