@@ -138,19 +138,27 @@ class Compiled:
     """A kernel Triton compiled, launched without its dispatch: its launcher and function, and the values of the
     parameters after the positional arguments of the launch it came from (constexprs and defaults: fixed by the key
     it is kept under)."""
-    __slots__ = ("run", "function", "packed", "tail")
+    __slots__ = ("run", "function", "head", "tail")
 
     def __init__(self, kernel, compiled, positional: int, kwargs: dict):
-        self.run = compiled.run          # (loads the module on first use: it was launched once already)
+        run = compiled.run               # (loads the module on first use: it was launched once already)
         self.function = compiled.function
-        self.packed = compiled.packed_metadata
         self.tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[positional:])
+        # Triton 3.6's launcher object only adds scratch buffers (which our kernels never ask for) around its C
+        # launch function: call that directly when there are none (2-3 us a launch less), else the object.
+        if getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0:
+            self.run = run.launch
+            self.head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None,
+                         None, None)
+        else:
+            self.run = run
+            self.head = (compiled.packed_metadata, None, None, None)
 
     def __call__(self, grid: tuple, args: tuple) -> None:
         """Launch on the current stream of the current device, as Triton's dispatch would (no launch hooks: `cached`
         is False while any is set)."""
         g = (*grid, 1, 1)
-        self.run(g[0], g[1], g[2], _stream(_device()), self.function, self.packed, None, None, None, *args, *self.tail)
+        self.run(g[0], g[1], g[2], _stream(_device()), self.function, *self.head, *args, *self.tail)
 
 
 _ENTRIES: dict[tuple, Compiled | None] = {}
