@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .launch import settle_keys
+from .launch import env, forget, settle_keys
 
 try:
     import triton
@@ -96,7 +96,7 @@ _DIFFER: dict[torch.device, int] = {}         # per device, by `prepare`: bf16 i
 
 def needs_table(device: torch.device) -> bool:
     """Whether GELUs on `device` take the table (decided by `prepare`; forced by LAYA_GELU_TABLE=1)."""
-    return os.environ.get("LAYA_GELU_TABLE") == "1" or _DIFFER.get(torch.device(device), 0) > 0
+    return env("LAYA_GELU_TABLE") == "1" or _DIFFER.get(torch.device(device), 0) > 0
 
 
 def prepare(device: torch.device) -> dict:
@@ -115,6 +115,7 @@ def prepare(device: torch.device) -> dict:
     gelu_table(device)
     if device not in _DIFFER:
         _DIFFER[device] = gelu_differs(device, table=False)
+        forget()      # a GEMM plan made before this decision holds the other GELU (kernels/gemm.py `_plan_key`)
     found["gelu_differ"] = _DIFFER[device]
     found["gelu_table"] = needs_table(device)
     return found

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from .exact import gelu_table, needs_table
-from .launch import _FORGET, cached, compile_launch, env, launch, prefetching, settle_keys, sms, switches
+from .launch import cached, compile_launch, current_device, env, launch, on_forget, prefetching, settle_keys, sms
+from .launch import switches as launch_switches
 
 try:
     import triton
@@ -377,7 +378,7 @@ def split_tiles(t: Tiles, m: int, n_out: int, chunks: int, sms: int) -> Tiles:
 # launch of the same kind skips the tile choice and Triton's dispatch (kernels/launch.py `dispatch`: why).
 _PLANS: dict[tuple, tuple] = {}
 _MAX_PLANS = 2048          # eager mode meets a new M on every request: a bound, then start again
-_FORGET.append(_PLANS.clear)
+on_forget(_PLANS.clear)
 
 
 def _aligned(t) -> bool:
@@ -385,13 +386,17 @@ def _aligned(t) -> bool:
 
 
 def _plan_key(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, split_stride) -> tuple:
-    """Everything `_launch` decides from, and what Triton specializes the launch on."""
+    """What `_launch` decides from through its arguments and the environment (shapes, strides, dtypes, 16-byte
+    alignments, options, the LAYA_* switches, the current device), which covers what Triton specializes the launch
+    on. Not in it: this module's functions and constants (pick_tiles, fill_tiles, TMA_MIN_M, ...) and the GELU
+    decision of `exact.prepare`: whoever changes those between launches calls `launch.forget()`. A hit skips
+    `_launch`'s checks of its arguments: the strides it checks are in the key, so a hit has passed them once."""
     r = None if rope is None else (rope[3], rope[4], rope[0].dtype, rope[1].dtype, rope[2].dtype, _aligned(rope[0]),
                                    _aligned(rope[1]), _aligned(rope[2]))
     b = None if bias is None else (bias.dtype, _aligned(bias))
-    return (a.shape, a.stride(0), a.dtype, _aligned(a), w.shape, w.dtype, _aligned(w), out.shape, out.stride(),
-            out.dtype, _aligned(out), b, r, epi, act, bias_apart, tiles, tma, chunk, split_stride, a.get_device(),
-            switches())
+    return (a.shape, a.stride(), a.dtype, _aligned(a), w.shape, w.stride(), w.dtype, _aligned(w), out.shape,
+            out.stride(), out.dtype, _aligned(out), b, r, epi, act, bias_apart, tiles, tma, chunk, split_stride,
+            current_device(), launch_switches())
 
 
 def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: Tiles | None, tma: bool | None,

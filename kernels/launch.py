@@ -37,8 +37,8 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
 
 
 # CPython's bytes dict behind os.environ (POSIX): `os.environ.get` encodes and decodes on every call (0.7 us here,
-# several a launch); `env` reads the same variables without that. Elsewhere, os.environ itself.
-_RAW = getattr(os.environ, "_data", None)
+# several a launch); `env` reads the same variables without that. Elsewhere (Windows: str keys), os.environ itself.
+_RAW = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _NAMES: dict[str, bytes] = {}
 
 
@@ -55,7 +55,7 @@ def env(name: str, default: str | None = None) -> str | None:
 
 # Every variable that changes how a kernel of ours is launched: part of every cached launch's key (`switches`).
 SWITCHES = ("LAYA_PDL", "LAYA_PDL_WAVES", "LAYA_PREFETCH", "LAYA_TMA", "LAYA_EARLY_EPI", "LAYA_K_CHUNKS",
-            "LAYA_GELU_TABLE", "LAYA_LAUNCH_CACHE")
+            "LAYA_GELU_TABLE")
 
 
 _SWITCH_KEYS = tuple(os.fsencode(name) for name in SWITCHES)
@@ -169,19 +169,33 @@ _device = _stream = None
 def cached(device: torch.device) -> bool:
     """Whether launches on `device` go through `dispatch`'s cache (CUDA, Triton compiled rather than interpreted, no
     launch hooks such as a Triton profiler's, LAYA_LAUNCH_CACHE not 0)."""
-    global _device, _stream
     if triton is None or device.type != "cuda" or env("LAYA_LAUNCH_CACHE", "1") == "0" or _INTERPRETED:
         return False
     hooks = triton.knobs.runtime
-    if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+    if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
         return False
     if _stream is None:
-        from triton.runtime.driver import driver
-        # Triton's own: torch's current device (after CUDA's start, which a launch made already, its C call alone)
-        # and current raw stream.
-        _device = getattr(torch._C, "_cuda_getDevice", driver.active.get_current_device)
-        _stream = driver.active.get_current_stream
+        _bind()
     return True
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: Triton 3.6 keeps a chain of them, and takes a plain function too."""
+    return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+
+
+def _bind() -> None:
+    """Where a cached launch goes, as Triton's dispatch decides it: torch's current device (after CUDA's start, which
+    a first launch has made, its C call alone) and that device's current raw stream."""
+    global _device, _stream
+    from triton.runtime.driver import driver
+    _device = getattr(torch._C, "_cuda_getDevice", driver.active.get_current_device)
+    _stream = driver.active.get_current_stream
+
+
+def current_device() -> int:
+    """The current CUDA device's index, as a cached launch's key holds it (call after `cached` said True)."""
+    return _device()
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"     # read once, as Triton reads it for its jit decorator
@@ -211,6 +225,8 @@ def compile_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> Compiled |
     compiled = kernel[grid](*args, **kwargs)
     if compiled is None or not hasattr(compiled, "packed_metadata"):
         return None
+    if _stream is None:
+        _bind()
     return Compiled(kernel, compiled, len(args), kwargs)
 
 
@@ -224,7 +240,10 @@ def dispatch(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.devic
     if spec is None:
         kernel[grid](*args, **kwargs)
         return
-    key = (kernel, _device(), spec, tuple(kwargs.items()))
+    # constexprs by value and type (Triton tells True from 1); what Triton also reads on each of its launches and
+    # this key does not (TRITON_DEBUG, instrumentation, pre-run hooks, a kernel's globals changed since it compiled)
+    # is fixed for a process of ours, or LAYA_LAUNCH_CACHE=0.
+    key = (kernel, _device(), spec, tuple(kwargs.items()), tuple(map(type, kwargs.values())))
     entry = _ENTRIES.get(key)
     if entry is not None:
         entry(grid, args)
@@ -235,13 +254,20 @@ def dispatch(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.devic
 
 
 def forget() -> None:
-    """Drop every cached launch (a probe that patches a kernel module's Python between launches calls this)."""
+    """Drop every cached launch: whoever changes what a wrapper decides from without changing its arguments (a
+    probe patching a kernel module's functions or constants between launches; `exact.prepare` deciding the GELU)
+    calls this."""
     _ENTRIES.clear()
     for hook in _FORGET:
         hook()
 
 
-_FORGET: list = []        # other caches of launches (kernels/gemm.py's plans) register their own clearing here
+_FORGET: list = []
+
+
+def on_forget(hook) -> None:
+    """Register another cache of launches (kernels/gemm.py's plans) for `forget` to clear."""
+    _FORGET.append(hook)
 
 
 if triton is not None:

@@ -6,12 +6,11 @@ cache could take back (issue 11: eager within 3x of graph-cached).
     python3 scripts/probe_launch.py [--m 48] [--calls 2000]
 
 One QKV-shaped GEMM (N 3,072, K 1,024, bf16, M rows) launched `--calls` times back to back, host clock around the
-loop and a synchronize after it, per launch in us: `gemm()` (tile choice, arguments, Triton's dispatch),
-`_gemm_kernel[grid](...)` (Triton's dispatch: binding, specialization key, cache lookup, launch), and the
-`CompiledKernel` that dispatch returned, called with the same arguments (`compiled[grid](*args)`: the launcher
-alone). The compiled call's output is checked bit for bit against the dispatched one: a launch cache is only worth
-having if it can be exact, and it is only safe keyed on what Triton specializes on (pointer alignment, integers
-equal to 1 or divisible by 16), which this probe keeps fixed.
+loop and a synchronize after it, per launch in us: `gemm()` (since the sixteenth session its plan: a key, then the
+compiled kernel called directly; kernels/launch.py), `_gemm_kernel[grid](...)` (Triton's dispatch: binding,
+specialization key, cache lookup, launch), the `CompiledKernel` that dispatch returned, called through its own runner
+(`compiled[grid](*args)`), and `launch.Compiled` (Triton's C launcher alone, as the cache calls it). The compiled
+call's output is checked bit for bit against the dispatched one.
 """
 from __future__ import annotations
 

@@ -39,3 +39,13 @@ def test_the_key_separates_what_triton_specializes_on():
 
 def test_nothing_is_cached_off_the_gpu():
     assert not launch.cached(torch.device("cpu"))
+
+
+def test_a_launch_hook_of_any_form_turns_the_cache_off():
+    """Triton 3.6 keeps its launch hooks as a chain, and takes a plain function (scripts/debug_order.py sets one) or
+    None in its place: each is read without an error, and any hook set means Triton's own dispatch (which calls it)."""
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+    assert not launch._hooked(Chain([])) and launch._hooked(Chain([print]))
+    assert launch._hooked(print) and not launch._hooked(None)
