@@ -53,7 +53,8 @@ def env(name: str, default: str | None = None) -> str | None:
     return default if value is None else os.fsdecode(value)
 
 
-# Every variable that changes how a kernel of ours is launched: part of every cached launch's key (`switches`).
+# Every variable that changes how a GEMM of ours is launched beyond its arguments: part of each GEMM plan's key
+# (`switches`; `dispatch`'s key needs none: what they change reaches it as constexprs and launch options).
 SWITCHES = ("LAYA_PDL", "LAYA_PDL_WAVES", "LAYA_PREFETCH", "LAYA_TMA", "LAYA_EARLY_EPI", "LAYA_K_CHUNKS",
             "LAYA_GELU_TABLE")
 

@@ -71,11 +71,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
 import laya_pool.kernels.gemm as gm  # noqa: E402
 from laya_pool.kernels.gemm import Epi, Tiles, early_epilogue, fill_tiles, gemm, pick_tiles, residual  # noqa: E402
 from laya_pool.kernels.launch import launch, prefetch, prefetching, wait_turn  # noqa: E402
+from probe_fast import graph_time  # noqa: E402
+from probe_wsgemm import jit_compiled  # noqa: E402
 
 
 @triton.jit
@@ -308,14 +311,6 @@ def describe(compiled) -> str:
         return f"(no description: {type(e).__name__})"
 
 
-def jit_compiled(fn) -> list:
-    """Every kernel Triton's JIT compiled for `fn` in this process."""
-    out = []
-    for cache in getattr(fn, "device_caches", {}).values():
-        out.extend(v for v in cache[0].values() if v is not None)
-    return out
-
-
 def interpret_check(variants: list[tuple]) -> None:
     """Triton's CPU interpreter, fp16 (it cannot multiply bf16), no PDL (its inline assembly is not interpreted:
     `launch` gives a CPU tensor no wait and no prefetch): each PRELOAD against ours under the same interpreter, at
@@ -347,30 +342,8 @@ def interpret_check(variants: list[tuple]) -> None:
 
 
 def graph_us(fn, calls: int = 20, samples: int = 30) -> float:
-    """p50 us per call of `fn`: a CUDA graph of `calls` back-to-back calls, timed with events `samples` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000.0 / calls)
-    return statistics.median(times)
+    """p50 us per call of `fn`: a CUDA graph of `calls` back-to-back calls, timed `samples` times (probe_fast's)."""
+    return graph_time(fn, reps=calls, samples=samples)[0] * 1000.0
 
 
 def percentile(xs: list[float], q: float) -> float:
