@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .exact import gelu_table, needs_table
-from .launch import cached, compile_launch, current_device, env, launch, on_forget, prefetching, settle_keys, sms
+from .launch import cached, compile_launch, current_device, env, keep, launch, on_forget, prefetching, settle_keys, sms
 from .launch import switches as launch_switches
 
 try:
@@ -407,13 +407,7 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         plan = _PLANS.get(key)
         if plan is not None:
             compiled, grid, ints, blocks, table = plan
-            a_arg, w_arg = a, w
-            if blocks is not None:
-                a_arg = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], blocks[0])
-                w_arg = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], blocks[1])
-            pos, cos, sin = rope[:3] if rope is not None else (w, w, w)
-            compiled(grid, (a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin,
-                            table if table is not None else w) + ints)
+            compiled(grid, _pointers(a, w, out, bias, rope, blocks, table) + ints)
             return
     m, k = a.shape
     n = w.shape[0]
@@ -427,12 +421,11 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     split = split_stride is not None
     t = tiles or pick_tiles(m, n_out, k, epi, sms(a.device))
     half, partner, rope_heads = 1, 0, 0
-    pos = cos = sin = w
     if epi == Epi.GEGLU:
         partner = n_out
         programs_n = triton.cdiv(n_out, t.bn)
     elif epi == Epi.ROPE:
-        pos, cos, sin, d, rope_heads = rope
+        d, rope_heads = rope[3:]
         half = d // 2
         assert n % d == 0 and t.bn % 2 == 0, (d, t)
         programs_n = triton.cdiv(n, t.bn)
@@ -446,16 +439,13 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     grid = (triton.cdiv(m, t.bm), programs_n, chunks if split else 1)
     if tma is None:
         tma = use_tma(m, a, w)
-    a_arg, w_arg = a, w
-    if tma:
-        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [t.bm, t.bk])
-        w_arg = TensorDescriptor(w, [n, k], [w.stride(0), 1], [t.bn, t.bk])
+    blocks = ([t.bm, t.bk], [t.bn, t.bk]) if tma else None
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
     gelu = epi == Epi.GEGLU or act == Act.GELU
-    table = gelu_table(a.device) if gelu else w
+    table = gelu_table(a.device) if gelu else None
     options = launch(a.device, grid[0] * grid[1] * grid[2])
     ahead = prefetching(options) and not tma and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0
-    args = (a_arg, w_arg, bias if bias is not None else w, out, pos, cos, sin, table)
+    args = _pointers(a, w, out, bias, rope, blocks, table)
     ints = (m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks, split_stride or 0)
     kwargs = dict(EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                   HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
@@ -467,10 +457,19 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         return
     compiled = compile_launch(_gemm_kernel, grid, args + ints, kwargs)
     if compiled is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        blocks = ([t.bm, t.bk], [t.bn, t.bk]) if tma else None
-        _PLANS[key] = (compiled, grid, ints, blocks, table if gelu else None)
+        keep(_PLANS, key, (compiled, grid, ints, blocks, table), _MAX_PLANS)
+
+
+def _pointers(a, w, out, bias, rope, blocks, table) -> tuple:
+    """`_gemm_kernel`'s eight tensor arguments: a and w as themselves or (`blocks`: their TMA blocks) as tensor
+    descriptors; w itself where an operand is absent (never read: its flag is off)."""
+    if blocks is not None:
+        a = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], blocks[0])
+        w_arg = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], blocks[1])
+    else:
+        w_arg = w
+    pos, cos, sin = rope[:3] if rope is not None else (w, w, w)
+    return (a, w_arg, bias if bias is not None else w, out, pos, cos, sin, table if table is not None else w)
 
 
 # Device run of 2026-12-04 (fifteenth session, call 2), graph replay with every GEMM's epilogue operands read before

@@ -162,7 +162,7 @@ class Compiled:
         self.run(g[0], g[1], g[2], _stream(_device()), self.function, *self.head, *args, *self.tail)
 
 
-_ENTRIES: dict[tuple, Compiled | None] = {}
+_ENTRIES: dict[tuple, Compiled] = {}
 _MAX_ENTRIES = 4096       # a bound on a process's cache (keys hold value classes, not values: a few per kernel kind)
 _device = _stream = None
 
@@ -249,9 +249,17 @@ def dispatch(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.devic
     if entry is not None:
         entry(grid, args)
         return
-    if len(_ENTRIES) >= _MAX_ENTRIES:
-        _ENTRIES.clear()
-    _ENTRIES[key] = compile_launch(kernel, grid, args, kwargs)
+    compiled = compile_launch(kernel, grid, args, kwargs)
+    if compiled is not None:        # None: Triton launched nothing (a recording run, kernels/compile.py): ask again
+        keep(_ENTRIES, key, compiled, _MAX_ENTRIES)
+
+
+def keep(cache: dict, key, value, limit: int) -> None:
+    """cache[key] = value, the cache emptied first when it holds `limit` entries: a bound on a process's launches,
+    which eager mode (a new M every request) would otherwise grow without end; they are made again on first use."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
 
 
 def forget() -> None:
