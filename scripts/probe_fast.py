@@ -390,8 +390,20 @@ def _small_m_patches():
             t = base(m, n_out, k, epi, sms)
             return Tiles(**{**t.__dict__, **change}) if m <= 64 else t
         return pick
+    def mid(plain: Tiles, paired: Tiles):
+        # 512 < M <= 2,048 (a merged group of 32x48 is 1,536): tiles whose count fills whole waves better than 128x128
+        # (QKV: 288 tiles on 132 SMs, 2.2 waves); residual GEMMs then pass through fill_tiles as always
+        def pick(m, n_out, k, epi, sms=132):
+            if 512 < m <= 2048:
+                return paired if epi == Epi.GEGLU else plain
+            return base(m, n_out, k, epi, sms)
+        return pick
     from laya_pool.kernels import attention as at
-    return {"w8": ("8 warps at M <= 64", g, "pick_tiles", tiles(warps=8)),
+    return {"mid64": ("64x128 tiles, 4 warps (GeGLU 64x64), at 512 < M <= 2,048", g, "pick_tiles",
+                      mid(Tiles(64, 128, 64, 4, 4), Tiles(64, 64, 64, 4, 4))),
+            "mid256": ("128x256 tiles, 8 warps (GeGLU as now), at 512 < M <= 2,048", g, "pick_tiles",
+                       mid(Tiles(128, 256, 64, 8, 3), Tiles(128, 64, 64, 8, 3))),
+            "w8": ("8 warps at M <= 64", g, "pick_tiles", tiles(warps=8)),
             "st6": ("6 stages at M <= 64", g, "pick_tiles", tiles(stages=6)),
             "tma48": ("TMA at every M", g, "TMA_MIN_M", 0),
             # attention tiles (kernels/attention.py TILE: queries per program, warps, stages)
