@@ -58,7 +58,7 @@ if triton is not None:
                           USE_GDC: tl.constexpr):
         r, qb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         # The rows' bounds are inputs no kernel writes: read while the kernels before finish, not after them (device
-        # run of 2026-12-04, seventeenth session: 115 -> 105 us of attention a 1x48 replay, 277 -> 264 at 32x48).
+        # run of 2026-12-04, seventeenth session, call 4: attention 116 -> 105 us a 1x48 replay, 277 -> 265 at 32x48).
         n = tl.load(len_ptr + r)
         start = tl.load(start_ptr + r).to(tl.int64)
         wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory

@@ -4,7 +4,8 @@ Programmatic dependent launch (PDL, Hopper and later): each kernel is launched w
 still finishing, and waits (`griddepcontrol.wait`) before it touches memory, so the launch latency and the
 block scheduling of ~200 small kernels overlap the kernels before them. Every kernel of the fast path waits
 before it reads or writes any activation, so no kernel sees anything before all earlier kernels have finished: the
-result is the same bits with or without it. `LAYA_PDL=0` turns it off (for measuring the difference).
+result is the same bits with or without it. Only what no kernel writes (weights, the rows' bounds) is read before
+the wait. `LAYA_PDL=0` turns it off (for measuring the difference).
 
 While it waits, a GEMM asks L2 for its own slice of the weights (`prefetch`): weights never depend on an earlier
 kernel, so at small M, where a forward is the weights streaming through one GEMM after another, each GEMM's read

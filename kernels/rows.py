@@ -186,8 +186,8 @@ if triton is not None:
         cols, ok = _row(N, S)
         if USE_GDC == 1:
             # Launched early (one wave, kernels/launch.py): the weights, which no kernel writes, load during the
-            # wait instead of after the row's statistics. Device run of 2026-12-04 (seventeenth session): 103 ->
-            # 72 us of LayerNorm a 1x48 replay; in a multi-wave grid (launched late) the same order cost 14% more.
+            # wait instead of after the row's statistics. Device run of 2026-12-04 (seventeenth session, call 4): 101
+            # -> 72 us of LayerNorm a 1x48 replay; in a multi-wave grid the same order cost 14% more (call 2).
             w, b = _affine(w_ptr, b_ptr, cols, ok, HAS_BIAS)
         wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         t = tl.program_id(0).to(tl.int64)

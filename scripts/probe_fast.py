@@ -380,8 +380,9 @@ def _family(name: str) -> str:
 
 
 def _small_m_patches():
-    """Tile rules at M <= 64 the model step can try in a whole forward (PROBE_MODEL_VARIANTS w8, st6, tma48): two
-    warpgroups, six stages, the copy engine. Tiles and TMA never change the bits; the step checks it anyway."""
+    """Tile and launch rules the model step can try in a whole forward (PROBE_MODEL_VARIANTS): at M <= 64 two
+    warpgroups (w8), six stages (st6), the copy engine at every M (tma48); at 512 < M <= 2,048 other tile counts (mid64,
+    mid256); attention tiles (att*). Tiles and TMA never change the bits; the step checks it anyway."""
     from laya_pool.kernels import gemm as g
     base = g.pick_tiles
 
@@ -390,14 +391,18 @@ def _small_m_patches():
             t = base(m, n_out, k, epi, sms)
             return Tiles(**{**t.__dict__, **change}) if m <= 64 else t
         return pick
+
     def mid(plain: Tiles, paired: Tiles):
-        # 512 < M <= 2,048 (a merged group of 32x48 is 1,536): tiles whose count fills whole waves better than 128x128
-        # (QKV: 288 tiles on 132 SMs, 2.2 waves); residual GEMMs then pass through fill_tiles as always
+        # 512 < M <= 2,048 (a merged group of 32x48 is 1,536, 4x256 1,024). At 1,536 the default gives QKV 288 tiles of
+        # 128x128 on 132 SMs (2.2 waves, the third a fifth full): mid64 makes them more and smaller (576 of 64x128,
+        # residual GEMMs 64x128 too), mid256 fewer and fatter (144 of 128x256; residual GEMMs unchanged: fill_tiles
+        # narrows them back to 128x64; at M = 1,024 QKV becomes one wave, launched early: `fill_tiles`' warning)
         def pick(m, n_out, k, epi, sms=132):
             if 512 < m <= 2048:
                 return paired if epi == Epi.GEGLU else plain
             return base(m, n_out, k, epi, sms)
         return pick
+
     from laya_pool.kernels import attention as at
     return {"mid64": ("64x128 tiles, 4 warps (GeGLU 64x64), at 512 < M <= 2,048", g, "pick_tiles",
                       mid(Tiles(64, 128, 64, 4, 4), Tiles(64, 64, 64, 4, 4))),

@@ -11,9 +11,10 @@ inside an earlier kernel), and `idle` = the time nothing ran before it started. 
 
 Kernels are labelled by family (the Triton function's name) and, for the encoder's GEMMs, by their place in a layer:
 the GEMM before an attention is QKV, the one after it Wo, a GEMM followed by a GEMM is Wi (GeGLU), one following a
-GEMM is Wo_mlp (the decision head's four take the same labels). One forward is captured into a CUDA graph as
-`probe_fast.graph_time` does; five replays are profiled and the middle one is reported (their spans too). The raw
-events go to DIR/timeline[-TAG]-RxL.json; `--tag` also keeps each shape's answers, to compare two trees' bits.
+GEMM is Wo_mlp (the decision head's four take the same labels); every GEMM after the scorer's gather is "gemm tail".
+One forward is captured into a CUDA graph as `probe_fast.graph_time` does; five replays are profiled and the middle
+one is reported (their spans too). The profiler's trace goes to DIR/trace[-TAG]-RxL.json, the table and the middle
+replay's kernels to DIR/timeline[-TAG]-RxL.json; `--tag` also keeps each shape's answers, to compare two trees' bits.
 """
 from __future__ import annotations
 
@@ -61,15 +62,20 @@ def kernels(trace_path: str) -> list[dict]:
 
 
 def labels(ks: list[dict]) -> list[str]:
+    """Each kernel's family, GEMMs named by their place in a layer (module docstring)."""
     fams = [_family(k["name"]) for k in ks]
     out = []
+    tail = False
     for i, f in enumerate(fams):
+        tail = tail or f == "gather_norm_kernel"       # the scorer and the act head: their GEMMs are no layer's
         if f != "gemm_kernel":
             out.append(f)
             continue
         prev = fams[i - 1] if i else ""
         nxt = fams[i + 1] if i + 1 < len(fams) else ""
-        if nxt == "attention_kernel":
+        if tail:
+            out.append("gemm tail")
+        elif nxt == "attention_kernel":
             out.append("gemm qkv")
         elif prev == "attention_kernel":
             out.append("gemm wo")
@@ -105,6 +111,7 @@ def main() -> int:
     p.add_argument("--tag", default="", help="names the files; with it, each shape's answers are kept "
                    "(answers-TAG-RxL.pt: logits and act probabilities) so two trees' bits can be compared")
     args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     from laya_pool.kernels.fast import FastModel
     from laya_pool.worker.checkpoint import load_checkpoint
     ck = load_checkpoint(args.model)
@@ -115,7 +122,8 @@ def main() -> int:
         if args.tag:
             torch.save([t.cpu() for t in fast(**inp)], os.path.join(args.out, f"answers-{args.tag}-{shape}.pt"))
         g = capture(lambda inp=inp: fast(**inp))
-        path = os.path.join(args.out, f"timeline{'-' + args.tag if args.tag else ''}-{shape}.json")
+        name = f"{'-' + args.tag if args.tag else ''}-{shape}.json"
+        path = os.path.join(args.out, "trace" + name)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(REPLAYS):
                 g.replay()
@@ -137,7 +145,7 @@ def main() -> int:
             per = (r["extends_us"] + r["idle_us"]) / r["count"]
             print(f"   {lab:24s} {r['count']:4d} {r['extends_us']:11.1f} {r['idle_us']:8.1f} {r['dur_us']:11.1f} "
                   f"{per:11.2f}")
-        with open(path, "w") as f:
+        with open(os.path.join(args.out, "timeline" + name), "w") as f:
             json.dump(dict(shape=shape, spans_us=spans, table=table, kernels=mid), f)
     return 0
 

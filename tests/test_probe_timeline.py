@@ -23,6 +23,13 @@ def test_gemms_are_named_by_their_place_in_a_layer():
                                       "layer_norm_kernel", "gemm wi", "gemm wo_mlp"]
 
 
+def test_the_scorers_gemms_are_no_layers():
+    tail = [k("gather_norm", 21, 22), k("gemm", 22, 23), k("gemm", 23, 24), k("features", 24, 25), k("gemm", 25, 26),
+            k("gemm", 26, 27), k("softmax", 27, 28)]
+    assert timeline.labels(LAYER + tail)[len(LAYER):] == ["gather_norm_kernel", "gemm tail", "gemm tail",
+                                                          "features_kernel", "gemm tail", "gemm tail", "softmax_kernel"]
+
+
 def test_what_each_kernel_adds_to_the_span_sums_to_the_span():
     """`extends`: how far a kernel moves the latest end; `idle`: nothing running before it started. A kernel ending
     inside an earlier one extends nothing; overlaps are not counted twice."""
