@@ -6,8 +6,14 @@ import json
 import os
 import sys
 
+# The probe puts scripts/ and the repository's root ahead on the path when imported; the root there would shadow the
+# PyPI package `kernels` (transformers imports it) with ours for every later test (conftest.py): the path is put back.
+_path = list(sys.path)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import probe_timeline as timeline  # noqa: E402
+try:
+    import probe_timeline as timeline  # noqa: E402
+finally:
+    sys.path[:] = _path
 
 
 def k(name: str, start: float, end: float) -> dict:
