@@ -41,8 +41,8 @@ MS = (48, 64, 128, 256, 512, 1024, 1536, 2048, 4096, 8192)
 TIMED_MS = (48, 1536, 8192)
 
 
-def graph_time(fn, reps: int = 20, samples: int = 30) -> tuple[float, float]:
-    """(median, p95) ms of one call, from CUDA-graph replays of `reps` calls (launch gaps as in a worker)."""
+def capture(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `reps` calls of fn (three warm-up calls on a side stream first), replayed three times."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -56,6 +56,11 @@ def graph_time(fn, reps: int = 20, samples: int = 30) -> tuple[float, float]:
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def replay_ms(g: torch.cuda.CUDAGraph, samples: int) -> list[float]:
+    """ms of each of `samples` replays of g, by CUDA events around each."""
     ts = []
     for _ in range(samples):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -63,8 +68,13 @@ def graph_time(fn, reps: int = 20, samples: int = 30) -> tuple[float, float]:
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) / reps)
-    ts.sort()
+        ts.append(a.elapsed_time(b))
+    return ts
+
+
+def graph_time(fn, reps: int = 20, samples: int = 30) -> tuple[float, float]:
+    """(median, p95) ms of one call, from CUDA-graph replays of `reps` calls (launch gaps as in a worker)."""
+    ts = sorted(t / reps for t in replay_ms(capture(fn, reps), samples))
     return statistics.median(ts), ts[int(0.95 * (len(ts) - 1))]
 
 

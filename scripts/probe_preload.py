@@ -77,7 +77,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 import laya_pool.kernels.gemm as gm  # noqa: E402
 from laya_pool.kernels.gemm import Epi, Tiles, early_epilogue, fill_tiles, gemm, pick_tiles, residual  # noqa: E402
 from laya_pool.kernels.launch import launch, prefetch, prefetching, wait_turn  # noqa: E402
-from probe_fast import graph_time  # noqa: E402
+from probe_fast import graph_time, replay_ms  # noqa: E402
 from probe_wsgemm import jit_compiled  # noqa: E402
 
 
@@ -402,14 +402,7 @@ class Chain:
         for _ in range(warm):
             g.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
+        times = replay_ms(g, reps)
         del g
         return statistics.median(times), percentile(times, 0.95), state
 

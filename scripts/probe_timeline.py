@@ -12,7 +12,7 @@ inside an earlier kernel), and `idle` = the time nothing ran before it started. 
 Kernels are labelled by family (the Triton function's name) and, for the encoder's GEMMs, by their place in a layer:
 the GEMM before an attention is QKV, the one after it Wo, a GEMM followed by a GEMM is Wi (GeGLU), one following a
 GEMM is Wo_mlp (the decision head's four take the same labels); every GEMM after the scorer's gather is "gemm tail".
-One forward is captured into a CUDA graph as `probe_fast.graph_time` does; five replays are profiled and the middle
+One forward is captured into a CUDA graph with `probe_fast.capture`; five replays are profiled and the middle
 one is reported (their spans too). The profiler's trace goes to DIR/trace[-TAG]-RxL.json, the table and the middle
 replay's kernels to DIR/timeline[-TAG]-RxL.json; `--tag` also keeps each shape's answers, to compare two trees' bits.
 """
@@ -30,25 +30,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
-from probe_fast import _family, _inputs  # noqa: E402
+from probe_fast import _family, _inputs, capture  # noqa: E402
 
 REPLAYS = 5
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    return g
 
 
 def kernels(trace_path: str) -> list[dict]:
