@@ -14,6 +14,12 @@ per worker and its monitor: a route is used only once its handshake is done (unt
 broker), and a dropped connection re-sends at once what was on it. Not ZMQ_IMMEDIATE, which would do the first by
 itself: it also throws away a reply that came just before the connection dropped (a worker that answered its last
 request and left), and that reply must count.
+
+Lanes (protocol/lane.py; the blocking client's, `lanes=True`): each route also asks its worker to take requests
+through shared memory. A first attempt goes on the route's lane when the worker said yes, the lane is free (one
+request at a time) and the worker polls its lanes now; else on the socket as before. Everything else about an
+attempt is the same: the same request id, the same retries, the same loss when the connection drops (the lane
+closes with it).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from typing import Any
 import zmq
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
+from laya_pool.protocol.lane import Lane, lane_of, lane_rid, supported
 from zmq.utils.monitor import recv_monitor_message
 
 from .retry import reply_error
@@ -47,6 +54,9 @@ class Route:
     outstanding: set[int] = field(default_factory=set)   # request ids sent here and not answered
     up: bool = True           # False once its connection dropped or it refused as stopping (until the table drops it)
     connected: bool = False   # its handshake is done and no disconnect followed (from its monitor's events)
+    lane: Lane | None = None  # asked for (or open, `lane_open`) on this worker
+    lane_open: bool = False   # the worker took the lane
+    lane_rid: int | None = None   # the request on the lane, until its answer is read
 
 
 def pick(routes: Sequence[Route], turn: int) -> Route | None:
@@ -81,7 +91,8 @@ class Routes:
     before it closes)."""
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller | None, max_message_bytes: int, host: str | None = None,
-                 watch: Callable[[Route], None] | None = None, unwatch: Callable[[Route], None] | None = None):
+                 watch: Callable[[Route], None] | None = None, unwatch: Callable[[Route], None] | None = None,
+                 lanes: bool = False):
         self.ctx, self.poller, self.max_message_bytes = ctx, poller, max_message_bytes
         self.watch, self.unwatch = watch, unwatch
         self.host = host or socket.gethostname()
@@ -92,6 +103,9 @@ class Routes:
         self.turn = 0
         self.sent = 0             # attempts that went direct (for tests and stats)
         self.dropped = 0          # ... and were on a connection that dropped (each went again through the broker)
+        self.lanes = lanes and supported()
+        self.on_lanes = 0         # attempts that went on a lane
+        self.waiting: list[Route] = []     # routes whose lane carries a request not yet answered
 
     def due(self, now: float) -> bool:
         return now >= self.next_ask
@@ -123,6 +137,13 @@ class Routes:
         r = self.choose()
         if r is None:
             return False
+        if r.lane_open and r.lane_rid is None and r.lane.free() and r.lane.worker_awake():
+            if r.lane.ask(frames) is not None:
+                r.lane_rid = rid
+                self.waiting.append(r)
+                self.on_lanes += 1
+                self.took(r, rid)
+                return True
         try:
             wire.send_frames(r.sock, frames, copy=False)
         except zmq.Again:           # its queue is full (SEND_HWM)
@@ -148,7 +169,11 @@ class Routes:
             self._fail(r)
 
     def replied(self, header: dict) -> None:
-        """`answered` from a reply's header (whichever socket it came on)."""
+        """`answered` from a reply's header (whichever socket or lane it came on), or a lane's own message."""
+        name = lane_of(header.get("rid"))
+        if name is not None:
+            self._lane_said(name, header)
+            return
         err = reply_error(header) or {}
         self.answered(header.get("rid"), header.get("status"), err.get("reason"))
 
@@ -179,7 +204,59 @@ class Routes:
                 for rid in r.outstanding:
                     self.by_rid.pop(rid, None)
                 r.outstanding.clear()
+                self._drop_lane(r)        # its worker may be gone: what was on the lane is lost with the rest
                 self._fail(r)
+
+    # -- lanes (the blocking client's) -----------------------------------------------------------------------
+    def lane_ready(self) -> bool:
+        """A lane has its request's answer."""
+        return any(r.lane.free() for r in self.waiting)
+
+    def answers(self) -> list[list[bytes]]:
+        """The answers the lanes have (each a message's frames; what went over a socket instead comes there)."""
+        out = []
+        for r in [r for r in self.waiting if r.lane.free()]:
+            self.waiting.remove(r)
+            r.lane_rid = None
+            frames = r.lane.answer()
+            if frames:
+                out.append(frames)
+        return out
+
+    def set_waiting(self, on: bool) -> None:
+        """Tell the workers whether we poll our lanes (a worker rings a client that does not)."""
+        for r in self.waiting:
+            r.lane.waiting(on)
+
+    def _ask_lane(self, r: Route) -> None:
+        try:
+            r.lane = Lane.create()
+        except OSError:
+            self.lanes = False        # no room or no /dev/shm for us: sockets only
+            return
+        try:
+            wire.send_frames(r.sock, wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "lane": r.lane.name}))
+        except zmq.Again:
+            self._drop_lane(r)
+
+    def _lane_said(self, name: str, header: dict) -> None:
+        r = next((r for r in self.routes.values() if r.lane is not None and r.lane.name == name), None)
+        if r is None or header.get("ring"):
+            return                    # a ring: the answer is on the lane, read by whoever polls
+        if header.get("status") == wire.STATUS_OK:
+            r.lane_open = True
+            r.lane.unlink()           # both ends have it mapped: nothing is left behind if either dies
+        else:
+            self._drop_lane(r)        # this worker takes no lanes: its socket it is
+
+    def _drop_lane(self, r: Route) -> None:
+        if r.lane is None:
+            return
+        if r in self.waiting:
+            self.waiting.remove(r)
+        r.lane.close(say=True)
+        r.lane.unlink()
+        r.lane, r.lane_open, r.lane_rid = None, False, None
 
     def owner(self, sock: Any) -> Route | None:
         return self.by_socket.get(sock)
@@ -200,6 +277,8 @@ class Routes:
         r = Route(worker, endpoint, s, mon)
         self.routes[worker] = r
         self.by_socket[s] = self.by_socket[mon] = r
+        if self.lanes:
+            self._ask_lane(r)
         if self.poller is not None:
             self.poller.register(s, zmq.POLLIN)
             self.poller.register(mon, zmq.POLLIN)
@@ -211,6 +290,7 @@ class Routes:
         self.next_ask = min(self.next_ask, time.monotonic() + RETRY_S)
 
     def _close(self, r: Route) -> None:
+        self._drop_lane(r)
         for rid in r.outstanding:
             self.by_rid.pop(rid, None)
         try:

@@ -106,6 +106,13 @@ class ForwardResult:
 
 
 _RECONNECTED = object()     # `Client._wait`, `AsyncClient`'s waiters: the connection came back; re-send now
+_LANE = "lane"              # `Client._poll`: a lane has an answer (a key beside the ready sockets)
+# A request on a lane is waited for by polling its answer for up to this long, then by sleeping until the worker rings
+# (client/direct.py); one client a process polls so (`_SPINNER`): the others sleep at once. 5 ms covers a forward up
+# to 4x256 on the H200; longer ones are rung.
+LANE_SPIN_MS = 5.0
+LANE_NAP_MS = 2            # a sleeping waiter looks at its lanes this often (a ring may cross its going to sleep)
+_SPINNER = threading.Lock()
 
 
 def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str = "client") -> None:
@@ -552,8 +559,8 @@ class Client(_Base):
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
-                 calibration: str | os.PathLike | dict[str, Any] | None = None, spin_ms: float = 0.0,
-                 direct: bool = True):
+                 calibration: str | os.PathLike | dict[str, Any] | None = None, spin_ms: float | None = None,
+                 direct: bool = True, lanes: bool = True):
         """`timeout`: each call's deadline in seconds (a call may override it), retries included; `retries`:
         re-sends within it; `connect_timeout`: with no connection to the pool this long, a call raises
         `PoolUnreachable`. `operator`: the pool's operator secret (what `laya-pool drain` reads), needed only
@@ -562,13 +569,17 @@ class Client(_Base):
         `Agent.save_calibration` wrote) as `laya.load` takes them: they change how answers are decoded here.
         `spin_ms`: wait for a reply by polling without sleeping for up to this long first (0: sleep at once). A
         thread that sleeps through a forward may wake 0.1-0.2 ms late (measured on our H200 host, docs/PERF.md,
-        eleventh session); polling keeps it awake, at the price of a core while a call waits.
+        eleventh session); polling keeps it awake, at the price of a core (and of the GIL, in turns) while a call
+        waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if no other client of this process
+        polls now, sleep at once for anything else.
         `direct`: send a request's first attempt to a worker on this host that takes requests itself, if the pool
-        has any (client/direct.py); every other attempt, and every other call, goes through the broker."""
+        has any (client/direct.py); every other attempt, and every other call, goes through the broker.
+        `lanes`: ... and through shared memory when that worker takes it (protocol/lane.py)."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
-        if spin_ms < 0:
+        if spin_ms is not None and spin_ms < 0:
             raise ValueError(f"spin_ms must be >= 0, got {spin_ms}")
-        self.spin = spin_ms / 1000.0
+        self.spin = (spin_ms or 0.0) / 1000.0
+        self.spin_auto = spin_ms is None
         self.operator, self.key_role = operator, key_role
         self._set_decoding(lang_temperatures, calibration)
         self._ctx = context or zmq.Context.instance()
@@ -581,8 +592,8 @@ class Client(_Base):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._mon, zmq.POLLIN)
-        self._routes = (Routes(self._ctx, self._poller, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES) if direct
-                        else None)
+        self._routes = (Routes(self._ctx, self._poller, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES, lanes=lanes)
+                        if direct else None)
 
     # -- the pool's API ----------------------------------------------------------------------------------
     def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -876,7 +887,13 @@ class Client(_Base):
         return lost
 
     def _replies(self, ready: dict[Any, int]) -> Iterator[wire.Message]:
-        """Every message waiting on the ready reply sockets (the broker's, then the workers' direct ones)."""
+        """Every message waiting on the ready reply sockets (the broker's, then the workers' direct ones), and the
+        lanes' answers."""
+        if ready.get(_LANE):
+            for frames in self._routes.answers():
+                msg = wire.decode(frames)
+                self._routes.replied(msg.header)
+                yield msg
         socks = [self._sock] if ready.get(self._sock) else []
         if self._routes is not None:
             socks += [s for s in ready if s is not self._sock and s is not self._mon and self._is_route(s)]
@@ -897,6 +914,8 @@ class Client(_Base):
 
     def _poll(self, wait_ms: int) -> dict[Any, int]:
         """The sockets ready within `wait_ms`, polling without sleeping for the first `spin_ms` of it."""
+        if self._routes is not None and self._routes.waiting:
+            return self._poll_lanes(wait_ms)
         if self.spin:
             end = time.perf_counter() + min(self.spin, wait_ms / 1000.0)
             while True:
@@ -907,6 +926,50 @@ class Client(_Base):
                     break
             wait_ms = max(0, wait_ms - int(self.spin * 1000))
         return dict(self._poller.poll(wait_ms))
+
+    def _poll_lanes(self, wait_ms: int) -> dict[Any, int]:
+        """`_poll` with requests on lanes: their answers (`_LANE`) or the sockets ready within `wait_ms`. The lanes
+        are polled without sleeping for the spin (`spin_ms`), the sockets every 32 looks; then both, sleeping on the
+        sockets up to LANE_NAP_MS at a time."""
+        routes = self._routes
+        now = time.perf_counter()
+        deadline = now + wait_ms / 1000.0
+        spin = self.spin
+        token = self.spin_auto and _SPINNER.acquire(blocking=False)
+        if token:
+            spin = LANE_SPIN_MS / 1000.0
+        try:
+            if spin:
+                routes.set_waiting(True)
+                end = min(deadline, now + spin)
+                looks = 0
+                while True:
+                    if routes.lane_ready():
+                        return {_LANE: 1}
+                    looks += 1
+                    if looks % 32 == 0:
+                        ready = self._poller.poll(0)
+                        if ready:
+                            return self._with_lanes(ready)
+                        if time.perf_counter() >= end:
+                            break
+        finally:
+            routes.set_waiting(False)     # a worker answering from now on rings
+            if token:
+                _SPINNER.release()
+        while True:
+            if routes.lane_ready():
+                return {_LANE: 1}
+            left = deadline - time.perf_counter()
+            ready = self._poller.poll(max(0, min(LANE_NAP_MS, int(left * 1000) + 1)) if left > 0 else 0)
+            if ready or left <= 0:
+                return self._with_lanes(ready)
+
+    def _with_lanes(self, ready: list) -> dict[Any, int]:
+        out = dict(ready)
+        if self._routes.lane_ready():
+            out[_LANE] = 1
+        return out
 
     def _send(self, frames: list[Any], attempts: Attempts, rid: int | None = None) -> Step:
         """One attempt: the first of a request that may go direct (`rid` given) to a worker when one takes it, any

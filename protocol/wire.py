@@ -61,6 +61,7 @@ class Cmd(enum.IntEnum):
     DRAIN = 7        # client -> broker: drain (and optionally restart) a worker; broker -> worker: drain
     DESCRIBE = 8     # client -> broker -> worker: the model card (reply carries a body)
     RELOAD = 9       # operator -> broker: roll the pool onto another checkpoint (the supervisor carries it out)
+    LANE = 10        # client -> worker's direct socket: take requests on a lane (protocol/lane.py); back: taken / ring
 
 
 # The command of each byte value (None: unknown): a table lookup instead of `Cmd(byte)`, an enum call per message.

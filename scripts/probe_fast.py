@@ -390,9 +390,10 @@ def _family(name: str) -> str:
 
 
 def _small_m_patches():
-    """Tile and launch rules the model step can try in a whole forward (PROBE_MODEL_VARIANTS): at M <= 64 two
-    warpgroups (w8), six stages (st6), the copy engine at every M (tma48); at 512 < M <= 2,048 other tile counts (mid64,
-    mid256); attention tiles (att*). Tiles and TMA never change the bits; the step checks it anyway."""
+    """Tile and launch rules the model step can try in a whole forward (PROBE_MODEL_VARIANTS), each a list of
+    (module, attribute, value) changes: at M <= 64 two warpgroups (w8), six stages (st6), the copy engine at every M
+    (tma48); at 512 < M <= 2,048 other tile counts (mid64, mid256); attention tiles (att*); cuBLAS's products
+    (cub*, scripts/cublas_variants.py). Tiles and TMA never change the bits; the step checks it anyway."""
     from laya_pool.kernels import gemm as g
     base = g.pick_tiles
 
@@ -414,17 +415,22 @@ def _small_m_patches():
         return pick
 
     from laya_pool.kernels import attention as at
-    return {"mid64": ("64x128 tiles, 4 warps (GeGLU 64x64), at 512 < M <= 2,048", g, "pick_tiles",
-                      mid(Tiles(64, 128, 64, 4, 4), Tiles(64, 64, 64, 4, 4))),
-            "mid256": ("128x256 tiles, 8 warps (GeGLU as now), at 512 < M <= 2,048", g, "pick_tiles",
-                       mid(Tiles(128, 256, 64, 8, 3), Tiles(128, 64, 64, 8, 3))),
-            "w8": ("8 warps at M <= 64", g, "pick_tiles", tiles(warps=8)),
-            "st6": ("6 stages at M <= 64", g, "pick_tiles", tiles(stages=6)),
-            "tma48": ("TMA at every M", g, "TMA_MIN_M", 0),
-            # attention tiles (kernels/attention.py TILE: queries per program, warps, stages)
-            "att128": ("attention 128 queries, 8 warps", at, "TILE", (128, 8, 2)),
-            "att128s3": ("attention 128 queries, 8 warps, 3 stages", at, "TILE", (128, 8, 3)),
-            "att64s3": ("attention 64 queries, 4 warps, 3 stages", at, "TILE", (64, 4, 3))}
+    one = {"mid64": ("64x128 tiles, 4 warps (GeGLU 64x64), at 512 < M <= 2,048", g, "pick_tiles",
+                     mid(Tiles(64, 128, 64, 4, 4), Tiles(64, 64, 64, 4, 4))),
+           "mid256": ("128x256 tiles, 8 warps (GeGLU as now), at 512 < M <= 2,048", g, "pick_tiles",
+                      mid(Tiles(128, 256, 64, 8, 3), Tiles(128, 64, 64, 8, 3))),
+           "w8": ("8 warps at M <= 64", g, "pick_tiles", tiles(warps=8)),
+           "st6": ("6 stages at M <= 64", g, "pick_tiles", tiles(stages=6)),
+           "tma48": ("TMA at every M", g, "TMA_MIN_M", 0),
+           # attention tiles (kernels/attention.py TILE: queries per program, warps, stages)
+           "att128": ("attention 128 queries, 8 warps", at, "TILE", (128, 8, 2)),
+           "att128s3": ("attention 128 queries, 8 warps, 3 stages", at, "TILE", (128, 8, 3)),
+           "att64s3": ("attention 64 queries, 4 warps, 3 stages", at, "TILE", (64, 4, 3))}
+    table = {name: (desc, [(mod, attr, value)]) for name, (desc, mod, attr, value) in one.items()}
+    if any(v.startswith("cub") for v in WANT_VARIANTS):     # needs Triton at import: only where asked
+        import cublas_variants
+        table.update(cublas_variants.patches())
+    return table
 
 
 WANT_VARIANTS = os.environ.get("PROBE_MODEL_VARIANTS", "pdl,tma,sdpa").split(",")
@@ -464,9 +470,10 @@ def step_model(model_dir, report):
             if env is None:
                 if label not in WANT_VARIANTS:
                     continue
-                desc, mod, attr, value = patches[label]
-                old_value = getattr(mod, attr)
-                setattr(mod, attr, value)
+                desc, changes = patches[label]
+                olds = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in changes]
+                for mod, attr, value in changes:
+                    setattr(mod, attr, value)
                 forget()           # cached launches hold the tile choice made before the patch
                 try:
                     lv, av = fast(**inp)
@@ -474,7 +481,8 @@ def step_model(model_dir, report):
                                       bool(torch.equal(lv, lf) and torch.equal(av, af)),
                                       float((torch.softmax(lv, -1) - pr).abs().max()))
                 finally:
-                    setattr(mod, attr, old_value)
+                    for mod, attr, value in olds:
+                        setattr(mod, attr, value)
                     forget()
                 continue
             if label.split()[-1 if env else 0].lower() not in WANT_VARIANTS:

@@ -2,7 +2,7 @@
 """Where the pool's overhead goes: one small row through a live pool against the same row run in-process.
 
     python scripts/overhead.py --model DIR [--device cpu] [--samples 1000] [--threads 1] [--transport ipc|tcp]
-                               [--client-spin-ms 0]
+                               [--client-spin-ms MS]
                                [--pool-args "..."] [--json FILE]
 
 Starts a pool (one worker on --device), and in this process the same runtime the worker runs. After
@@ -11,7 +11,8 @@ and the neighbours' load hit them alike), on the host clock:
 
 - `ping`: client -> broker -> client (the broker answers it itself): the transport and the broker's loop;
 - `forward`: `Client.forward` of one 1x48 row through the pool: the default client, which sends it to the worker
-  directly when the worker takes it (client/direct.py), else through the broker;
+  directly when the worker takes it (client/direct.py; on a lane when the worker polls one, protocol/lane.py), else
+  through the broker;
 - `forward via broker`: the same through the broker always (`Client(direct=False)`), in the same run;
 - `in-process`: `Runtime.run` of the same batch here (what the pool adds is `forward` minus this);
 - where a forward's time goes, from the reply's timings (the worker's clock is this host's monotonic clock):
@@ -118,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                          "the neighbours' load more than the pool)")
     ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     ap.add_argument("--pool-args", default="", help="extra `laya-pool up` arguments")
-    ap.add_argument("--client-spin-ms", type=float, default=0.0,
-                    help="the client polls for its reply without sleeping this long first (Client's spin_ms)")
+    ap.add_argument("--client-spin-ms", type=float, default=None,
+                    help="the client polls for its reply without sleeping this long first (Client's spin_ms; "
+                         "default: the Client's own)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     out["added"] = round(out["forward"]["p50"] - out["in-process"]["p50"], 4)
     out["added via broker"] = round(out["forward via broker"]["p50"] - out["in-process"]["p50"], 4)
     out["direct"] = c._routes.sent if c._routes is not None else 0
+    out["on_lanes"] = c._routes.on_lanes if c._routes is not None else 0
     out["steps"] = protocol_steps(rows, 2000)
     out["config"] = {"model": args.model, "device": args.device, "transport": args.transport,
                      "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'pool adds (forward - in-process, p50)':60} {out['added']:8.3f}")
     print(f"{'... through the broker (forward via broker - in-process, p50)':60} {out['added via broker']:8.3f}")
     print(f"{'forwards the default client sent to the worker directly':60} {out['direct']:8d}")
+    print(f"{'... of them on a lane (shared memory, protocol/lane.py)':60} {out['on_lanes']:8d}")
     for k, v in out["steps"].items():
         print(f"{k:60} {v['p50']:8.4f} {v['p95']:8.4f}")
     if args.json:

@@ -16,6 +16,12 @@ The compute loop (worker/compute.py) asks one thing of its inbox: `get(timeout)`
 Poll, then sleep: with a group launched the data thread never sleeps (a forward is milliseconds; it costs one core
 only while a request is in the worker); after a reply it keeps polling for `poll_us` (a closed-loop caller's next
 request arrives a round trip later), then blocks in `zmq.poll` until a message or `timeout`.
+
+Lanes (protocol/lane.py, `lanes=True`): a client on this host may also ask on the direct socket to send its requests
+through shared memory. The data thread reads its lanes with its sockets while it polls, tells them whether it is
+polling (a client sends on a lane only then), and answers a lane's request on the lane (ringing the client over the
+direct socket when it no longer polls its lane). While lanes are open a sleeping data thread wakes every
+`LANE_NAP_MS` to look at them: a client that saw it awake an instant before it fell asleep is not left waiting.
 """
 from __future__ import annotations
 
@@ -27,10 +33,14 @@ from typing import Any
 
 import zmq
 from laya_pool.protocol import wire
+from laya_pool.protocol.lane import Lane, lane_rid
 
 from .landing import Landed, LandingWatch
+from .lanes import Lanes
 
 log = logging.getLogger("laya-pool.worker")
+
+LANE_NAP_MS = 2             # the longest a sleeping data thread with open lanes goes without looking at them
 
 NOTHING = object()          # `get` found nothing before its timeout
 
@@ -70,7 +80,8 @@ class SocketInbox:
     launched group, or None."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: str, *, keys: str | None = None,
-                 max_message_bytes: int, poll_us: int = 0, heartbeat_ms: int = 1000, direct: str | None = None):
+                 max_message_bytes: int, poll_us: int = 0, heartbeat_ms: int = 1000, direct: str | None = None,
+                 lanes: bool = False):
         self.ctx, self.endpoint, self.identity, self.keys = ctx, endpoint, identity, keys
         self.max_message_bytes, self.poll_s, self.heartbeat_ms = max_message_bytes, poll_us / 1e6, heartbeat_ms
         # Clients' own requests (docs/architecture.md, "The data path", decision 1): a ROUTER bound here, by the I/O
@@ -82,6 +93,7 @@ class SocketInbox:
             self.direct = _bind_direct(ctx, direct, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
             self.direct_endpoint = self.direct.getsockopt_string(zmq.LAST_ENDPOINT)
         self.direct_taken = 0         # request messages clients sent here directly
+        self.lanes = Lanes() if lanes and direct is not None else None
         self.unroutable = 0           # direct replies whose client had gone
         self.handed: queue.SimpleQueue = queue.SimpleQueue()     # from the I/O thread
         # put() wakes a data thread blocked in zmq.poll: a PAIR whose sending end only the I/O thread uses.
@@ -132,9 +144,13 @@ class SocketInbox:
         if self.direct is not None:
             self.poller.register(self.direct, zmq.POLLIN)
 
-    def send(self, frames: list[Any], to: bytes | None = None) -> None:
+    def send(self, frames: list[Any], to: bytes | Lane | None = None) -> None:
         """A reply: on the data socket (the broker takes a worker's replies from either of its sockets), or, for a
-        request a client sent here itself, back to that client (`to`: its identity on the direct socket)."""
+        request a client sent here itself, back to that client (`to`: its identity on the direct socket, or the lane
+        the request came on)."""
+        if isinstance(to, Lane):
+            self._answer_lane(to, frames)
+            return
         try:
             if to is None:
                 wire.send_frames(self.sock, frames, copy=False)
@@ -147,7 +163,27 @@ class SocketInbox:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             self.unroutable += 1      # the client left (ROUTER_MANDATORY says so): its retry went elsewhere
+            if self.lanes is not None:
+                self.lanes.forget(to)
         self.awake_until = time.monotonic() + self.poll_s
+
+    def _answer_lane(self, lane: Lane, frames: list[Any]) -> None:
+        """On the lane when the reply fits, else on the direct socket (and the lane says so); a client that no longer
+        polls its lane is rung."""
+        if not lane.mapped():         # closed here to make room for another (`Lanes`): the socket it is
+            self.send(frames, lane.identity)
+            return
+        if lane.closed():
+            return                    # the client left; its retry went elsewhere
+        if lane.reply(frames):
+            if not lane.client_waiting():
+                self.send(wire.encode(wire.Cmd.LANE, {"rid": lane_rid(lane.name), "status": wire.STATUS_OK,
+                                                      "ring": True}), lane.identity)
+            else:
+                self.awake_until = time.monotonic() + self.poll_s
+            return
+        self.send(frames, lane.identity)
+        lane.reply(None)
 
     def watch(self, flight: Any) -> None:
         pass                          # `get` polls the oldest launched group itself
@@ -166,7 +202,17 @@ class SocketInbox:
                 return NOTHING
             if self.oldest() is not None or now < self.awake_until:
                 continue              # poll: a group is computing, or a reply just went out
-            self.poller.poll(max(1, int((deadline - now) * 1e3)))
+            wait_ms = max(1, int((deadline - now) * 1e3))
+            if self.lanes is not None and len(self.lanes):
+                self.lanes.set_awake(False)
+                item = self._ready()          # a request written while the lanes still said awake
+                if item is not NOTHING:
+                    self.lanes.set_awake(True)
+                    return item
+                wait_ms = min(wait_ms, LANE_NAP_MS)
+            self.poller.poll(wait_ms)
+            if self.lanes is not None:
+                self.lanes.set_awake(True)
             self._drain_wakes()
 
     def _ready(self) -> Any:
@@ -189,11 +235,36 @@ class SocketInbox:
         return item
 
     def _receive(self) -> Any:
-        """The next request read from the data socket, then from the direct one, or NOTHING."""
+        """The next request read from the data socket, then from the direct one, then from a lane, or NOTHING."""
         item = self._receive_from(self.sock, direct=False)
         if item is NOTHING and self.direct is not None:
             item = self._receive_from(self.direct, direct=True)
+        if item is NOTHING and self.lanes is not None:
+            item = self._receive_lanes()
         return item
+
+    def _receive_lanes(self) -> Any:
+        while True:
+            got = self.lanes.take()
+            if got is None:
+                return NOTHING
+            now = time.monotonic()
+            lane, frames = got
+            try:
+                if isinstance(frames, wire.ProtocolError):
+                    raise frames
+                msg = wire.decode(frames)
+                if msg.cmd != wire.Cmd.REQUEST:
+                    raise wire.ProtocolError("command", f"a lane takes requests only, not {msg.cmd.name}")
+            except wire.ProtocolError as e:
+                self.malformed += 1
+                log.warning("worker %s: malformed message on lane %s (%s)", self.identity, lane.name, e)
+                rid = wire.rid_of(frames) if isinstance(frames, list) and len(frames) >= 3 else None
+                self._answer_lane(lane, wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field))
+                continue
+            q = self.intake(msg, now, lane)
+            if q is not None:
+                return q
 
     def _receive_from(self, sock: zmq.Socket, direct: bool) -> Any:
         while True:
@@ -213,6 +284,9 @@ class SocketInbox:
                     self.send(wire.encode_error(wire.rid_of(frames) if len(frames) >= 3 else None, wire.STATUS_FINAL,
                                                 str(e), field=e.field), to)
                 continue
+            if direct and msg.cmd == wire.Cmd.LANE:
+                self._open_lane(msg, to)
+                continue
             if msg.cmd != wire.Cmd.REQUEST:
                 # Control messages come on the control socket; a restarted broker's word reaches that one too. A
                 # client waits for an answer to anything it sends here: only requests are taken.
@@ -227,6 +301,19 @@ class SocketInbox:
             q = self.intake(msg, now, to)
             if q is not None:
                 return q
+
+    def _open_lane(self, msg: wire.Message, to: bytes) -> None:
+        """A client's LANE: open its lane and say so, or say why not (it goes on over the socket)."""
+        name = msg.header.get("lane")
+        rid = lane_rid(name if isinstance(name, str) else "")
+        try:
+            if self.lanes is None:
+                raise wire.ProtocolError("lane", "this worker takes no lanes (--lanes)")
+            self.lanes.attach(name, to)
+        except wire.ProtocolError as e:
+            self.send(wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field), to)
+            return
+        self.send(wire.encode(wire.Cmd.LANE, {"rid": rid, "status": wire.STATUS_OK}), to)
 
     def _drain_wakes(self) -> None:
         while True:
@@ -252,6 +339,8 @@ class SocketInbox:
                 log.warning("worker %s: closing the data socket: %s", self.identity, e)
             self.sock.close(linger=2000)
             self.sock = None
+        if self.lanes is not None:
+            self.lanes.close()
         if self.direct is not None:
             self.direct.close(linger=500)
             self.direct = None

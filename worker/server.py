@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from laya_pool.protocol import contract, logs, wire
+from laya_pool.protocol import contract, lane, logs, wire
 from laya_pool.protocol.contract import Leave
 from laya_pool.protocol.wire import Cmd
 
@@ -74,6 +74,7 @@ class WorkerConfig:
     data_requests: str = "auto"             # requests straight to the data thread: auto = on CUDA (see --data-requests)
     direct: str = "auto"                    # clients send requests here themselves: auto = as data_requests (--direct)
     direct_endpoint: str = "tcp://127.0.0.1:*"   # where the direct socket binds (loopback only: it has no CURVE)
+    lanes: str = "auto"                     # requests through shared memory too: auto = as direct (--lanes)
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
     log_level: str = "INFO"
@@ -95,8 +96,9 @@ class WorkerConfig:
         # answers it ~0.2 ms sooner than one woken from sleep (device run, fourteenth session, call 4); a CPU
         # worker's forward is too slow for that to matter, and its cores are the tests'.
         poll = self.poll_us if self.poll_us is not None else (POLL_US_CUDA if on_cuda else 0)
+        lanes = self.lanes if self.lanes != "auto" else ("on" if direct == "on" and lane.supported() else "off")
         return dataclasses.replace(self, max_batch=max_batch, compute_timeout=timeout, data_requests=data,
-                                   direct=direct, poll_us=poll,
+                                   direct=direct, poll_us=poll, lanes=lanes,
                                    credit=self.credit if self.credit is not None else max(2, 2 * max_batch),
                                    mode=self.mode or ("graph-cached" if on_cuda else "eager"))
 
@@ -109,6 +111,10 @@ class WorkerConfig:
             return f"--direct must be auto, on or off (got {self.direct!r}); check LAYA_DIRECT"
         if self.direct == "on" and self.keys:
             return "--direct on with --keys: the direct socket has no CURVE authentication (not built); --direct off"
+        if self.lanes not in ("auto", "on", "off"):
+            return f"--lanes must be auto, on or off (got {self.lanes!r}); check LAYA_LANES"
+        if self.lanes == "on" and not lane.supported():
+            return "--lanes on: this host has none (they need x86-64 Linux and a writable /dev/shm); --lanes off"
         if not wire.is_loopback(self.direct_endpoint):
             return (f"--direct-endpoint {self.direct_endpoint!r} is beyond loopback: the direct socket has no CURVE "
                     "authentication, so it binds on loopback or ipc:// only")
@@ -152,7 +158,8 @@ class Worker:
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
                                  max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us,
                                  heartbeat_ms=cfg.heartbeat_ms,
-                                 direct=cfg.direct_endpoint.replace("{id}", cfg.id) if cfg.direct == "on" else None)
+                                 direct=cfg.direct_endpoint.replace("{id}", cfg.id) if cfg.direct == "on" else None,
+                                 lanes=cfg.lanes == "on")
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
                                faults, inbox=self.inbox)
         self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
@@ -215,6 +222,7 @@ class Worker:
                 + self.inbox.malformed,
                 "outstanding": self.compute.outstanding(), "queued": self.inbox.qsize(),
                 "via_control": self.inbox.via_control, "direct": self.inbox.direct_taken,
+                "lanes": self.inbox.lanes.taken if self.inbox.lanes is not None else 0,
                 "unroutable": self.inbox.unroutable,
                 "runtime": self.compute.runtime_stats}
 
@@ -445,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direct-endpoint", default=os.environ.get("LAYA_DIRECT_ENDPOINT", d.direct_endpoint),
                    help="where the direct socket binds: loopback tcp (default tcp://127.0.0.1:*, a free port) or "
                         "ipc://; env LAYA_DIRECT_ENDPOINT")
+    p.add_argument("--lanes", default=os.environ.get("LAYA_LANES", d.lanes), choices=("auto", "on", "off"),
+                   help="on: clients on this host may send their requests through shared memory (protocol/lane.py) "
+                        "instead of the direct socket, while the data thread polls. auto (default): on with the "
+                        "direct socket on x86-64 Linux; env LAYA_LANES")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))

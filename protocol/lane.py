@@ -1,0 +1,248 @@
+"""Lanes: a request from a client to a worker on the same host, and its reply, through shared memory.
+
+Why: every ZeroMQ hop wakes two I/O threads. On the development CPU a ROUTER/DEALER round trip between two
+spinning processes takes 68-75 us (tcp or ipc), the same round trip through shared memory 1.8 us; on the H200 host
+the pool's two hops cost ~0.5 ms of the 0.64 ms it adds to a 1x48 forward (docs/PERF.md). A lane takes the sockets
+off the way of a request whose client and worker are both awake to see it.
+
+A lane is one file in /dev/shm that the client creates (mode 0600, a random name), names to the worker over its direct
+socket (`Cmd.LANE`), and unlinks once the worker has it open; it holds a header of int64 words, then the request area,
+then the reply area. One request at a time: the client writes the request's frames, then their length, then a new
+request number; the worker, which reads the number first, answers into the reply area the same way. Nothing here
+waits: the worker polls its lanes while it is awake (and says so in each lane's header, AWAKE), the client polls its
+lane while it waits (and says so, WAITING: a worker that answers a client no longer polling rings it over the direct
+socket). What a lane cannot carry (too large, the client not polling) goes over the sockets as before.
+
+The order of the writes is what makes a message whole for the reader: x86-64 keeps a core's stores in order and its
+loads in order, so lanes are offered on x86-64 Linux only (`supported`). Both ends of a lane belong to one user (the
+file's owner and mode are checked on open); what a lane carries is decoded with the wire protocol's bounds like any
+message.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import re
+import secrets
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .wire import ProtocolError, _bytes
+
+# The header's int64 words.
+REQ_SEQ, REQ_LEN, REP_SEQ, REP_LEN, AWAKE, WAITING, CLOSED, MAGIC_WORD = range(8)
+HEADER_BYTES = 64
+AREA_BYTES = 64 * 1024              # a 1x48 request is ~1 KB, its reply ~0.3 KB; larger ones take the sockets
+SIZE = HEADER_BYTES + 2 * AREA_BYTES
+MAGIC = 0x314E414C4159414C          # b"LAYALAN1", little-endian
+BY_SOCKET = -1                      # REP_LEN of a reply that went over the socket (the lane is free again)
+MAX_FRAMES = 16
+DIRECTORY = "/dev/shm"
+_NAME = re.compile(r"laya-lane-[0-9a-f]{16}")
+_U32 = struct.Struct("<I")
+
+
+def supported() -> bool:
+    """Whether this host can have lanes (see the module docstring)."""
+    return (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+            and os.path.isdir(DIRECTORY) and os.access(DIRECTORY, os.W_OK))
+
+
+def valid_name(name: Any) -> bool:
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def lane_rid(name: str) -> str:
+    """The request id of a lane's own messages (LANE: open it; back: opened, refused, or a ring), the lane's name: apart
+    from every request's id (a client's are integers)."""
+    return f"lane:{name[:40]}"
+
+
+def lane_of(rid: Any) -> str | None:
+    """The lane's name in a `lane_rid`, else None."""
+    return rid[5:] if isinstance(rid, str) and rid.startswith("lane:") else None
+
+
+def pack_frames(frames: Sequence[Any], area: memoryview) -> int | None:
+    """Write `frames` into `area` (a count, then each frame's length and bytes); their size, or None: no room."""
+    views = [memoryview(_bytes(f)).cast("B") for f in frames]
+    size = 4 + sum(4 + v.nbytes for v in views)
+    if size > len(area) or len(views) > MAX_FRAMES:
+        return None
+    _U32.pack_into(area, 0, len(views))
+    at = 4
+    for v in views:
+        _U32.pack_into(area, at, v.nbytes)
+        area[at + 4: at + 4 + v.nbytes] = v
+        at += 4 + v.nbytes
+    return size
+
+
+def unpack_frames(area: memoryview, size: int) -> list[bytes]:
+    """The frames `pack_frames` wrote (copies: the area is written again by the next message); a ProtocolError
+    names what is wrong with anything else."""
+    if not 4 <= size <= len(area):
+        raise ProtocolError("lane", f"a message of {size} bytes in an area of {len(area)}")
+    count = _U32.unpack_from(area, 0)[0]
+    if not 1 <= count <= MAX_FRAMES:
+        raise ProtocolError("lane", f"{count} frames (1..{MAX_FRAMES})")
+    frames, at = [], 4
+    for _ in range(count):
+        if at + 4 > size:
+            raise ProtocolError("lane", "the frames run past the message's size")
+        n = _U32.unpack_from(area, at)[0]
+        if at + 4 + n > size:
+            raise ProtocolError("lane", "the frames run past the message's size")
+        frames.append(bytes(area[at + 4: at + 4 + n]))
+        at += 4 + n
+    if at != size:
+        raise ProtocolError("lane", f"{size - at} bytes after the last frame")
+    return frames
+
+
+class Lane:
+    """One lane, mapped. The client `create`s it and calls `ask` / `answer`; the worker `open`s it and calls `asked`
+    / `reply`. Either may `close` its mapping; the other's stays valid."""
+
+    def __init__(self, name: str, fd: int):
+        self.name = name
+        try:
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self.words = np.frombuffer(self._map, dtype=np.int64, count=8)
+        view = memoryview(self._map)
+        self.request = view[HEADER_BYTES: HEADER_BYTES + AREA_BYTES]
+        self.reply_area = view[HEADER_BYTES + AREA_BYTES: SIZE]
+        self._view = view
+        self.seen = 0               # the worker: the last request number it took
+        self.identity: bytes | None = None    # the worker: the client's identity on its direct socket
+
+    # -- the client ------------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls) -> Lane:
+        name = f"laya-lane-{secrets.token_hex(8)}"
+        fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, SIZE)
+        except OSError:
+            os.close(fd)
+            raise
+        lane = cls(name, fd)
+        lane.words[MAGIC_WORD] = MAGIC
+        return lane
+
+    def unlink(self) -> None:
+        """The name goes (both mappings stay): done once the worker has the lane open, and on close."""
+        try:
+            os.unlink(os.path.join(DIRECTORY, self.name))
+        except FileNotFoundError:
+            pass
+
+    def free(self) -> bool:
+        """No request of ours is waiting for its answer here."""
+        return int(self.words[REP_SEQ]) == int(self.words[REQ_SEQ])
+
+    def worker_awake(self) -> bool:
+        return bool(self.words[AWAKE])
+
+    def ask(self, frames: Sequence[Any]) -> int | None:
+        """Write a request; its number, or None: it does not fit (send it over the socket)."""
+        size = pack_frames(frames, self.request)
+        if size is None:
+            return None
+        seq = int(self.words[REQ_SEQ]) + 1
+        self.words[REQ_LEN] = size
+        self.words[REQ_SEQ] = seq          # last: the worker reads this first
+        return seq
+
+    def answer(self) -> list[bytes] | None:
+        """The reply to our request once it is here ([] when it went over the socket), else None."""
+        seq = int(self.words[REP_SEQ])
+        if seq != int(self.words[REQ_SEQ]) or seq == 0:
+            return None
+        size = int(self.words[REP_LEN])
+        return [] if size == BY_SOCKET else unpack_frames(self.reply_area, size)
+
+    def waiting(self, on: bool) -> None:
+        self.words[WAITING] = int(on)
+
+    # -- the worker ------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, name: Any) -> Lane:
+        """A client's lane, checked: our name pattern, a regular file of ours that nobody else may read, its size
+        and its magic number. A ProtocolError (field "lane") says which check failed."""
+        if not valid_name(name):
+            raise ProtocolError("lane", f"not a lane's name: {str(name)[:40]!r}")
+        try:
+            fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise ProtocolError("lane", f"cannot open {name}: {e.strerror}") from e
+        st = os.fstat(fd)
+        why = None
+        if st.st_uid != os.getuid():
+            why = "it belongs to another user"
+        elif st.st_mode & 0o077:
+            why = f"others may read or write it (mode {st.st_mode & 0o777:o})"
+        elif st.st_size != SIZE:
+            why = f"its size is {st.st_size}, not {SIZE}"
+        if why is not None:
+            os.close(fd)
+            raise ProtocolError("lane", f"{name}: {why}")
+        lane = cls(name, fd)
+        if int(lane.words[MAGIC_WORD]) != MAGIC:
+            lane.close()
+            raise ProtocolError("lane", f"{name}: not a lane (magic number)")
+        lane.seen = int(lane.words[REQ_SEQ])
+        return lane
+
+    def asked(self) -> list[bytes] | None:
+        """A new request's frames, else None. Its number is taken either way: a malformed request raises once."""
+        seq = int(self.words[REQ_SEQ])
+        if seq == self.seen:
+            return None
+        self.seen = seq
+        return unpack_frames(self.request, int(self.words[REQ_LEN]))
+
+    def reply(self, frames: Sequence[Any] | None) -> bool:
+        """Answer the request taken last: its frames, or None when they went over the socket. False: they do not fit
+        (send them over the socket, then call `reply(None)`)."""
+        if frames is None:
+            size = BY_SOCKET
+        else:
+            size = pack_frames(frames, self.reply_area)
+            if size is None:
+                return False
+        self.words[REP_LEN] = size
+        self.words[REP_SEQ] = self.seen      # last: the client reads this first
+        return True
+
+    def client_waiting(self) -> bool:
+        return bool(self.words[WAITING])
+
+    def closed(self) -> bool:
+        """The client closed the lane (or this end's mapping is gone)."""
+        return self._map.closed or bool(self.words[CLOSED])
+
+    def mapped(self) -> bool:
+        return not self._map.closed
+
+    def set_awake(self, on: bool) -> None:
+        self.words[AWAKE] = int(on)
+
+    # -- both --------------------------------------------------------------------------------------------------
+    def close(self, *, say: bool = False) -> None:
+        """Drop this end's mapping; `say`: tell the other end first (the client, leaving)."""
+        if self._map.closed:
+            return
+        if say:
+            self.words[CLOSED] = 1
+        del self.words
+        for v in (self.request, self.reply_area, self._view):
+            v.release()
+        self._map.close()

@@ -1,0 +1,238 @@
+"""Lanes (protocol/lane.py, worker/lanes.py): real shared memory between two mappings, the checks a worker makes
+before it maps a client's lane, and a live pool whose clients send on lanes (results, bad input, kill -9)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import make_rows, wait_until
+from laya_pool.client.pool import Client, local_pool
+from laya_pool.protocol import lane as ln
+from laya_pool.protocol import wire
+from laya_pool.protocol.lane import Lane, pack_frames, unpack_frames
+from laya_pool.worker.lanes import Lanes
+
+pytestmark = pytest.mark.skipif(not ln.supported(), reason="lanes need x86-64 Linux and /dev/shm")
+
+
+@pytest.fixture
+def pair():
+    """A client's lane and the worker's mapping of it (the name unlinked, as once a worker has it)."""
+    client = Lane.create()
+    worker = Lane.open(client.name)
+    client.unlink()
+    yield client, worker
+    worker.close()
+    client.close()
+
+
+def test_frames_go_through_an_area_whole_and_what_does_not_fit_is_refused():
+    area = memoryview(bytearray(256))
+    frames = [b"LAYA", b"\x02", np.arange(5, dtype=np.int32), memoryview(b"tail")]
+    size = pack_frames(frames, area)
+    assert unpack_frames(area, size) == [b"LAYA", b"\x02", np.arange(5, dtype=np.int32).tobytes(), b"tail"]
+    assert pack_frames([b"x" * 300], area) is None
+    assert pack_frames([b""] * (ln.MAX_FRAMES + 1), area) is None
+
+
+@pytest.mark.parametrize("size, count, why", [(2, 1, "a message of 2 bytes"), (8, 0, "0 frames"),
+                                              (8, 1, "run past"), (20, 1, "bytes after the last frame")])
+def test_a_broken_area_is_a_protocol_error_naming_the_lane(size, count, why):
+    area = memoryview(bytearray(64))
+    area[:4] = count.to_bytes(4, "little")
+    area[4:8] = (6 if size == 8 else 4).to_bytes(4, "little")
+    with pytest.raises(wire.ProtocolError) as e:
+        unpack_frames(area, size)
+    assert e.value.field == "lane" and why in e.value.message
+
+
+def test_a_request_and_its_answer_cross_the_lane(pair):
+    client, worker = pair
+    assert client.free() and worker.asked() is None and client.answer() is None
+    frames = wire.encode(wire.Cmd.HEARTBEAT, {"rid": 1})
+    assert client.ask(frames) == 1
+    assert not client.free()
+    assert worker.asked() == [bytes(f) for f in frames]
+    assert worker.asked() is None                      # taken once
+    assert client.answer() is None                     # not answered yet
+    worker.reply([b"answer", b"two"])
+    assert client.free() and client.answer() == [b"answer", b"two"]
+    client.ask([b"next"])
+    worker.asked()
+    assert worker.reply([b"z" * (ln.AREA_BYTES + 1)]) is False and not client.free()   # too large: the socket's
+    worker.reply(None)
+    assert client.free() and client.answer() == []
+
+
+def test_the_flags_are_seen_across_the_mappings(pair):
+    client, worker = pair
+    assert not client.worker_awake() and not worker.client_waiting() and not worker.closed()
+    worker.set_awake(True)
+    client.waiting(True)
+    assert client.worker_awake() and worker.client_waiting()
+    client.close(say=True)
+    assert worker.closed()
+
+
+def test_a_worker_maps_only_a_private_lane_of_its_own_user(tmp_path):
+    for name in ("../etc/passwd", "laya-lane-XYZ", 7, None):
+        with pytest.raises(wire.ProtocolError, match="not a lane's name"):
+            Lane.open(name)
+    with pytest.raises(wire.ProtocolError, match="cannot open"):
+        Lane.open("laya-lane-0123456789abcdef")
+    lane = Lane.create()
+    path = os.path.join(ln.DIRECTORY, lane.name)
+    try:
+        os.chmod(path, 0o644)
+        with pytest.raises(wire.ProtocolError, match="others may read"):
+            Lane.open(lane.name)
+        os.chmod(path, 0o600)
+        os.truncate(path, ln.SIZE + 8)
+        with pytest.raises(wire.ProtocolError, match="its size"):
+            Lane.open(lane.name)
+        os.truncate(path, ln.SIZE)
+        lane.words[ln.MAGIC_WORD] = 0
+        with pytest.raises(wire.ProtocolError, match="magic"):
+            Lane.open(lane.name)
+        lane.words[ln.MAGIC_WORD] = ln.MAGIC
+        Lane.open(lane.name).close()                   # and the good one opens
+    finally:
+        lane.unlink()
+        lane.close()
+
+
+def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bounded():
+    lanes = Lanes(limit=2)
+    made = [Lane.create() for _ in range(3)]
+    try:
+        a, b, c = made
+        lanes.attach(a.name, b"A")
+        lanes.attach(b.name, b"B")
+        lanes.set_awake(True)
+        assert a.worker_awake() and b.worker_awake()
+        assert lanes.take() is None
+        b.ask([b"from b"])
+        lane, frames = lanes.take()
+        assert (lane.identity, frames, lanes.taken) == (b"B", [b"from b"], 1)
+        lanes.attach(c.name, b"C")                     # full: a, the least recently used, goes
+        assert sorted(lanes.open) == sorted([b.name, c.name]) and lanes.evicted == 1
+        assert c.worker_awake()                       # a new lane learns the state at once
+        c.ask([b"broken"])
+        c.request[:4] = (99).to_bytes(4, "little")   # a count no lane message has
+        lane, err = lanes.take()
+        assert lane.identity == b"C" and isinstance(err, wire.ProtocolError) and err.field == "lane"
+        b.close(say=True)
+        assert lanes.take() is None and list(lanes.open) == [c.name]
+        lanes.forget(b"C")
+        assert len(lanes) == 0
+    finally:
+        lanes.close()
+        for x in made:
+            x.unlink()
+            x.close()
+
+
+# -- a live pool --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lane_pool(tiny_ckpt, tmp_path_factory):
+    """Two CPU workers taking requests on their data threads, directly and on lanes; each polls 0.2 s after a reply
+    (a CUDA worker's 2 ms is shorter than a CPU forward), so a closed loop's next request finds it awake."""
+    log = tmp_path_factory.mktemp("lanes") / "pool.log"
+    env = {"LAYA_DATA_REQUESTS": "on", "LAYA_DIRECT": "on", "LAYA_LANES": "on", "LAYA_WORKER_POLL_US": "200000"}
+    with local_pool(tiny_ckpt, "cpu", workers_per_device=2, log=log, env=env, startup_timeout=180) as pool:
+        yield pool
+    text = log.read_text()
+    assert pool.process.returncode == 0 and "Traceback" not in text, text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_ckpt):
+    import torch
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime
+    torch.set_num_threads(1)
+    return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
+
+
+def _reference(runtime, rows):
+    from laya_pool.worker.batch import Batch
+    return runtime.run(Batch.from_rows(rows)).logits
+
+
+def _lanes_open(c: Client) -> bool:
+    c.ping()                  # the table, and the lanes' answers read by the client's poll
+    return len(c._routes.routes) == 2 and all(r.lane_open for r in c._routes.routes.values())
+
+
+def test_a_closed_loop_goes_on_lanes_with_the_same_answers(lane_pool, runtime):
+    rows = make_rows(11)
+    want = _reference(runtime, rows)
+    with Client(lane_pool.endpoint, timeout=30) as c:
+        c.forward(rows)
+        wait_until(lambda: _lanes_open(c), 30, "the lanes never opened")
+        for _ in range(12):
+            np.testing.assert_allclose(c.forward(rows).flat, want, rtol=1e-5, atol=1e-5)
+        assert c._routes.on_lanes >= 8, (c._routes.on_lanes, c._routes.sent)
+        names = [r.lane.name for r in c._routes.routes.values()]
+    assert not any(os.path.exists(os.path.join(ln.DIRECTORY, n)) for n in names)     # nothing left in /dev/shm
+
+    def counted():
+        ws = lane_pool.status()["workers"]
+        return sum(w.get("stats", {}).get("lanes", 0) for w in ws) >= 8
+    wait_until(counted, 30, "the workers never counted their lanes' requests")
+
+
+def test_a_bad_message_on_a_lane_is_refused_naming_the_field_and_the_worker_keeps_serving(lane_pool, runtime):
+    rows = make_rows(12)
+    with Client(lane_pool.endpoint, timeout=30) as c:
+        c.forward(rows)
+        wait_until(lambda: _lanes_open(c), 30, "the lanes never opened")
+        r = next(iter(c._routes.routes.values()))
+        wait_until(r.lane.worker_awake, 30, "the worker never polled its lanes")
+        for frames, field in (([b"LAYA9", b"\x02", b"\x80"], "version"),
+                              (wire.encode_request(5, wire.pack_rows(rows)), "cid")):
+            r.lane.ask(frames)
+            wait_until(r.lane.free, 30, "no answer on the lane")
+            err = wire.decode(r.lane.answer())
+            assert err.header["status"] == "final" and err.header["error"]["field"] == field, err.header
+        np.testing.assert_allclose(c.forward(rows).flat, _reference(runtime, rows), rtol=1e-5, atol=1e-5)
+
+
+def test_kill_9_of_a_worker_answering_on_a_lane(lane_pool, runtime):
+    """The lane's request is lost with its worker: the route's connection drops and the call goes again through the
+    broker, at once, to the other worker; the right answer, nothing lost."""
+    rows = make_rows(13, 16, 256)
+    want = _reference(runtime, rows)
+    pids = {w["id"]: w["pid"] for w in lane_pool.status()["workers"]}
+    with Client(lane_pool.endpoint, timeout=60, retries=6) as c:
+        c.forward(make_rows(14))
+        wait_until(lambda: _lanes_open(c), 30, "the lanes never opened")
+        routes = c._routes
+        for _ in range(20):       # until a call is on a lane when the kill comes
+            got: dict = {}
+            call = threading.Thread(target=lambda got=got: got.setdefault("r", c.forward(rows)))
+            call.start()
+            deadline = time.monotonic() + 30
+            on_lane: list = []
+            while not on_lane and call.is_alive() and time.monotonic() < deadline:
+                on_lane = list(routes.waiting)        # (the call's thread changes it)
+                time.sleep(0.0005)
+            if on_lane:
+                os.kill(pids[on_lane[0].worker], signal.SIGKILL)
+                killed = time.monotonic()
+                break
+            call.join(60)
+        else:
+            pytest.fail("no call went on a lane")
+        call.join(60)
+        # At once: not after the attempt's share of the deadline (60 s over 7 attempts)
+        assert time.monotonic() - killed < 5.0
+        np.testing.assert_allclose(got["r"].flat, want, rtol=1e-5, atol=1e-5)
+        assert c._routes.dropped >= 1
+    wait_until(lambda: sum(w["state"] == "ready" for w in lane_pool.status()["workers"]) == 2, 90,
+               "the killed worker never came back")

@@ -1,0 +1,77 @@
+"""The lanes clients on this host opened to the worker's data thread (protocol/lane.py): which are open, which has a
+request, and telling them all whether the thread is polling. The data thread's alone; no sockets here (the inbox
+answers and rings), so it is tested with real lanes and no pool."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from laya_pool.protocol.lane import Lane
+from laya_pool.protocol.wire import ProtocolError
+
+MAX_LANES = 64          # mapped at once (128 KB each): the oldest-used goes first when a new one comes
+
+
+class Lanes:
+    def __init__(self, limit: int = MAX_LANES):
+        self.limit = limit
+        self.open: OrderedDict[str, Lane] = OrderedDict()     # by name, least recently used first
+        self.awake = False
+        self.taken = 0            # requests read from lanes
+        self.evicted = 0          # lanes closed to make room
+
+    def attach(self, name: object, identity: bytes) -> Lane:
+        """Open a client's lane (a ProtocolError says why not); `identity`: the client on the direct socket, where
+        what the lane cannot carry goes."""
+        lane = Lane.open(name)
+        lane.identity = identity
+        lane.set_awake(self.awake)
+        old = self.open.pop(lane.name, None)
+        if old is not None:
+            old.close()
+        while len(self.open) >= self.limit:
+            _, oldest = self.open.popitem(last=False)
+            oldest.close()
+            self.evicted += 1
+        self.open[lane.name] = lane
+        return lane
+
+    def take(self) -> tuple[Lane, list[bytes] | ProtocolError] | None:
+        """The first lane with a new request, and its frames (or why they are not a message); None: none has one.
+        A lane whose client closed it is closed here."""
+        for name, lane in list(self.open.items()):
+            if lane.closed():
+                self.open.pop(name)
+                lane.close()
+                continue
+            try:
+                frames = lane.asked()
+            except ProtocolError as e:
+                return lane, e
+            if frames is not None:
+                self.taken += 1
+                self.open.move_to_end(name)
+                return lane, frames
+        return None
+
+    def set_awake(self, on: bool) -> None:
+        """Whether the data thread polls the lanes now: a client sends on a lane only while it does."""
+        if on != self.awake:
+            self.awake = on
+            for lane in self.open.values():
+                lane.set_awake(on)
+
+    def forget(self, identity: bytes) -> None:
+        """The client `identity` is gone from the direct socket: close its lanes."""
+        for name, lane in list(self.open.items()):
+            if lane.identity == identity:
+                self.open.pop(name)
+                lane.close()
+
+    def __len__(self) -> int:
+        return len(self.open)
+
+    def close(self) -> None:
+        self.set_awake(False)
+        for lane in self.open.values():
+            lane.close()
+        self.open.clear()
