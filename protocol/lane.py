@@ -30,8 +30,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from .wire import ProtocolError, _bytes
 
 # The header's int64 words.
@@ -69,17 +67,19 @@ def lane_of(rid: Any) -> str | None:
 
 
 def pack_frames(frames: Sequence[Any], area: memoryview) -> int | None:
-    """Write `frames` into `area` (a count, then each frame's length and bytes); their size, or None: no room."""
-    views = [memoryview(_bytes(f)).cast("B") for f in frames]
-    size = 4 + sum(4 + v.nbytes for v in views)
-    if size > len(area) or len(views) > MAX_FRAMES:
+    """Write `frames` into `area`: their count and lengths (u32 each), then their bytes back to back. Their size, or
+    None: no room."""
+    count = len(frames)
+    if not 1 <= count <= MAX_FRAMES:
         return None
-    _U32.pack_into(area, 0, len(views))
-    at = 4
-    for v in views:
-        _U32.pack_into(area, at, v.nbytes)
-        area[at + 4: at + 4 + v.nbytes] = v
-        at += 4 + v.nbytes
+    blob = b"".join(frames if all(type(f) is bytes for f in frames) else [_bytes(f) for f in frames])
+    lengths = [len(f) if type(f) is bytes else memoryview(_bytes(f)).nbytes for f in frames]
+    head = struct.pack(f"<{count + 1}I", count, *lengths)
+    size = len(head) + len(blob)
+    if size > len(area):
+        return None
+    area[: len(head)] = head
+    area[len(head): size] = blob
     return size
 
 
@@ -91,17 +91,17 @@ def unpack_frames(area: memoryview, size: int) -> list[bytes]:
     count = _U32.unpack_from(area, 0)[0]
     if not 1 <= count <= MAX_FRAMES:
         raise ProtocolError("lane", f"{count} frames (1..{MAX_FRAMES})")
-    frames, at = [], 4
-    for _ in range(count):
-        if at + 4 > size:
-            raise ProtocolError("lane", "the frames run past the message's size")
-        n = _U32.unpack_from(area, at)[0]
-        if at + 4 + n > size:
-            raise ProtocolError("lane", "the frames run past the message's size")
-        frames.append(bytes(area[at + 4: at + 4 + n]))
-        at += 4 + n
-    if at != size:
-        raise ProtocolError("lane", f"{size - at} bytes after the last frame")
+    at = 4 * (count + 1)
+    if at > size:
+        raise ProtocolError("lane", "the frames' lengths run past the message's size")
+    lengths = struct.unpack_from(f"<{count}I", area, 4)
+    if at + sum(lengths) != size:
+        raise ProtocolError("lane", f"frames of {sum(lengths)} bytes in a message of {size - at} after its lengths")
+    blob = bytes(area[at: size])
+    frames, pos = [], 0
+    for n in lengths:
+        frames.append(blob[pos: pos + n])
+        pos += n
     return frames
 
 
@@ -115,8 +115,8 @@ class Lane:
             self._map = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
-        self.words = np.frombuffer(self._map, dtype=np.int64, count=8)
         view = memoryview(self._map)
+        self.words = view[:HEADER_BYTES].cast("q")     # int64 words; reading one gives a Python int at once
         self.request = view[HEADER_BYTES: HEADER_BYTES + AREA_BYTES]
         self.reply_area = view[HEADER_BYTES + AREA_BYTES: SIZE]
         self._view = view
@@ -146,7 +146,7 @@ class Lane:
 
     def free(self) -> bool:
         """No request of ours is waiting for its answer here."""
-        return int(self.words[REP_SEQ]) == int(self.words[REQ_SEQ])
+        return self.words[REP_SEQ] == self.words[REQ_SEQ]
 
     def worker_awake(self) -> bool:
         return bool(self.words[AWAKE])
@@ -156,17 +156,17 @@ class Lane:
         size = pack_frames(frames, self.request)
         if size is None:
             return None
-        seq = int(self.words[REQ_SEQ]) + 1
+        seq = self.words[REQ_SEQ] + 1
         self.words[REQ_LEN] = size
         self.words[REQ_SEQ] = seq          # last: the worker reads this first
         return seq
 
     def answer(self) -> list[bytes] | None:
         """The reply to our request once it is here ([] when it went over the socket), else None."""
-        seq = int(self.words[REP_SEQ])
-        if seq != int(self.words[REQ_SEQ]) or seq == 0:
+        seq = self.words[REP_SEQ]
+        if seq != self.words[REQ_SEQ] or seq == 0:
             return None
-        size = int(self.words[REP_LEN])
+        size = self.words[REP_LEN]
         return [] if size == BY_SOCKET else unpack_frames(self.reply_area, size)
 
     def waiting(self, on: bool) -> None:
@@ -195,19 +195,19 @@ class Lane:
             os.close(fd)
             raise ProtocolError("lane", f"{name}: {why}")
         lane = cls(name, fd)
-        if int(lane.words[MAGIC_WORD]) != MAGIC:
+        if lane.words[MAGIC_WORD] != MAGIC:
             lane.close()
             raise ProtocolError("lane", f"{name}: not a lane (magic number)")
-        lane.seen = int(lane.words[REQ_SEQ])
+        lane.seen = lane.words[REQ_SEQ]
         return lane
 
     def asked(self) -> list[bytes] | None:
         """A new request's frames, else None. Its number is taken either way: a malformed request raises once."""
-        seq = int(self.words[REQ_SEQ])
+        seq = self.words[REQ_SEQ]
         if seq == self.seen:
             return None
         self.seen = seq
-        return unpack_frames(self.request, int(self.words[REQ_LEN]))
+        return unpack_frames(self.request, self.words[REQ_LEN])
 
     def reply(self, frames: Sequence[Any] | None) -> bool:
         """Answer the request taken last: its frames, or None when they went over the socket. False: they do not fit
@@ -242,7 +242,6 @@ class Lane:
             return
         if say:
             self.words[CLOSED] = 1
-        del self.words
-        for v in (self.request, self.reply_area, self._view):
+        for v in (self.words, self.request, self.reply_area, self._view):
             v.release()
         self._map.close()

@@ -40,11 +40,11 @@ def test_frames_go_through_an_area_whole_and_what_does_not_fit_is_refused():
 
 
 @pytest.mark.parametrize("size, count, why", [(2, 1, "a message of 2 bytes"), (8, 0, "0 frames"),
-                                              (8, 1, "run past"), (20, 1, "bytes after the last frame")])
+                                              (8, 3, "lengths run past"), (20, 1, "frames of 4 bytes in a message of 12")])
 def test_a_broken_area_is_a_protocol_error_naming_the_lane(size, count, why):
     area = memoryview(bytearray(64))
     area[:4] = count.to_bytes(4, "little")
-    area[4:8] = (6 if size == 8 else 4).to_bytes(4, "little")
+    area[4:8] = (4).to_bytes(4, "little")           # the first frame's length
     with pytest.raises(wire.ProtocolError) as e:
         unpack_frames(area, size)
     assert e.value.field == "lane" and why in e.value.message

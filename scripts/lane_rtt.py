@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""One round trip between two processes: through a lane (protocol/lane.py, both ends polling) against a
+ROUTER/DEALER pair (tcp and ipc; each end polling, or sleeping in its poll), with a 1x48 request's and reply's sizes.
+
+    python3 scripts/lane_rtt.py [--samples 3000]
+
+What the pool's two direct hops cost beyond the work at either end (docs/architecture.md, "The data path", item 4).
+Prints p50 / p95 in microseconds per configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+
+import zmq
+
+# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from laya_pool.protocol.lane import Lane  # noqa: E402
+
+REQUEST = [b"LAYA1", b"\x02", b"h" * 120, b"r" * 900]       # ~ a 1x48 request's frames
+REPLY = [b"LAYA1", b"\x03", b"h" * 200, b"l" * 64, b"a" * 16]
+
+
+def _socket_end(endpoint: str, spin: bool) -> None:
+    s = zmq.Context().socket(zmq.ROUTER)
+    s.bind(endpoint)
+    poller = zmq.Poller()
+    poller.register(s, zmq.POLLIN)
+    while True:
+        while not poller.poll(0 if spin else 1000):
+            pass
+        frames = s.recv_multipart()
+        if frames[1] == b"stop":
+            return
+        s.send_multipart([frames[0], *REPLY])
+
+
+def _lane_end(name: str) -> None:
+    lane = Lane.open(name)
+    lane.set_awake(True)          # the other end asks once it sees this (as a client waits for the worker's yes)
+    while True:
+        frames = lane.asked()
+        if frames is None:
+            continue
+        if frames == [b"stop"]:
+            lane.reply([b"ok"])
+            lane.close()
+            return
+        lane.reply(REPLY)
+
+
+def _summary(label: str, ts: list[float]) -> None:
+    ts.sort()
+    print(f"{label:44s} p50 {ts[len(ts) // 2]:8.1f} us   p95 {ts[int(0.95 * (len(ts) - 1))]:8.1f} us", flush=True)
+
+
+def sockets(endpoint: str, spin_server: bool, spin_client: bool, samples: int) -> list[float]:
+    end = mp.Process(target=_socket_end, args=(endpoint, spin_server))
+    end.start()
+    c = zmq.Context().socket(zmq.DEALER)
+    c.connect(endpoint)
+    poller = zmq.Poller()
+    poller.register(c, zmq.POLLIN)
+    ts = []
+    for i in range(samples + 200):
+        t = time.perf_counter()
+        c.send_multipart(REQUEST)
+        while not poller.poll(0 if spin_client else 1000):
+            pass
+        c.recv_multipart()
+        if i >= 200:
+            ts.append((time.perf_counter() - t) * 1e6)
+    c.send_multipart([b"stop"])
+    end.join()
+    c.close(0)
+    return ts
+
+
+def lane(samples: int) -> list[float]:
+    mine = Lane.create()
+    end = mp.Process(target=_lane_end, args=(mine.name,))
+    end.start()
+    ts = []
+    try:
+        while not mine.worker_awake():
+            time.sleep(0.001)
+        for i in range(samples + 200):
+            t = time.perf_counter()
+            mine.ask(REQUEST)
+            while not mine.free():
+                pass
+            mine.answer()
+            if i >= 200:
+                ts.append((time.perf_counter() - t) * 1e6)
+        mine.ask([b"stop"])
+        end.join()
+    finally:
+        mine.unlink()
+        mine.close()
+    return ts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--samples", type=int, default=3000)
+    a = ap.parse_args()
+    print(f"{os.cpu_count()} cores; one round trip, request {sum(map(len, REQUEST))} B, reply {sum(map(len, REPLY))} B")
+    _summary("lane, both ends polling", lane(a.samples))
+    with tempfile.TemporaryDirectory() as d:
+        for endpoint, kind in (("tcp://127.0.0.1:*", "tcp"), (f"ipc://{d}/rtt", "ipc")):
+            for spin_server, spin_client in ((True, True), (True, False), (False, False)):
+                if endpoint.endswith("*"):
+                    with zmq.Context().socket(zmq.ROUTER) as probe:     # a free port for the other end to bind
+                        probe.bind(endpoint)
+                        ep = probe.getsockopt_string(zmq.LAST_ENDPOINT)
+                else:
+                    ep = endpoint
+                ends = f"{'polling' if spin_server else 'sleeping'} worker, {'polling' if spin_client else 'sleeping'}"
+                _summary(f"{kind} sockets, {ends} client", sockets(ep, spin_server, spin_client, a.samples))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
