@@ -16,10 +16,10 @@ itself: it also throws away a reply that came just before the connection dropped
 request and left), and that reply must count.
 
 Lanes (protocol/lane.py; the blocking client's, `lanes=True`): each route also asks its worker to take requests
-through shared memory. A first attempt goes on the route's lane when the worker said yes, the lane is free (one
-request at a time) and the worker polls its lanes now; else on the socket as before. Everything else about an
-attempt is the same: the same request id, the same retries, the same loss when the connection drops (the lane
-closes with it).
+through shared memory (again after its connection came back). A first attempt goes on the route's lane when the
+worker said yes, the lane is free (one request at a time) and the worker polls its lanes now; else on the socket as
+before. Everything else about an attempt is the same: the same request id, the same retries, the same loss when the
+connection drops or the worker closes the lane (`take_lost`: re-sent at once through the broker).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class Route:
     lane: Lane | None = None  # asked for (or open, `lane_open`) on this worker
     lane_open: bool = False   # the worker took the lane
     lane_rid: int | None = None   # the request on the lane, until its answer is read
+    lane_refused: bool = False    # the worker refused or closed a lane: this route asks for none again
 
 
 def pick(routes: Sequence[Route], turn: int) -> Route | None:
@@ -106,6 +107,7 @@ class Routes:
         self.lanes = lanes and supported()
         self.on_lanes = 0         # attempts that went on a lane
         self.waiting: list[Route] = []     # routes whose lane carries a request not yet answered
+        self.lost: list[int] = []          # requests on lanes their worker closed (`take_lost`)
 
     def due(self, now: float) -> bool:
         return now >= self.next_ask
@@ -137,13 +139,8 @@ class Routes:
         r = self.choose()
         if r is None:
             return False
-        if r.lane_open and r.lane_rid is None and r.lane.free() and r.lane.worker_awake():
-            if r.lane.ask(frames) is not None:
-                r.lane_rid = rid
-                self.waiting.append(r)
-                self.on_lanes += 1
-                self.took(r, rid)
-                return True
+        if r.lane_open and r.lane_rid is None and self._on_lane(r, rid, frames):
+            return True
         try:
             wire.send_frames(r.sock, frames, copy=False)
         except zmq.Again:           # its queue is full (SEND_HWM)
@@ -183,6 +180,9 @@ class Routes:
         r = self.by_rid.pop(rid, None)
         if r is not None:
             r.outstanding.discard(rid)
+            if r.lane_rid == rid:     # its answer may still come on the lane: the next `usable` waits for it
+                self.waiting.remove(r)
+                r.lane_rid = None
             if blame:
                 self._fail(r)
 
@@ -197,6 +197,8 @@ class Routes:
                 return lost
             if r is not None and ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 r.connected = True
+                if self.lanes and r.lane is None and not r.lane_refused:
+                    self._ask_lane(r)         # the connection came back (the first is asked for at `_open`)
             elif r is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
                 r.connected = False
                 lost.extend(r.outstanding)
@@ -209,19 +211,54 @@ class Routes:
 
     # -- lanes (the blocking client's) -----------------------------------------------------------------------
     def lane_ready(self) -> bool:
-        """A lane has its request's answer."""
-        return any(r.lane.free() for r in self.waiting)
+        """A lane has its request's answer, or its worker closed it."""
+        return any(r.lane.free() or r.lane.gone() for r in self.waiting)
 
     def answers(self) -> list[list[bytes]]:
-        """The answers the lanes have (each a message's frames; what went over a socket instead comes there)."""
+        """The answers the lanes have (each a message's frames; what went over a socket instead comes there); a
+        request on a lane its worker closed unanswered is lost (`take_lost`)."""
         out = []
-        for r in [r for r in self.waiting if r.lane.free()]:
+        for r in [r for r in self.waiting if r.lane.free() or r.lane.gone()]:
             self.waiting.remove(r)
-            r.lane_rid = None
+            rid, r.lane_rid = r.lane_rid, None
             frames = r.lane.answer()
             if frames:
                 out.append(frames)
+            elif frames is None:          # gone, unanswered
+                self.by_rid.pop(rid, None)
+                r.outstanding.discard(rid)
+                self.lost.append(rid)
+                self.dropped += 1
+            if r.lane.gone():
+                self._drop_lane(r, refused=True)
         return out
+
+    def take_lost(self) -> list[int]:
+        """Requests whose lane their worker closed before answering: re-send them (as a dropped connection's)."""
+        lost, self.lost = self.lost, []
+        return lost
+
+    def _on_lane(self, r: Route, rid: int, frames: list[Any]) -> bool:
+        """Request `rid`'s attempt on route `r`'s lane, if the lane can take it now."""
+        lane = r.lane
+        if lane.gone():
+            self._drop_lane(r, refused=True)
+            return False
+        if not lane.usable() or lane.ask(frames) is None:
+            return False
+        if not lane.worker_awake():       # it fell asleep as we wrote: wake it (module docstring of protocol/lane.py)
+            self._ring(r)
+        r.lane_rid = rid
+        self.waiting.append(r)
+        self.on_lanes += 1
+        self.took(r, rid)
+        return True
+
+    def _ring(self, r: Route) -> None:
+        try:
+            wire.send_frames(r.sock, wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "ring": True}))
+        except zmq.Again:
+            pass                      # its queue is full: it is awake enough
 
     def set_waiting(self, on: bool) -> None:
         """Tell the workers whether we poll our lanes (a worker rings a client that does not)."""
@@ -235,7 +272,8 @@ class Routes:
             self.lanes = False        # no room or no /dev/shm for us: sockets only
             return
         try:
-            wire.send_frames(r.sock, wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "lane": r.lane.name}))
+            wire.send_frames(r.sock, wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "lane": r.lane.name,
+                                                                 "secret": r.lane.secret()}))
         except zmq.Again:
             self._drop_lane(r)
 
@@ -245,18 +283,19 @@ class Routes:
             return                    # a ring: the answer is on the lane, read by whoever polls
         if header.get("status") == wire.STATUS_OK:
             r.lane_open = True
-            r.lane.unlink()           # both ends have it mapped: nothing is left behind if either dies
+            r.lane.unlink()           # (the worker did, having opened it: nothing is left behind if either dies)
         else:
-            self._drop_lane(r)        # this worker takes no lanes: its socket it is
+            self._drop_lane(r, refused=True)      # this worker takes no lanes: its socket it is
 
-    def _drop_lane(self, r: Route) -> None:
+    def _drop_lane(self, r: Route, refused: bool = False) -> None:
         if r.lane is None:
             return
         if r in self.waiting:
             self.waiting.remove(r)
-        r.lane.close(say=True)
         r.lane.unlink()
+        r.lane.close(say=True)
         r.lane, r.lane_open, r.lane_rid = None, False, None
+        r.lane_refused = r.lane_refused or refused
 
     def owner(self, sock: Any) -> Route | None:
         return self.by_socket.get(sock)

@@ -48,6 +48,7 @@ import numpy as np
 import zmq
 from laya_pool.protocol import contract, wire
 from laya_pool.protocol.contract import Reason, WorkerState
+from laya_pool.protocol.lane import NAP_MS
 from laya_pool.protocol.wire import Cmd
 from zmq.utils.monitor import recv_monitor_message
 
@@ -108,11 +109,10 @@ class ForwardResult:
 _RECONNECTED = object()     # `Client._wait`, `AsyncClient`'s waiters: the connection came back; re-send now
 _LANE = "lane"              # `Client._poll`: a lane has an answer (a key beside the ready sockets)
 # A request on a lane is waited for by polling its answer for up to this long, then by sleeping until the worker rings
-# (client/direct.py); one client a process polls so (`_SPINNER`): the others sleep at once. 5 ms covers a forward up
-# to 4x256 on the H200; longer ones are rung.
+# (client/direct.py); 5 ms covers a forward up to 4x256 on the H200; longer ones are rung. By default only in a
+# process of one thread: a polling thread holds the GIL, and another thread that wants it waits up to Python's
+# switch interval (5 ms) for it.
 LANE_SPIN_MS = 5.0
-LANE_NAP_MS = 2            # a sleeping waiter looks at its lanes this often (a ring may cross its going to sleep)
-_SPINNER = threading.Lock()
 
 
 def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str = "client") -> None:
@@ -570,8 +570,8 @@ class Client(_Base):
         `spin_ms`: wait for a reply by polling without sleeping for up to this long first (0: sleep at once). A
         thread that sleeps through a forward may wake 0.1-0.2 ms late (measured on our H200 host, docs/PERF.md,
         eleventh session); polling keeps it awake, at the price of a core (and of the GIL, in turns) while a call
-        waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if no other client of this process
-        polls now, sleep at once for anything else.
+        waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if this process has no other thread
+        (which the polling would keep from the GIL), sleep at once for anything else.
         `direct`: send a request's first attempt to a worker on this host that takes requests itself, if the pool
         has any (client/direct.py); every other attempt, and every other call, goes through the broker.
         `lanes`: ... and through shared memory when that worker takes it (protocol/lane.py)."""
@@ -876,10 +876,11 @@ class Client(_Base):
             self._routes.answered(rid)
 
     def _dropped(self, ready: dict[Any, int]) -> list[int]:
-        """Request ids whose worker's direct connection dropped (from the routes' monitors that are ready)."""
+        """Request ids whose worker's direct connection dropped (from the routes' monitors that are ready) or whose
+        worker closed the lane they were on."""
         if self._routes is None:
             return []
-        lost: list[int] = []
+        lost = self._routes.take_lost()               # on lanes their workers closed
         for s in ready:
             r = self._routes.owner(s)
             if r is not None and s is r.mon:
@@ -928,42 +929,40 @@ class Client(_Base):
         return dict(self._poller.poll(wait_ms))
 
     def _poll_lanes(self, wait_ms: int) -> dict[Any, int]:
-        """`_poll` with requests on lanes: their answers (`_LANE`) or the sockets ready within `wait_ms`. The lanes
-        are polled without sleeping for the spin (`spin_ms`), the sockets every 32 looks; then both, sleeping on the
-        sockets up to LANE_NAP_MS at a time."""
-        routes = self._routes
-        now = time.perf_counter()
-        deadline = now + wait_ms / 1000.0
-        spin = self.spin
-        token = self.spin_auto and _SPINNER.acquire(blocking=False)
-        if token:
-            spin = LANE_SPIN_MS / 1000.0
-        try:
-            if spin:
-                routes.set_waiting(True)
-                end = min(deadline, now + spin)
-                looks = 0
-                while True:
-                    if routes.lane_ready():
-                        return {_LANE: 1}
-                    looks += 1
-                    if looks % 32 == 0:
-                        ready = self._poller.poll(0)
-                        if ready:
-                            return self._with_lanes(ready)
-                        if time.perf_counter() >= end:
-                            break
-        finally:
-            routes.set_waiting(False)     # a worker answering from now on rings
-            if token:
-                _SPINNER.release()
+        """`_poll` with requests on lanes: their answers (`_LANE`) or the sockets ready within `wait_ms`, polling
+        first (`_spin_lanes`), then sleeping on the sockets protocol/lane.py's NAP_MS at a time."""
+        deadline = time.perf_counter() + wait_ms / 1000.0
+        spin = self.spin or (LANE_SPIN_MS / 1000.0 if self.spin_auto and threading.active_count() == 1 else 0.0)
+        if spin:
+            ready = self._spin_lanes(min(deadline, time.perf_counter() + spin))
+            if ready is not None:
+                return ready
         while True:
-            if routes.lane_ready():
+            if self._routes.lane_ready():
                 return {_LANE: 1}
             left = deadline - time.perf_counter()
-            ready = self._poller.poll(max(0, min(LANE_NAP_MS, int(left * 1000) + 1)) if left > 0 else 0)
+            ready = self._poller.poll(max(0, min(NAP_MS, int(left * 1000) + 1)) if left > 0 else 0)
             if ready or left <= 0:
                 return self._with_lanes(ready)
+
+    def _spin_lanes(self, end: float) -> dict[Any, int] | None:
+        """Poll the lanes without sleeping until `end`, the sockets every 32 looks; None: nothing came."""
+        routes = self._routes
+        routes.set_waiting(True)
+        try:
+            looks = 0
+            while True:
+                if routes.lane_ready():
+                    return {_LANE: 1}
+                looks += 1
+                if looks % 32 == 0:
+                    ready = self._poller.poll(0)
+                    if ready:
+                        return self._with_lanes(ready)
+                    if time.perf_counter() >= end:
+                        return None
+        finally:
+            routes.set_waiting(False)     # a worker answering from now on rings
 
     def _with_lanes(self, ready: list) -> dict[Any, int]:
         out = dict(ready)

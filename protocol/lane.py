@@ -1,30 +1,38 @@
 """Lanes: a request from a client to a worker on the same host, and its reply, through shared memory.
 
-Why: every ZeroMQ hop wakes two I/O threads. On the development CPU a ROUTER/DEALER round trip between two
-spinning processes takes 68-75 us (tcp or ipc), the same round trip through shared memory 1.8 us; on the H200 host
-the pool's two hops cost ~0.5 ms of the 0.64 ms it adds to a 1x48 forward (docs/PERF.md). A lane takes the sockets
-off the way of a request whose client and worker are both awake to see it.
+Why: every ZeroMQ hop wakes two I/O threads. On the development CPU a round trip between two processes takes 77-148 us
+through an ipc ROUTER/DEALER pair and 6.3 us through a lane (scripts/lane_rtt.py); on the H200 host the pool's two
+hops cost ~0.5 ms of the 0.64 ms it adds to a 1x48 forward (docs/PERF.md). A lane takes the sockets off the way of a
+request whose client and worker are both awake to see it.
 
-A lane is one file in /dev/shm that the client creates (mode 0600, a random name), names to the worker over its direct
-socket (`Cmd.LANE`), and unlinks once the worker has it open; it holds a header of int64 words, then the request area,
-then the reply area. One request at a time: the client writes the request's frames, then their length, then a new
-request number; the worker, which reads the number first, answers into the reply area the same way. Nothing here
-waits: the worker polls its lanes while it is awake (and says so in each lane's header, AWAKE), the client polls its
-lane while it waits (and says so, WAITING: a worker that answers a client no longer polling rings it over the direct
-socket). What a lane cannot carry (too large, the client not polling) goes over the sockets as before.
+A lane is one file in /dev/shm that the client creates (mode 0600, a random name, its blocks allocated so that a full
+/dev/shm is an error now and not a SIGBUS later) with a random secret in its header, and names to the worker over its
+direct socket (`Cmd.LANE`, with the secret: a process that cannot read the file cannot name it as its own); the
+worker checks it, maps it and unlinks the name, so nothing is left behind whichever process dies. It holds a header
+of int64 words, then the request area, then the reply area. One request at a time: the client writes the request's
+frames, then their length, then a new request number; the worker, which reads the number first, answers into the
+reply area the same way. Nothing here waits: the worker polls its lanes while it is awake (and says so in each lane's
+header, AWAKE), the client polls its lane while it waits (and says so, WAITING: a worker that answers a client no
+longer polling rings it over the direct socket). A worker that closes a lane (making room, leaving) says so (GONE):
+the client then counts what was on it as lost, as with a dropped connection. What a lane cannot carry (too large)
+goes over the sockets as before.
 
 The order of the writes is what makes a message whole for the reader: x86-64 keeps a core's stores in order and its
-loads in order, so lanes are offered on x86-64 Linux only (`supported`). Both ends of a lane belong to one user (the
-file's owner and mode are checked on open); what a lane carries is decoded with the wire protocol's bounds like any
-message.
+loads in order, so lanes are offered on x86-64 Linux only (`supported`). The flags are not exact: a store may wait in
+its core's buffer past a later load, so a client can see AWAKE an instant after the worker cleared it, or a worker see
+WAITING an instant after the client cleared it; each side's short naps (a sleeping worker looks once more 2 ms after
+it fell asleep, a sleeping client every 2 ms) bound what that costs. What a lane carries is decoded with the wire
+protocol's bounds like any message.
 """
 from __future__ import annotations
 
+import hmac
 import mmap
 import os
 import platform
 import re
 import secrets
+import stat
 import struct
 import sys
 from collections.abc import Sequence
@@ -32,14 +40,16 @@ from typing import Any
 
 from .wire import ProtocolError, _bytes
 
-# The header's int64 words.
-REQ_SEQ, REQ_LEN, REP_SEQ, REP_LEN, AWAKE, WAITING, CLOSED, MAGIC_WORD = range(8)
-HEADER_BYTES = 64
+# The header's int64 words, then the secret's bytes.
+REQ_SEQ, REQ_LEN, REP_SEQ, REP_LEN, AWAKE, WAITING, CLOSED, MAGIC_WORD, GONE = range(9)
+SECRET_AT, SECRET_BYTES = 96, 16
+HEADER_BYTES = 128
 AREA_BYTES = 64 * 1024              # a 1x48 request is ~1 KB, its reply ~0.3 KB; larger ones take the sockets
 SIZE = HEADER_BYTES + 2 * AREA_BYTES
-MAGIC = 0x314E414C4159414C          # b"LAYALAN1", little-endian
+MAGIC = 0x324E414C4159414C          # b"LAYALAN2", little-endian
 BY_SOCKET = -1                      # REP_LEN of a reply that went over the socket (the lane is free again)
 MAX_FRAMES = 16
+NAP_MS = 2                          # each side's nap that bounds what an inexact flag costs (module docstring)
 DIRECTORY = "/dev/shm"
 _NAME = re.compile(r"laya-lane-[0-9a-f]{16}")
 _U32 = struct.Struct("<I")
@@ -52,6 +62,7 @@ def supported() -> bool:
 
 
 def valid_name(name: Any) -> bool:
+    """A name `Lane.create` could have made (nothing else in /dev/shm is opened)."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
@@ -107,7 +118,7 @@ def unpack_frames(area: memoryview, size: int) -> list[bytes]:
 
 class Lane:
     """One lane, mapped. The client `create`s it and calls `ask` / `answer`; the worker `open`s it and calls `asked`
-    / `reply`. Either may `close` its mapping; the other's stays valid."""
+    / `reply`, and `leave`s it. Either may `close` its mapping; the other's stays valid."""
 
     def __init__(self, name: str, fd: int):
         self.name = name
@@ -120,25 +131,34 @@ class Lane:
         self.request = view[HEADER_BYTES: HEADER_BYTES + AREA_BYTES]
         self.reply_area = view[HEADER_BYTES + AREA_BYTES: SIZE]
         self._view = view
+        self._open = True
         self.seen = 0               # the worker: the last request number it took
         self.identity: bytes | None = None    # the worker: the client's identity on its direct socket
 
     # -- the client ------------------------------------------------------------------------------------------
     @classmethod
     def create(cls) -> Lane:
+        """A new lane (OSError: /dev/shm cannot hold it)."""
         name = f"laya-lane-{secrets.token_hex(8)}"
-        fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        path = os.path.join(DIRECTORY, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, SIZE)
+            os.posix_fallocate(fd, 0, SIZE)     # ENOSPC here, not a SIGBUS at the first write into a full tmpfs
         except OSError:
             os.close(fd)
+            os.unlink(path)
             raise
         lane = cls(name, fd)
         lane.words[MAGIC_WORD] = MAGIC
+        lane._view[SECRET_AT: SECRET_AT + SECRET_BYTES] = secrets.token_bytes(SECRET_BYTES)
         return lane
 
+    def secret(self) -> str:
+        """What the worker must be told with the name (hex)."""
+        return bytes(self._view[SECRET_AT: SECRET_AT + SECRET_BYTES]).hex()
+
     def unlink(self) -> None:
-        """The name goes (both mappings stay): done once the worker has the lane open, and on close."""
+        """The name goes (the mappings stay)."""
         try:
             os.unlink(os.path.join(DIRECTORY, self.name))
         except FileNotFoundError:
@@ -148,8 +168,16 @@ class Lane:
         """No request of ours is waiting for its answer here."""
         return self.words[REP_SEQ] == self.words[REQ_SEQ]
 
+    def usable(self) -> bool:
+        """Free, and the worker polls its lanes now (see the module docstring for what "now" means)."""
+        return self.words[REP_SEQ] == self.words[REQ_SEQ] and self.words[AWAKE] == 1 and not self.words[GONE]
+
     def worker_awake(self) -> bool:
-        return bool(self.words[AWAKE])
+        return self.words[AWAKE] == 1
+
+    def gone(self) -> bool:
+        """The worker closed the lane: nothing on it will be answered here."""
+        return bool(self.words[GONE])
 
     def ask(self, frames: Sequence[Any]) -> int | None:
         """Write a request; its number, or None: it does not fit (send it over the socket)."""
@@ -170,34 +198,45 @@ class Lane:
         return [] if size == BY_SOCKET else unpack_frames(self.reply_area, size)
 
     def waiting(self, on: bool) -> None:
+        """Whether we poll the lane for the answer now (else the worker rings)."""
         self.words[WAITING] = int(on)
 
     # -- the worker ------------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, name: Any) -> Lane:
-        """A client's lane, checked: our name pattern, a regular file of ours that nobody else may read, its size
-        and its magic number. A ProtocolError (field "lane") says which check failed."""
+    def open(cls, name: Any, secret: Any) -> Lane:
+        """A client's lane, checked: our name pattern, a regular file of ours that nobody else may read, its size, its
+        blocks, its magic number and the client's secret; then its name is unlinked. A ProtocolError (field "lane")
+        says which check failed."""
         if not valid_name(name):
             raise ProtocolError("lane", f"not a lane's name: {str(name)[:40]!r}")
         try:
-            fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             raise ProtocolError("lane", f"cannot open {name}: {e.strerror}") from e
         st = os.fstat(fd)
         why = None
-        if st.st_uid != os.getuid():
+        if not stat.S_ISREG(st.st_mode):
+            why = "not a regular file"
+        elif st.st_uid != os.getuid():
             why = "it belongs to another user"
         elif st.st_mode & 0o077:
             why = f"others may read or write it (mode {st.st_mode & 0o777:o})"
         elif st.st_size != SIZE:
             why = f"its size is {st.st_size}, not {SIZE}"
+        elif st.st_blocks * 512 < SIZE:
+            why = "its memory is not allocated"
         if why is not None:
             os.close(fd)
             raise ProtocolError("lane", f"{name}: {why}")
         lane = cls(name, fd)
         if lane.words[MAGIC_WORD] != MAGIC:
+            why = "not a lane (magic number)"
+        elif not (isinstance(secret, str) and hmac.compare_digest(secret, lane.secret())):
+            why = "the secret does not match"
+        if why is not None:
             lane.close()
-            raise ProtocolError("lane", f"{name}: not a lane (magic number)")
+            raise ProtocolError("lane", f"{name}: {why}")
+        lane.unlink()
         lane.seen = lane.words[REQ_SEQ]
         return lane
 
@@ -227,21 +266,34 @@ class Lane:
 
     def closed(self) -> bool:
         """The client closed the lane (or this end's mapping is gone)."""
-        return self._map.closed or bool(self.words[CLOSED])
+        return not self._open or bool(self.words[CLOSED])
 
     def mapped(self) -> bool:
-        return not self._map.closed
+        return self._open
 
     def set_awake(self, on: bool) -> None:
+        """Whether we poll the lanes now (a client sends on a lane only then)."""
         self.words[AWAKE] = int(on)
+
+    def leave(self) -> None:
+        """Close the lane from the worker's side, saying so first (the client counts what is on it as lost)."""
+        if self.mapped():
+            self.words[AWAKE] = 0
+            self.words[GONE] = 1
+        self.close()
 
     # -- both --------------------------------------------------------------------------------------------------
     def close(self, *, say: bool = False) -> None:
-        """Drop this end's mapping; `say`: tell the other end first (the client, leaving)."""
-        if self._map.closed:
+        """Drop this end's mapping; `say`: tell the other end first (the client, leaving). A mapping still exported
+        elsewhere (a view someone kept) stays until it is collected."""
+        if not self._open:
             return
         if say:
             self.words[CLOSED] = 1
+        self._open = False
         for v in (self.words, self.request, self.reply_area, self._view):
             v.release()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass

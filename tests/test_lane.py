@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(not ln.supported(), reason="lanes need x86-64 Li
 def pair():
     """A client's lane and the worker's mapping of it (the name unlinked, as once a worker has it)."""
     client = Lane.create()
-    worker = Lane.open(client.name)
-    client.unlink()
+    worker = Lane.open(client.name, client.secret())
+    assert not os.path.exists(os.path.join(ln.DIRECTORY, client.name))      # the worker unlinked it
     yield client, worker
     worker.close()
     client.close()
@@ -39,8 +39,8 @@ def test_frames_go_through_an_area_whole_and_what_does_not_fit_is_refused():
     assert pack_frames([b""] * (ln.MAX_FRAMES + 1), area) is None
 
 
-@pytest.mark.parametrize("size, count, why", [(2, 1, "a message of 2 bytes"), (8, 0, "0 frames"),
-                                              (8, 3, "lengths run past"), (20, 1, "frames of 4 bytes in a message of 12")])
+@pytest.mark.parametrize("size, count, why", [(2, 1, "a message of 2 bytes"), (8, 0, "0 frames"), (8, 3, "lengths run"),
+                                              (20, 1, "frames of 4 bytes in a message of 12")])
 def test_a_broken_area_is_a_protocol_error_naming_the_lane(size, count, why):
     area = memoryview(bytearray(64))
     area[:4] = count.to_bytes(4, "little")
@@ -70,39 +70,59 @@ def test_a_request_and_its_answer_cross_the_lane(pair):
 
 def test_the_flags_are_seen_across_the_mappings(pair):
     client, worker = pair
-    assert not client.worker_awake() and not worker.client_waiting() and not worker.closed()
+    assert not client.usable() and not worker.client_waiting() and not worker.closed()
     worker.set_awake(True)
     client.waiting(True)
-    assert client.worker_awake() and worker.client_waiting()
+    assert client.usable() and worker.client_waiting()
+    client.ask([b"x"])
+    assert not client.usable()                         # one request at a time
+    worker.asked()
+    worker.leave()                                     # the worker closes it: the client is told
+    assert client.gone() and not client.worker_awake() and client.answer() is None
+
+
+def test_a_client_that_leaves_says_so(pair):
+    client, worker = pair
     client.close(say=True)
-    assert worker.closed()
+    assert worker.closed() and worker.mapped()
 
 
-def test_a_worker_maps_only_a_private_lane_of_its_own_user(tmp_path):
+def test_a_worker_maps_only_a_private_lane_of_its_own_user_named_with_its_secret():
     for name in ("../etc/passwd", "laya-lane-XYZ", 7, None):
         with pytest.raises(wire.ProtocolError, match="not a lane's name"):
-            Lane.open(name)
+            Lane.open(name, "")
     with pytest.raises(wire.ProtocolError, match="cannot open"):
-        Lane.open("laya-lane-0123456789abcdef")
+        Lane.open("laya-lane-0123456789abcdef", "")
     lane = Lane.create()
     path = os.path.join(ln.DIRECTORY, lane.name)
+    secret = lane.secret()
     try:
         os.chmod(path, 0o644)
         with pytest.raises(wire.ProtocolError, match="others may read"):
-            Lane.open(lane.name)
+            Lane.open(lane.name, secret)
         os.chmod(path, 0o600)
         os.truncate(path, ln.SIZE + 8)
         with pytest.raises(wire.ProtocolError, match="its size"):
-            Lane.open(lane.name)
+            Lane.open(lane.name, secret)
         os.truncate(path, ln.SIZE)
         lane.words[ln.MAGIC_WORD] = 0
         with pytest.raises(wire.ProtocolError, match="magic"):
-            Lane.open(lane.name)
+            Lane.open(lane.name, secret)
         lane.words[ln.MAGIC_WORD] = ln.MAGIC
-        Lane.open(lane.name).close()                   # and the good one opens
+        for wrong in ("00" * ln.SECRET_BYTES, secret[:-2], None):      # someone who only saw the name
+            with pytest.raises(wire.ProtocolError, match="secret"):
+                Lane.open(lane.name, wrong)
+        Lane.open(lane.name, secret).close()           # and the good one opens
+        assert not os.path.exists(path)
     finally:
         lane.unlink()
         lane.close()
+    os.mkfifo(path, 0o600)
+    try:
+        with pytest.raises(wire.ProtocolError, match="not a regular file"):
+            Lane.open(lane.name, secret)
+    finally:
+        os.unlink(path)
 
 
 def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bounded():
@@ -110,16 +130,19 @@ def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bound
     made = [Lane.create() for _ in range(3)]
     try:
         a, b, c = made
-        lanes.attach(a.name, b"A")
-        lanes.attach(b.name, b"B")
+        lanes.attach(a.name, a.secret(), b"A")
+        with pytest.raises(wire.ProtocolError, match="open already"):
+            lanes.attach(a.name, a.secret(), b"X")    # nobody takes a lane over
+        lanes.attach(b.name, b.secret(), b"B")
         lanes.set_awake(True)
         assert a.worker_awake() and b.worker_awake()
         assert lanes.take() is None
         b.ask([b"from b"])
         lane, frames = lanes.take()
         assert (lane.identity, frames, lanes.taken) == (b"B", [b"from b"], 1)
-        lanes.attach(c.name, b"C")                     # full: a, the least recently used, goes
+        lanes.attach(c.name, c.secret(), b"C")         # full: a, the least recently used, goes, and says so
         assert sorted(lanes.open) == sorted([b.name, c.name]) and lanes.evicted == 1
+        assert a.gone() and not a.worker_awake() and not b.gone()
         assert c.worker_awake()                       # a new lane learns the state at once
         c.ask([b"broken"])
         c.request[:4] = (99).to_bytes(4, "little")   # a count no lane message has
@@ -128,12 +151,38 @@ def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bound
         b.close(say=True)
         assert lanes.take() is None and list(lanes.open) == [c.name]
         lanes.forget(b"C")
-        assert len(lanes) == 0
+        assert len(lanes) == 0 and c.gone()
     finally:
         lanes.close()
         for x in made:
             x.unlink()
             x.close()
+
+
+def test_a_request_on_a_lane_its_worker_closed_is_lost_and_resent():
+    """client/direct.py's side of GONE: the request comes back from `take_lost` (the client re-sends it through the
+    broker at once) and the route asks for no lane again."""
+    import zmq
+    from laya_pool.client.direct import Route, Routes
+    routes = Routes(zmq.Context.instance(), None, 1 << 20, host="here", lanes=True)
+    mine = Lane.create()
+    sock = routes.ctx.socket(zmq.DEALER)             # connected to nobody: a send that misses the lane is refused
+    r = Route("w", "tcp://127.0.0.1:1", sock=sock, lane=mine, lane_open=True, connected=True)
+    routes.routes["w"] = r
+    theirs = Lane.open(mine.name, mine.secret())
+    try:
+        assert routes.send(5, [b"req"]) is False       # the worker does not poll its lanes: the socket's (refused)
+        theirs.set_awake(True)
+        assert routes.send(5, [b"req"]) and routes.on_lanes == 1 and routes.waiting == [r]
+        assert theirs.asked() == [b"req"]
+        assert not routes.lane_ready()
+        theirs.leave()
+        assert routes.lane_ready() and routes.answers() == []
+        assert routes.take_lost() == [5] and routes.take_lost() == [] and routes.dropped == 1
+        assert r.lane is None and r.lane_refused and routes.waiting == [] and 5 not in r.outstanding
+    finally:
+        sock.close(0)
+        mine.unlink()
 
 
 # -- a live pool --------------------------------------------------------------------------------------------------
@@ -172,14 +221,13 @@ def _lanes_open(c: Client) -> bool:
 def test_a_closed_loop_goes_on_lanes_with_the_same_answers(lane_pool, runtime):
     rows = make_rows(11)
     want = _reference(runtime, rows)
-    with Client(lane_pool.endpoint, timeout=30) as c:
-        c.forward(rows)
-        wait_until(lambda: _lanes_open(c), 30, "the lanes never opened")
-        for _ in range(12):
-            np.testing.assert_allclose(c.forward(rows).flat, want, rtol=1e-5, atol=1e-5)
-        assert c._routes.on_lanes >= 8, (c._routes.on_lanes, c._routes.sent)
-        names = [r.lane.name for r in c._routes.routes.values()]
-    assert not any(os.path.exists(os.path.join(ln.DIRECTORY, n)) for n in names)     # nothing left in /dev/shm
+    for spin_ms in (None, 0):         # polling for the answer, and sleeping until the worker rings
+        with Client(lane_pool.endpoint, timeout=30, spin_ms=spin_ms) as c:
+            c.forward(rows)
+            wait_until(lambda c=c: _lanes_open(c), 30, "the lanes never opened")
+            for _ in range(12):
+                np.testing.assert_allclose(c.forward(rows).flat, want, rtol=1e-5, atol=1e-5)
+            assert c._routes.on_lanes >= 8, (spin_ms, c._routes.on_lanes, c._routes.sent)
 
     def counted():
         ws = lane_pool.status()["workers"]

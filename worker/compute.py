@@ -56,10 +56,10 @@ class Queued:
     req: wire.Request
     received: float       # time.monotonic() when the I/O thread decoded it
     expires: float | None = None   # when its caller gives up (this host's monotonic clock); None: no deadline
-    to: bytes | None = None        # a client's own request: its identity on the direct socket (None: the broker's)
+    to: Any = None     # a client's own request: its identity on the direct socket, or its lane (None: the broker's)
 
     @classmethod
-    def of(cls, session: int, req: wire.Request, received: float, to: bytes | None = None) -> Queued:
+    def of(cls, session: int, req: wire.Request, received: float, to: Any = None) -> Queued:
         """`req` as it arrived at `received`: its budget (the caller's time left) counts from then."""
         expires = None if req.budget_ms is None else received + req.budget_ms / 1e3
         return cls(session, req, received, expires, to)
@@ -120,12 +120,12 @@ class Compute:
         answered = self.answered
         return self.taken - answered
 
-    def reply(self, frames: list[Any], to: bytes | None = None) -> None:
+    def reply(self, frames: list[Any], to: Any = None) -> None:
         """Send one reply: to the broker, or (`to`) to the client that sent the request here itself."""
         self.answered += 1
         self._send(frames, to)
 
-    def intake(self, msg: wire.Message, received: float, to: bytes | None = None) -> Queued | None:
+    def intake(self, msg: wire.Message, received: float, to: Any = None) -> Queued | None:
         """A REQUEST message, received at `received` (from the broker, or from the client `to` on the direct
         socket): the request to run, or None when it was answered here (the worker is stopping, or the message is
         not a well-formed request). Either way it gets one reply."""

@@ -20,8 +20,9 @@ request arrives a round trip later), then blocks in `zmq.poll` until a message o
 Lanes (protocol/lane.py, `lanes=True`): a client on this host may also ask on the direct socket to send its requests
 through shared memory. The data thread reads its lanes with its sockets while it polls, tells them whether it is
 polling (a client sends on a lane only then), and answers a lane's request on the lane (ringing the client over the
-direct socket when it no longer polls its lane). While lanes are open a sleeping data thread wakes every
-`LANE_NAP_MS` to look at them: a client that saw it awake an instant before it fell asleep is not left waiting.
+direct socket when it no longer polls its lane). A data thread falling asleep with lanes open looks at them once
+more `NAP_MS` (protocol/lane.py) later (a client that saw it awake an instant before is not left waiting; one that
+sees it asleep after writing rings it), then sleeps until a message comes.
 """
 from __future__ import annotations
 
@@ -33,14 +34,13 @@ from typing import Any
 
 import zmq
 from laya_pool.protocol import wire
-from laya_pool.protocol.lane import Lane, lane_rid
+from laya_pool.protocol.lane import NAP_MS, Lane, lane_rid
 
 from .landing import Landed, LandingWatch
 from .lanes import Lanes
 
 log = logging.getLogger("laya-pool.worker")
 
-LANE_NAP_MS = 2             # the longest a sleeping data thread with open lanes goes without looking at them
 
 NOTHING = object()          # `get` found nothing before its timeout
 
@@ -203,15 +203,15 @@ class SocketInbox:
             if self.oldest() is not None or now < self.awake_until:
                 continue              # poll: a group is computing, or a reply just went out
             wait_ms = max(1, int((deadline - now) * 1e3))
-            if self.lanes is not None and len(self.lanes):
+            if self.lanes is not None and self.lanes.awake:
                 self.lanes.set_awake(False)
                 item = self._ready()          # a request written while the lanes still said awake
                 if item is not NOTHING:
                     self.lanes.set_awake(True)
                     return item
-                wait_ms = min(wait_ms, LANE_NAP_MS)
-            self.poller.poll(wait_ms)
-            if self.lanes is not None:
+                wait_ms = min(wait_ms, NAP_MS)     # and once more after a nap (see the module docstring)
+            woken = self.poller.poll(wait_ms)
+            if woken and self.lanes is not None:
                 self.lanes.set_awake(True)
             self._drain_wakes()
 
@@ -303,13 +303,16 @@ class SocketInbox:
                 return q
 
     def _open_lane(self, msg: wire.Message, to: bytes) -> None:
-        """A client's LANE: open its lane and say so, or say why not (it goes on over the socket)."""
+        """A client's LANE: open its lane and say so, or say why not (it goes on over the socket). A ring (a request
+        written on a lane as this thread fell asleep) asks for nothing: it woke the thread, which reads its lanes."""
+        if msg.header.get("ring") is True:
+            return
         name = msg.header.get("lane")
         rid = lane_rid(name if isinstance(name, str) else "")
         try:
             if self.lanes is None:
                 raise wire.ProtocolError("lane", "this worker takes no lanes (--lanes)")
-            self.lanes.attach(name, to)
+            self.lanes.attach(name, msg.header.get("secret"), to)
         except wire.ProtocolError as e:
             self.send(wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field), to)
             return

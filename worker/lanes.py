@@ -19,18 +19,17 @@ class Lanes:
         self.taken = 0            # requests read from lanes
         self.evicted = 0          # lanes closed to make room
 
-    def attach(self, name: object, identity: bytes) -> Lane:
+    def attach(self, name: object, secret: object, identity: bytes) -> Lane:
         """Open a client's lane (a ProtocolError says why not); `identity`: the client on the direct socket, where
-        what the lane cannot carry goes."""
-        lane = Lane.open(name)
+        what the lane cannot carry goes and where rings go."""
+        if name in self.open:
+            raise ProtocolError("lane", f"{name} is open already")
+        lane = Lane.open(name, secret)
         lane.identity = identity
         lane.set_awake(self.awake)
-        old = self.open.pop(lane.name, None)
-        if old is not None:
-            old.close()
         while len(self.open) >= self.limit:
             _, oldest = self.open.popitem(last=False)
-            oldest.close()
+            oldest.leave()            # its client counts what was on it as lost, and goes on over the socket
             self.evicted += 1
         self.open[lane.name] = lane
         return lane
@@ -65,13 +64,12 @@ class Lanes:
         for name, lane in list(self.open.items()):
             if lane.identity == identity:
                 self.open.pop(name)
-                lane.close()
+                lane.leave()
 
     def __len__(self) -> int:
         return len(self.open)
 
     def close(self) -> None:
-        self.set_awake(False)
         for lane in self.open.values():
-            lane.close()
+            lane.leave()
         self.open.clear()
