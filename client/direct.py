@@ -57,7 +57,7 @@ class Route:
     lane: Lane | None = None  # asked for (or open, `lane_open`) on this worker
     lane_open: bool = False   # the worker took the lane
     lane_rid: int | None = None   # the request on the lane, until its answer is read
-    lane_refused: bool = False    # the worker refused or closed a lane: this route asks for none again
+    lane_refused: bool = False    # the worker refused a lane (it takes none): this route asks for none again
 
 
 def pick(routes: Sequence[Route], turn: int) -> Route | None:
@@ -123,6 +123,8 @@ class Routes:
                 self._close(r)
             else:
                 r.up = True       # ready again by the broker's word (a dead one's connection stays down: unused)
+                if self.lanes and r.lane is None and r.connected and not r.lane_refused:
+                    self._ask_lane(r)     # its worker closed the last one (room, a restart): at most once a table
         for worker, endpoint in want.items():
             if worker not in self.routes:
                 self._open(worker, endpoint)
@@ -162,6 +164,7 @@ class Routes:
         if r is None:
             return
         r.outstanding.discard(rid)
+        self._unwait(r, rid)
         if status == wire.STATUS_RETRYABLE and reason in _LEAVING:
             self._fail(r)
 
@@ -180,9 +183,7 @@ class Routes:
         r = self.by_rid.pop(rid, None)
         if r is not None:
             r.outstanding.discard(rid)
-            if r.lane_rid == rid:     # its answer may still come on the lane: the next `usable` waits for it
-                self.waiting.remove(r)
-                r.lane_rid = None
+            self._unwait(r, rid)
             if blame:
                 self._fail(r)
 
@@ -230,8 +231,15 @@ class Routes:
                 self.lost.append(rid)
                 self.dropped += 1
             if r.lane.gone():
-                self._drop_lane(r, refused=True)
+                self._drop_lane(r)
         return out
+
+    def _unwait(self, r: Route, rid: int) -> None:
+        """Request `rid` is answered elsewhere or given up: stop waiting on its lane (an answer that still comes there
+        is never read; the next `usable` waits for it)."""
+        if r.lane_rid == rid:
+            self.waiting.remove(r)
+            r.lane_rid = None
 
     def take_lost(self) -> list[int]:
         """Requests whose lane their worker closed before answering: re-send them (as a dropped connection's)."""
@@ -242,7 +250,7 @@ class Routes:
         """Request `rid`'s attempt on route `r`'s lane, if the lane can take it now."""
         lane = r.lane
         if lane.gone():
-            self._drop_lane(r, refused=True)
+            self._drop_lane(r)            # asked for again with the next table (`asked`)
             return False
         if not lane.usable() or lane.ask(frames) is None:
             return False

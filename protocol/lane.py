@@ -35,6 +35,7 @@ import secrets
 import stat
 import struct
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,25 @@ def supported() -> bool:
 def valid_name(name: Any) -> bool:
     """A name `Lane.create` could have made (nothing else in /dev/shm is opened)."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def sweep(older_than_s: float = 60.0) -> int:
+    """Remove this user's lane files older than `older_than_s`: a worker unlinks a lane's name as it opens it, so a
+    name that old belongs to a client that died before any worker took its lane. How many went."""
+    gone = 0
+    now = time.time()
+    for name in os.listdir(DIRECTORY):
+        if not valid_name(name):
+            continue
+        path = os.path.join(DIRECTORY, name)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            if st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than_s:
+                os.unlink(path)
+                gone += 1
+        except OSError:
+            continue              # another sweeper, or its client, took it first
+    return gone
 
 
 def lane_rid(name: str) -> str:
@@ -231,7 +251,7 @@ class Lane:
         lane = cls(name, fd)
         if lane.words[MAGIC_WORD] != MAGIC:
             why = "not a lane (magic number)"
-        elif not (isinstance(secret, str) and hmac.compare_digest(secret, lane.secret())):
+        elif not (isinstance(secret, str) and secret.isascii() and hmac.compare_digest(secret, lane.secret())):
             why = "the secret does not match"
         if why is not None:
             lane.close()

@@ -81,6 +81,38 @@ def test_the_flags_are_seen_across_the_mappings(pair):
     assert client.gone() and not client.worker_awake() and client.answer() is None
 
 
+def test_a_retried_or_abandoned_request_stops_the_wait_on_its_lane(pair):
+    import zmq
+    from laya_pool.client.direct import Route, Routes
+    client, worker = pair
+    routes = Routes(zmq.Context.instance(), None, 1 << 20, host="here", lanes=True)
+    r = Route("w", "tcp://127.0.0.1:1", lane=client, lane_open=True, connected=True)
+    routes.routes["w"] = r
+    worker.set_awake(True)
+    for leave in (lambda: routes.detach(1), lambda: routes.answered(2)):
+        rid = 1 if not routes.on_lanes else 2
+        assert routes.send(rid, [b"q"]) and routes.waiting == [r]
+        leave()
+        assert routes.waiting == [] and r.lane_rid is None
+        assert not client.usable()                     # until the worker's late answer comes
+        worker.asked()
+        worker.reply([b"late"])
+        assert client.usable()
+
+
+def test_stale_lane_files_are_swept():
+    old, new = Lane.create(), Lane.create()
+    try:
+        os.utime(os.path.join(ln.DIRECTORY, old.name), (time.time() - 120, time.time() - 120))
+        assert ln.sweep(60.0) >= 1
+        assert not os.path.exists(os.path.join(ln.DIRECTORY, old.name))
+        assert os.path.exists(os.path.join(ln.DIRECTORY, new.name))
+    finally:
+        for x in (old, new):
+            x.unlink()
+            x.close()
+
+
 def test_a_client_that_leaves_says_so(pair):
     client, worker = pair
     client.close(say=True)
@@ -109,7 +141,7 @@ def test_a_worker_maps_only_a_private_lane_of_its_own_user_named_with_its_secret
         with pytest.raises(wire.ProtocolError, match="magic"):
             Lane.open(lane.name, secret)
         lane.words[ln.MAGIC_WORD] = ln.MAGIC
-        for wrong in ("00" * ln.SECRET_BYTES, secret[:-2], None):      # someone who only saw the name
+        for wrong in ("00" * ln.SECRET_BYTES, secret[:-2], None, "\u00e9" * 32):    # someone who only saw the name
             with pytest.raises(wire.ProtocolError, match="secret"):
                 Lane.open(lane.name, wrong)
         Lane.open(lane.name, secret).close()           # and the good one opens
@@ -161,7 +193,7 @@ def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bound
 
 def test_a_request_on_a_lane_its_worker_closed_is_lost_and_resent():
     """client/direct.py's side of GONE: the request comes back from `take_lost` (the client re-sends it through the
-    broker at once) and the route asks for no lane again."""
+    broker at once) and the route asks for a lane again with the next table."""
     import zmq
     from laya_pool.client.direct import Route, Routes
     routes = Routes(zmq.Context.instance(), None, 1 << 20, host="here", lanes=True)
@@ -179,7 +211,7 @@ def test_a_request_on_a_lane_its_worker_closed_is_lost_and_resent():
         theirs.leave()
         assert routes.lane_ready() and routes.answers() == []
         assert routes.take_lost() == [5] and routes.take_lost() == [] and routes.dropped == 1
-        assert r.lane is None and r.lane_refused and routes.waiting == [] and 5 not in r.outstanding
+        assert r.lane is None and not r.lane_refused and routes.waiting == [] and 5 not in r.outstanding
     finally:
         sock.close(0)
         mine.unlink()

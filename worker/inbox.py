@@ -183,7 +183,8 @@ class SocketInbox:
                 self.awake_until = time.monotonic() + self.poll_s
             return
         self.send(frames, lane.identity)
-        lane.reply(None)
+        if lane.mapped():             # (the send may have found its client gone and closed the lane)
+            lane.reply(None)
 
     def watch(self, flight: Any) -> None:
         pass                          # `get` polls the oldest launched group itself
@@ -196,6 +197,8 @@ class SocketInbox:
         while True:
             item = self._ready()
             if item is not NOTHING:
+                if self.lanes is not None:
+                    self.lanes.set_awake(True)    # (found after a nap: polling again)
                 return item
             now = time.monotonic()
             if now >= deadline:
@@ -235,13 +238,21 @@ class SocketInbox:
         return item
 
     def _receive(self) -> Any:
-        """The next request read from the data socket, then from the direct one, then from a lane, or NOTHING."""
-        item = self._receive_from(self.sock, direct=False)
-        if item is NOTHING and self.direct is not None:
-            item = self._receive_from(self.direct, direct=True)
-        if item is NOTHING and self.lanes is not None:
-            item = self._receive_lanes()
-        return item
+        """The next request read from the data socket, then from the direct one, then from a lane, or NOTHING. One
+        poll asks both sockets first: a receive that finds nothing raises, 3.6 us a socket on the development CPU,
+        where the poll takes 1.4 us for all (and a polling data thread asks thousands of times a forward)."""
+        ready = self.poller.poll(0)
+        if ready:
+            socks = dict(ready)
+            if socks.get(self.sock):
+                item = self._receive_from(self.sock, direct=False)
+                if item is not NOTHING:
+                    return item
+            if self.direct is not None and socks.get(self.direct):
+                item = self._receive_from(self.direct, direct=True)
+                if item is not NOTHING:
+                    return item
+        return self._receive_lanes() if self.lanes is not None else NOTHING
 
     def _receive_lanes(self) -> Any:
         while True:
@@ -315,6 +326,9 @@ class SocketInbox:
             self.lanes.attach(name, msg.header.get("secret"), to)
         except wire.ProtocolError as e:
             self.send(wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field), to)
+            return
+        except OSError as e:          # mapping it failed: no lane, and the data thread goes on
+            self.send(wire.encode_error(rid, wire.STATUS_FINAL, f"cannot map the lane: {e}", field="lane"), to)
             return
         self.send(wire.encode(wire.Cmd.LANE, {"rid": rid, "status": wire.STATUS_OK}), to)
 

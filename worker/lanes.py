@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from laya_pool.protocol.lane import Lane
+from laya_pool.protocol.lane import Lane, sweep
 from laya_pool.protocol.wire import ProtocolError
 
 MAX_LANES = 64          # mapped at once (128 KB each): the oldest-used goes first when a new one comes
@@ -13,6 +13,7 @@ MAX_LANES = 64          # mapped at once (128 KB each): the oldest-used goes fir
 
 class Lanes:
     def __init__(self, limit: int = MAX_LANES):
+        sweep()                   # what clients that died before any worker took their lanes left
         self.limit = limit
         self.open: OrderedDict[str, Lane] = OrderedDict()     # by name, least recently used first
         self.awake = False
