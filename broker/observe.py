@@ -25,6 +25,10 @@ READY = "ready"
 # Worker stats (from the worker process, in its heartbeats) exported as counters.
 WORKER_ERRORS = ("request_errors", "internal_errors", "upload_errors", "protocol_errors", "handed_back", "dropped",
                  "expired")
+# How a worker's data thread took its requests (stats keys -> the `path` label): clients' own, on the direct socket or
+# on a lane (docs/architecture.md, "The data path"), and those the I/O thread handed over; the rest came on its data
+# socket from the broker.
+WORKER_PATHS = {"direct": "direct", "lanes": "lane", "via_control": "control"}
 GRAPH_CACHE_EVENTS = ("hits", "misses", "captures", "evictions", "fallbacks", "oversized", "capture_failures",
                       "request_path_captures", "covered", "deferred", "idle_captures")
 
@@ -139,6 +143,8 @@ class PoolObserver:
         t.feed("worker_merged_requests", {"worker": wid}, epoch, stats.get("merged_requests"))
         for kind in WORKER_ERRORS:
             t.feed("worker_errors", {"worker": wid, "kind": kind}, epoch, stats.get(kind))
+        for key, path in WORKER_PATHS.items():
+            t.feed("worker_taken", {"worker": wid, "path": path}, epoch, stats.get(key))
         cache = (stats.get("runtime") or {}).get("cache") or {}
         for event in GRAPH_CACHE_EVENTS:
             t.feed("worker_graph_cache", {"worker": wid, "event": event}, epoch, cache.get(event))
@@ -206,6 +212,9 @@ class PoolObserver:
                 ("worker_merged_runs", "forwards that merged more than one request"),
                 ("worker_merged_requests", "requests that ran inside merged forwards"),
                 ("worker_errors", "errors inside a worker, by kind"),
+                ("worker_taken", "request messages a worker's data thread took other than from the broker's data "
+                                 "socket, by path (direct: a client's on the direct socket; lane: a client's through "
+                                 "shared memory; control: handed over by the I/O thread)"),
                 ("worker_graph_cache", "CUDA graph cache events of a worker (hits, misses, captures, ...)")):
             yield _counter(name, text, t.series(name))
         restarts = view.get("worker_restarts", {})
