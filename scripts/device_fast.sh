@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -33,6 +33,9 @@ for step in ${*:-probe tests}; do
             | grep -vE "Warning|warn" | tee "$OUT/cold${COLD_TAG:-}.log" \
             | grep -E "capturing=True|last launches|capture error|FAILED|fails|RAISED|FAULT|PHASE|OVERWRITTEN|allocations|File .*kernels" | head -40 ;;
     peer) bash scripts/device_peer.sh ;;
+    lanes) # a round trip on this host through a lane against sockets, then the pool's overhead with lanes and without
+          timeout 120 python3 scripts/lane_rtt.py 2>&1 | tee "$OUT/lane_rtt.log"
+          for l in on off; do echo "-- LAYA_LANES=$l"; LAYA_LANES=$l bash "$0" overhead; done ;;
     overhead) # the pool's overhead at 1x48, split by part (up, queue, launch, device wait, wake, down)
           timeout ${OVERHEAD_TIMEOUT:-200} python3 scripts/overhead.py --model /tmp/large --device cuda --samples 200 \
             ${CLIENT_SPIN_MS:+--client-spin-ms $CLIENT_SPIN_MS} --pool-args "${POOL_ARGS:-}" \
