@@ -181,6 +181,8 @@ def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
     stats = st["workers"][0]["stats"]
     assert stats["via_control"] == 0, stats
     assert st["broker"]["counters"].get("routed_to_control", 0) == 0, st["broker"]["counters"]
-    assert direct >= 3 and stats["direct"] >= direct, (direct, stats)     # all but a first, before its connection
-    print(f"\nCUDA pool: {stats['received']} requests on the data thread ({stats['direct']} sent to it directly), "
-          f"merged runs {stats['merged_runs']}")
+    # All but a first, before its connection; on the direct socket or, once the worker took the client's lane (a CUDA
+    # worker's default on x86-64 Linux: protocol/lane.py), through shared memory.
+    assert direct >= 3 and stats["direct"] + stats["lanes"] >= direct, (direct, stats)
+    print(f"\nCUDA pool: {stats['received']} requests on the data thread ({stats['direct']} sent to it directly, "
+          f"{stats['lanes']} on lanes), merged runs {stats['merged_runs']}")
