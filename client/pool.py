@@ -68,7 +68,7 @@ from .errors import (
     RequestFailed,
 )
 from .retry import Action, Attempts, RetryPolicy, Step, reply_error
-from .state import in_background
+from .state import alone, in_background
 from .watch import EVENTS, ConnectionWatch
 
 __all__ = ["Client", "AsyncClient", "ForwardResult", "LocalPool", "local_pool", "PoolError", "RequestFailed",
@@ -109,9 +109,9 @@ class ForwardResult:
 _RECONNECTED = object()     # `Client._wait`, `AsyncClient`'s waiters: the connection came back; re-send now
 _LANE = "lane"              # `Client._poll`: a lane has an answer (a key beside the ready sockets)
 # A request on a lane is waited for by polling its answer for up to this long, then by sleeping until the worker rings
-# (client/direct.py); 5 ms covers a forward up to 4x256 on the H200; longer ones are rung. By default only in a
-# process of one thread: a polling thread holds the GIL, and another thread that wants it waits up to Python's
-# switch interval (5 ms) for it.
+# (client/direct.py); 5 ms covers a forward up to 4x256 on the H200; longer ones are rung. By default only when no
+# other Python thread could want the GIL (client/state.py `alone`): a polling thread holds it, and another thread
+# that wants it waits up to Python's switch interval (5 ms) for it.
 LANE_SPIN_MS = 5.0
 
 
@@ -570,8 +570,8 @@ class Client(_Base):
         `spin_ms`: wait for a reply by polling without sleeping for up to this long first (0: sleep at once). A
         thread that sleeps through a forward may wake 0.1-0.2 ms late (measured on our H200 host, docs/PERF.md,
         eleventh session); polling keeps it awake, at the price of a core (and of the GIL, in turns) while a call
-        waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if this process has no other thread
-        (which the polling would keep from the GIL), sleep at once for anything else.
+        waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if no other thread of this process could
+        want the GIL (which the polling would keep from it), sleep at once for anything else.
         `direct`: send a request's first attempt to a worker on this host that takes requests itself, if the pool
         has any (client/direct.py); every other attempt, and every other call, goes through the broker.
         `lanes`: ... and through shared memory when that worker takes it (protocol/lane.py)."""
@@ -932,7 +932,7 @@ class Client(_Base):
         """`_poll` with requests on lanes: their answers (`_LANE`) or the sockets ready within `wait_ms`, polling
         first (`_spin_lanes`), then sleeping on the sockets protocol/lane.py's NAP_MS at a time."""
         deadline = time.perf_counter() + wait_ms / 1000.0
-        spin = self.spin or (LANE_SPIN_MS / 1000.0 if self.spin_auto and threading.active_count() == 1 else 0.0)
+        spin = self.spin or (LANE_SPIN_MS / 1000.0 if self.spin_auto and alone() else 0.0)
         if spin:
             ready = self._spin_lanes(min(deadline, time.perf_counter() + spin))
             if ready is not None:

@@ -111,6 +111,7 @@ class WindowPolicy:
 
 _executor: tuple[int, ThreadPoolExecutor] | None = None
 _executor_lock = threading.Lock()
+_THREAD = "laya-state-tokens"
 
 
 def _background() -> ThreadPoolExecutor:
@@ -118,13 +119,45 @@ def _background() -> ThreadPoolExecutor:
     global _executor
     with _executor_lock:
         if _executor is None or _executor[0] != os.getpid():
-            _executor = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="laya-state-tokens"))
+            _executor = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix=_THREAD))
         return _executor[1]
+
+
+_queued = 0                 # tasks given to the tokenizing thread and not finished (`alone`)
+
+
+def _submit(fn: Callable[..., Any], *args: Any) -> Future:
+    global _queued
+    with _executor_lock:
+        _queued += 1
+    try:
+        f = _background().submit(fn, *args)
+    except BaseException:
+        _finished(None)
+        raise
+    f.add_done_callback(_finished)
+    return f
+
+
+def _finished(_: Future | None) -> None:
+    global _queued
+    with _executor_lock:
+        _queued -= 1
+
+
+def alone() -> bool:
+    """Whether no other Python thread of this process could want the GIL now: the caller's is the only one, but for
+    this module's tokenizing thread with nothing to do (a client polling for its answer holds the GIL; client/pool.py
+    `Client._poll_lanes`)."""
+    if _queued:
+        return False
+    ours = sum(t.name.startswith(_THREAD) for t in threading.enumerate())
+    return threading.active_count() - ours == 1
 
 
 def in_background(fn: Callable[..., Any], *args: Any) -> Future:
     """`fn(*args)` on the tokenizing thread (so an asyncio caller can await a long tokenization)."""
-    return _background().submit(fn, *args)
+    return _submit(fn, *args)
 
 
 @dataclass
@@ -145,7 +178,7 @@ class StateTokens:
 
     def start(self) -> None:
         if not self.complete and self._full is None:
-            self._full = _background().submit(self._encode, self._text)
+            self._full = _submit(self._encode, self._text)
 
     def pending(self) -> Future | None:
         """The background tokenization, while one runs (None once there is nothing to wait for)."""

@@ -202,3 +202,28 @@ def test_usage_counts_the_whole_state(card, sdk_agent):
     whole = encode_request(card, state, QUESTIONS["one"], window=False)
     assert whole.state.complete and whole.state_stats == enc.state_stats
     assert [r[0].tolist() for r in whole.rows] == [r[0].tolist() for r in enc.rows]
+
+
+def test_alone_says_whether_another_thread_could_want_the_gil():
+    """A client polls its lane only when nothing else of the process could want the GIL (client/pool.py): another
+    thread alive, or work queued for the tokenizing thread, says no; the tokenizing thread idle does not."""
+    import threading
+
+    from conftest import wait_until
+    from laya_pool.client.state import alone, in_background
+    in_background(lambda: None).result()        # the tokenizing thread exists from here on, idle
+    wait_until(lambda: alone() or threading.active_count() > 2, 5, "the tokenizing thread never went idle")
+    before = alone()                             # (False if the test process runs other threads of its own)
+    gate = threading.Event()
+    other = threading.Thread(target=gate.wait)
+    other.start()
+    assert not alone()
+    gate.set()
+    other.join()
+    assert alone() == before
+    gate.clear()
+    queued = in_background(gate.wait)
+    assert not alone()
+    gate.set()
+    queued.result()
+    wait_until(lambda: alone() == before, 5, "the finished task still counted")
