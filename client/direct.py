@@ -268,10 +268,6 @@ class Routes:
         except zmq.Again:
             pass                      # its queue is full: it is awake enough
 
-    def set_waiting(self, on: bool) -> None:
-        """Tell the workers whether we poll our lanes (a worker rings a client that does not)."""
-        for r in self.waiting:
-            r.lane.waiting(on)
 
     def _ask_lane(self, r: Route) -> None:
         try:
@@ -287,8 +283,8 @@ class Routes:
 
     def _lane_said(self, name: str, header: dict) -> None:
         r = next((r for r in self.routes.values() if r.lane is not None and r.lane.name == name), None)
-        if r is None or header.get("ring"):
-            return                    # a ring: the answer is on the lane, read by whoever polls
+        if r is None:
+            return
         if header.get("status") == wire.STATUS_OK:
             r.lane_open = True
             r.lane.unlink()           # (the worker did, having opened it: nothing is left behind if either dies)

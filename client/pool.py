@@ -108,8 +108,8 @@ class ForwardResult:
 
 _RECONNECTED = object()     # `Client._wait`, `AsyncClient`'s waiters: the connection came back; re-send now
 _LANE = "lane"              # `Client._poll`: a lane has an answer (a key beside the ready sockets)
-# A request on a lane is waited for by polling its answer for up to this long, then by sleeping until the worker rings
-# (client/direct.py); 5 ms covers a forward up to 4x256 on the H200; longer ones are rung. By default only when no
+# A request on a lane is waited for by polling its answer for up to this long, then asleep on it until the worker wakes
+# it (protocol/lane.py); 5 ms covers a forward up to 4x256 on the H200. By default only when no
 # other Python thread could want the GIL (client/state.py `alone`): a polling thread holds it, and another thread
 # that wants it waits up to Python's switch interval (5 ms) for it.
 LANE_SPIN_MS = 5.0
@@ -930,7 +930,8 @@ class Client(_Base):
 
     def _poll_lanes(self, wait_ms: int) -> dict[Any, int]:
         """`_poll` with requests on lanes: their answers (`_LANE`) or the sockets ready within `wait_ms`, polling
-        first (`_spin_lanes`), then sleeping on the sockets protocol/lane.py's NAP_MS at a time."""
+        first (`_spin_lanes`), then asleep NAP_MS at a time, looking at the sockets in between: on the lane (a futex the
+        worker wakes: protocol/lane.py) when one request waits, on the sockets when several do."""
         deadline = time.perf_counter() + wait_ms / 1000.0
         spin = self.spin or (LANE_SPIN_MS / 1000.0 if self.spin_auto and alone() else 0.0)
         if spin:
@@ -940,29 +941,30 @@ class Client(_Base):
         while True:
             if self._routes.lane_ready():
                 return {_LANE: 1}
+            ready = self._poller.poll(0)
             left = deadline - time.perf_counter()
-            ready = self._poller.poll(max(0, min(NAP_MS, int(left * 1000) + 1)) if left > 0 else 0)
             if ready or left <= 0:
                 return self._with_lanes(ready)
+            waiting = self._routes.waiting
+            if len(waiting) == 1:
+                waiting[0].lane.sleep(min(NAP_MS / 1000.0, left))
+            else:
+                self._poller.poll(min(NAP_MS, int(left * 1000) + 1))
 
     def _spin_lanes(self, end: float) -> dict[Any, int] | None:
         """Poll the lanes without sleeping until `end`, the sockets every 32 looks; None: nothing came."""
         routes = self._routes
-        routes.set_waiting(True)
-        try:
-            looks = 0
-            while True:
-                if routes.lane_ready():
-                    return {_LANE: 1}
-                looks += 1
-                if looks % 32 == 0:
-                    ready = self._poller.poll(0)
-                    if ready:
-                        return self._with_lanes(ready)
-                    if time.perf_counter() >= end:
-                        return None
-        finally:
-            routes.set_waiting(False)     # a worker answering from now on rings
+        looks = 0
+        while True:
+            if routes.lane_ready():
+                return {_LANE: 1}
+            looks += 1
+            if looks % 32 == 0:
+                ready = self._poller.poll(0)
+                if ready:
+                    return self._with_lanes(ready)
+                if time.perf_counter() >= end:
+                    return None
 
     def _with_lanes(self, ready: list) -> dict[Any, int]:
         out = dict(ready)

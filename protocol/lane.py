@@ -11,21 +11,23 @@ direct socket (`Cmd.LANE`, with the secret: a process that cannot read the file 
 worker checks it, maps it and unlinks the name, so nothing is left behind whichever process dies. It holds a header
 of int64 words, then the request area, then the reply area. One request at a time: the client writes the request's
 frames, then their length, then a new request number; the worker, which reads the number first, answers into the
-reply area the same way. Nothing here waits: the worker polls its lanes while it is awake (and says so in each lane's
-header, AWAKE), the client polls its lane while it waits (and says so, WAITING: a worker that answers a client no
-longer polling rings it over the direct socket). A worker that closes a lane (making room, leaving) says so (GONE):
-the client then counts what was on it as lost, as with a dropped connection. What a lane cannot carry (too large)
-goes over the sockets as before.
+reply area the same way. The worker polls its lanes while it is awake (and says so in each lane's header, AWAKE); the
+client polls its lane while it waits, or sleeps on the answer's sequence number (a futex, which the worker wakes after
+every answer: one thread woken, where an answer on a socket woke three). A worker that closes a lane (making room,
+leaving) says so (GONE): the client then counts what was on it as lost, as with a dropped connection. What a lane
+cannot carry (too large) goes over the sockets as before.
 
 The order of the writes is what makes a message whole for the reader: x86-64 keeps a core's stores in order and its
-loads in order, so lanes are offered on x86-64 Linux only (`supported`). The flags are not exact: a store may wait in
-its core's buffer past a later load, so a client can see AWAKE an instant after the worker cleared it, or a worker see
-WAITING an instant after the client cleared it; each side's short naps (a sleeping worker looks once more 2 ms after
-it fell asleep, a sleeping client every 2 ms) bound what that costs. What a lane carries is decoded with the wire
-protocol's bounds like any message.
+loads in order, so lanes are offered on x86-64 Linux only, where the futex call works (`supported`). AWAKE is not
+exact: a store may wait in its core's buffer past a later load, so a client can see AWAKE an instant after the
+worker cleared it; the worker's one nap after it falls asleep (2 ms) and the client's ring (after writing, it finds
+the worker asleep) bound what that costs. A sleeping client also wakes every 2 ms to look at its sockets. What a lane
+carries is decoded with the wire protocol's bounds like any message.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import hmac
 import mmap
 import os
@@ -41,13 +43,13 @@ from typing import Any
 
 from .wire import ProtocolError, _bytes
 
-# The header's int64 words, then the secret's bytes.
-REQ_SEQ, REQ_LEN, REP_SEQ, REP_LEN, AWAKE, WAITING, CLOSED, MAGIC_WORD, GONE = range(9)
+# The header's int64 words (5 is unused), then the secret's bytes.
+REQ_SEQ, REQ_LEN, REP_SEQ, REP_LEN, AWAKE, CLOSED, MAGIC_WORD, GONE = 0, 1, 2, 3, 4, 6, 7, 8
 SECRET_AT, SECRET_BYTES = 96, 16
 HEADER_BYTES = 128
 AREA_BYTES = 64 * 1024              # a 1x48 request is ~1 KB, its reply ~0.3 KB; larger ones take the sockets
 SIZE = HEADER_BYTES + 2 * AREA_BYTES
-MAGIC = 0x324E414C4159414C          # b"LAYALAN2", little-endian
+MAGIC = 0x334E414C4159414C          # b"LAYALAN3", little-endian
 BY_SOCKET = -1                      # REP_LEN of a reply that went over the socket (the lane is free again)
 MAX_FRAMES = 16
 NAP_MS = 2                          # each side's nap that bounds what an inexact flag costs (module docstring)
@@ -56,10 +58,35 @@ _NAME = re.compile(r"laya-lane-[0-9a-f]{16}")
 _U32 = struct.Struct("<I")
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1     # x86-64; not the private flavour: two processes share the word
+_futex = None
+
+
+def _bind_futex() -> bool:
+    """The futex system call through libc (ctypes lets go of the GIL while it sleeps), checked once: False where it
+    is missing or refused (a sandbox)."""
+    global _futex
+    if _futex is None:
+        try:
+            f = ctypes.CDLL(None, use_errno=True).syscall
+            f.restype = ctypes.c_long
+            f.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_int)
+            word = ctypes.c_int32(0)
+            _futex = f if f(_SYS_FUTEX, ctypes.addressof(word), _FUTEX_WAKE, 1, None, None, 0) >= 0 else False
+        except (OSError, AttributeError):
+            _futex = False
+    return bool(_futex)
+
+
 def supported() -> bool:
     """Whether this host can have lanes (see the module docstring)."""
     return (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
-            and os.path.isdir(DIRECTORY) and os.access(DIRECTORY, os.W_OK))
+            and os.path.isdir(DIRECTORY) and os.access(DIRECTORY, os.W_OK) and _bind_futex())
 
 
 def valid_name(name: Any) -> bool:
@@ -151,6 +178,9 @@ class Lane:
         self.request = view[HEADER_BYTES: HEADER_BYTES + AREA_BYTES]
         self.reply_area = view[HEADER_BYTES + AREA_BYTES: SIZE]
         self._view = view
+        # The low half of REP_SEQ, where a client sleeps for its answer (`sleep`) and the worker wakes it (`reply`).
+        self._rep_word = ctypes.c_int32.from_buffer(self._map, REP_SEQ * 8)
+        self._rep_addr = ctypes.addressof(self._rep_word)
         self._open = True
         self.seen = 0               # the worker: the last request number it took
         self.identity: bytes | None = None    # the worker: the client's identity on its direct socket
@@ -217,9 +247,17 @@ class Lane:
         size = self.words[REP_LEN]
         return [] if size == BY_SOCKET else unpack_frames(self.reply_area, size)
 
-    def waiting(self, on: bool) -> None:
-        """Whether we poll the lane for the answer now (else the worker rings)."""
-        self.words[WAITING] = int(on)
+    def sleep(self, timeout_s: float) -> None:
+        """Sleep until the worker answers (or closes the lane), `timeout_s` at most, without the GIL."""
+        seq = self.words[REP_SEQ]
+        if seq == self.words[REQ_SEQ] or self.words[GONE] or not _bind_futex():
+            return
+        ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+        expected = ctypes.c_int32(seq & 0xFFFFFFFF).value
+        if _futex(_SYS_FUTEX, self._rep_addr, _FUTEX_WAIT, expected, ctypes.byref(ts), None, 0) < 0:
+            e = ctypes.get_errno()
+            if e not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+                raise OSError(e, f"futex wait on lane {self.name}: {os.strerror(e)}")
 
     # -- the worker ------------------------------------------------------------------------------------------
     @classmethod
@@ -279,10 +317,13 @@ class Lane:
                 return False
         self.words[REP_LEN] = size
         self.words[REP_SEQ] = self.seen      # last: the client reads this first
+        self._wake()
         return True
 
-    def client_waiting(self) -> bool:
-        return bool(self.words[WAITING])
+    def _wake(self) -> None:
+        """Wake a client asleep on the answer (`sleep`); a system call of ~1 us when none is."""
+        if _bind_futex():
+            _futex(_SYS_FUTEX, self._rep_addr, _FUTEX_WAKE, 1, None, None, 0)
 
     def closed(self) -> bool:
         """The client closed the lane (or this end's mapping is gone)."""
@@ -300,6 +341,7 @@ class Lane:
         if self.mapped():
             self.words[AWAKE] = 0
             self.words[GONE] = 1
+            self._wake()
         self.close()
 
     # -- both --------------------------------------------------------------------------------------------------
@@ -311,6 +353,7 @@ class Lane:
         if say:
             self.words[CLOSED] = 1
         self._open = False
+        del self._rep_word            # its hold on the mapping
         for v in (self.words, self.request, self.reply_area, self._view):
             v.release()
         try:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""One round trip between two processes: through a lane (protocol/lane.py, both ends polling) against a
+"""One round trip between two processes: through a lane (protocol/lane.py; the worker polling, the client polling or
+asleep on the lane's futex) against a
 ROUTER/DEALER pair (tcp and ipc; each end polling, or sleeping in its poll), with a 1x48 request's and reply's sizes.
 
     python3 scripts/lane_rtt.py [--samples 3000]
@@ -41,8 +42,8 @@ def _socket_end(endpoint: str, spin: bool) -> None:
         s.send_multipart([frames[0], *REPLY])
 
 
-def _lane_end(name: str) -> None:
-    lane = Lane.open(name)
+def _lane_end(name: str, secret: str) -> None:
+    lane = Lane.open(name, secret)
     lane.set_awake(True)          # the other end asks once it sees this (as a client waits for the worker's yes)
     while True:
         frames = lane.asked()
@@ -82,9 +83,9 @@ def sockets(endpoint: str, spin_server: bool, spin_client: bool, samples: int) -
     return ts
 
 
-def lane(samples: int) -> list[float]:
+def lane(samples: int, asleep: bool = False) -> list[float]:
     mine = Lane.create()
-    end = mp.Process(target=_lane_end, args=(mine.name,))
+    end = mp.Process(target=_lane_end, args=(mine.name, mine.secret()))
     end.start()
     ts = []
     try:
@@ -94,7 +95,8 @@ def lane(samples: int) -> list[float]:
             t = time.perf_counter()
             mine.ask(REQUEST)
             while not mine.free():
-                pass
+                if asleep:
+                    mine.sleep(0.002)     # the futex the worker's answer wakes (a client not polling)
             mine.answer()
             if i >= 200:
                 ts.append((time.perf_counter() - t) * 1e6)
@@ -112,6 +114,7 @@ def main() -> int:
     a = ap.parse_args()
     print(f"{os.cpu_count()} cores; one round trip, request {sum(map(len, REQUEST))} B, reply {sum(map(len, REPLY))} B")
     _summary("lane, both ends polling", lane(a.samples))
+    _summary("lane, polling worker, client asleep (futex)", lane(a.samples, asleep=True))
     with tempfile.TemporaryDirectory() as d:
         for endpoint, kind in (("tcp://127.0.0.1:*", "tcp"), (f"ipc://{d}/rtt", "ipc")):
             for spin_server, spin_client in ((True, True), (True, False), (False, False)):

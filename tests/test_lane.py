@@ -70,10 +70,9 @@ def test_a_request_and_its_answer_cross_the_lane(pair):
 
 def test_the_flags_are_seen_across_the_mappings(pair):
     client, worker = pair
-    assert not client.usable() and not worker.client_waiting() and not worker.closed()
+    assert not client.usable() and not worker.closed()
     worker.set_awake(True)
-    client.waiting(True)
-    assert client.usable() and worker.client_waiting()
+    assert client.usable()
     client.ask([b"x"])
     assert not client.usable()                         # one request at a time
     worker.asked()
@@ -111,6 +110,27 @@ def test_stale_lane_files_are_swept():
         for x in (old, new):
             x.unlink()
             x.close()
+
+
+def test_a_client_asleep_on_its_lane_wakes_when_the_worker_answers(pair):
+    """The futex (protocol/lane.py `sleep`, woken in `reply`): asleep for up to 2 s, awake as soon as the answer is
+    written (another thread plays the worker); without an answer, back after its timeout."""
+    import threading
+    client, worker = pair
+    client.ask([b"q"])
+    t0 = time.monotonic()
+    client.sleep(0.05)                                 # nobody answers: the timeout
+    assert 0.04 <= time.monotonic() - t0 < 1.0 and not client.free()
+    answer = threading.Timer(0.05, lambda: (worker.asked(), worker.reply([b"a"])))
+    answer.start()
+    t0 = time.monotonic()
+    client.sleep(2.0)
+    took = time.monotonic() - t0
+    answer.join()
+    assert client.free() and client.answer() == [b"a"] and 0.04 <= took < 1.0, took
+    t0 = time.monotonic()
+    client.sleep(2.0)                                  # answered already: back at once
+    assert time.monotonic() - t0 < 0.1
 
 
 def test_a_client_that_leaves_says_so(pair):

@@ -19,8 +19,8 @@ request arrives a round trip later), then blocks in `zmq.poll` until a message o
 
 Lanes (protocol/lane.py, `lanes=True`): a client on this host may also ask on the direct socket to send its requests
 through shared memory. The data thread reads its lanes with its sockets while it polls, tells them whether it is
-polling (a client sends on a lane only then), and answers a lane's request on the lane (ringing the client over the
-direct socket when it no longer polls its lane). A data thread falling asleep with lanes open looks at them once
+polling (a client sends on a lane only then), and answers a lane's request on the lane (waking the client if it
+sleeps on it). A data thread falling asleep with lanes open looks at them once
 more `NAP_MS` (protocol/lane.py) later (a client that saw it awake an instant before is not left waiting; one that
 sees it asleep after writing rings it), then sleeps until a message comes.
 """
@@ -168,19 +168,15 @@ class SocketInbox:
         self.awake_until = time.monotonic() + self.poll_s
 
     def _answer_lane(self, lane: Lane, frames: list[Any]) -> None:
-        """On the lane when the reply fits, else on the direct socket (and the lane says so); a client that no longer
-        polls its lane is rung."""
+        """On the lane when the reply fits (which wakes a client asleep on it), else on the direct socket (and the lane
+        says so)."""
         if not lane.mapped():         # closed here to make room for another (`Lanes`): the socket it is
             self.send(frames, lane.identity)
             return
         if lane.closed():
             return                    # the client left; its retry went elsewhere
         if lane.reply(frames):
-            if not lane.client_waiting():
-                self.send(wire.encode(wire.Cmd.LANE, {"rid": lane_rid(lane.name), "status": wire.STATUS_OK,
-                                                      "ring": True}), lane.identity)
-            else:
-                self.awake_until = time.monotonic() + self.poll_s
+            self.awake_until = time.monotonic() + self.poll_s
             return
         self.send(frames, lane.identity)
         if lane.mapped():             # (the send may have found its client gone and closed the lane)
