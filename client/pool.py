@@ -795,7 +795,7 @@ class Client(_Base):
         """Poll up to `wait_ms`; hand every reply that came to its call, and a new broker to every waiting call."""
         if self._sock is None:
             raise PoolError("the client is closed")
-        ready = self._poll(wait_ms)
+        ready = self._poll(wait_ms, sole=len(flights) == 1)
         if ready.get(self._mon) and self._events():     # a new broker: what was sent died with the old one
             for rid, f in list(flights.items()):
                 if rid in flights and not f.backing_off:
@@ -913,10 +913,11 @@ class Client(_Base):
         r = self._routes.owner(s) if self._routes is not None else None
         return r is not None and s is r.sock
 
-    def _poll(self, wait_ms: int) -> dict[Any, int]:
-        """The sockets ready within `wait_ms`, polling without sleeping for the first `spin_ms` of it."""
+    def _poll(self, wait_ms: int, sole: bool = True) -> dict[Any, int]:
+        """The sockets ready within `wait_ms`, polling without sleeping for the first `spin_ms` of it. `sole`: one
+        call is out (a lane's answer is all it waits for)."""
         if self._routes is not None and self._routes.waiting:
-            return self._poll_lanes(wait_ms)
+            return self._poll_lanes(wait_ms, sole)
         if self.spin:
             end = time.perf_counter() + min(self.spin, wait_ms / 1000.0)
             while True:
@@ -928,10 +929,11 @@ class Client(_Base):
             wait_ms = max(0, wait_ms - int(self.spin * 1000))
         return dict(self._poller.poll(wait_ms))
 
-    def _poll_lanes(self, wait_ms: int) -> dict[Any, int]:
+    def _poll_lanes(self, wait_ms: int, sole: bool) -> dict[Any, int]:
         """`_poll` with requests on lanes: their answers (`_LANE`) or the sockets ready within `wait_ms`, polling
-        first (`_spin_lanes`), then asleep NAP_MS at a time, looking at the sockets in between: on the lane (a futex the
-        worker wakes: protocol/lane.py) when one request waits, on the sockets when several do."""
+        first (`_spin_lanes`), then asleep NAP_MS at a time, looking at the sockets in between: on the lane (a futex
+        the worker wakes: protocol/lane.py) when the one call out (`sole`) waits there, else on the sockets, asking
+        the lanes' workers to ring there."""
         deadline = time.perf_counter() + wait_ms / 1000.0
         spin = self.spin or (LANE_SPIN_MS / 1000.0 if self.spin_auto and alone() else 0.0)
         if spin:
@@ -946,10 +948,25 @@ class Client(_Base):
             if ready or left <= 0:
                 return self._with_lanes(ready)
             waiting = self._routes.waiting
-            if len(waiting) == 1:
-                waiting[0].lane.sleep(min(NAP_MS / 1000.0, left))
-            else:
-                self._poller.poll(min(NAP_MS, int(left * 1000) + 1))
+            if sole and len(waiting) == 1 and waiting[0].lane.sleep(min(NAP_MS / 1000.0, left)):
+                continue
+            ready = self._sleep_on_sockets(min(NAP_MS, int(left * 1000) + 1))
+            if ready:
+                return self._with_lanes(ready)
+
+    def _sleep_on_sockets(self, ms: int) -> list:
+        """Sleep on the sockets up to `ms`, the lanes' workers asked to ring us there after answering."""
+        waiting = list(self._routes.waiting)
+        for r in waiting:
+            r.lane.ring_me(True)
+        try:
+            if self._routes.lane_ready():     # answered before it saw the ask
+                return []
+            return self._poller.poll(ms)
+        finally:
+            for r in waiting:
+                if r.lane is not None:
+                    r.lane.ring_me(False)
 
     def _spin_lanes(self, end: float) -> dict[Any, int] | None:
         """Poll the lanes without sleeping until `end`, the sockets every 32 looks; None: nothing came."""

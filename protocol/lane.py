@@ -12,10 +12,11 @@ worker checks it, maps it and unlinks the name, so nothing is left behind whiche
 of int64 words, then the request area, then the reply area. One request at a time: the client writes the request's
 frames, then their length, then a new request number; the worker, which reads the number first, answers into the
 reply area the same way. The worker polls its lanes while it is awake (and says so in each lane's header, AWAKE); the
-client polls its lane while it waits, or sleeps on the answer's sequence number (a futex, which the worker wakes after
-every answer: one thread woken, where an answer on a socket woke three). A worker that closes a lane (making room,
-leaving) says so (GONE): the client then counts what was on it as lost, as with a dropped connection. What a lane
-cannot carry (too large) goes over the sockets as before.
+client polls its lane while it waits, or sleeps on the lane's bell (a futex: a counter the worker raises and wakes
+after every answer and when it closes the lane: one thread woken, where an answer on a socket woke three), or,
+waiting on several things at once, sleeps on its sockets and asks to be rung there (RING). A worker that closes a
+lane (making room, leaving) says so (GONE): the client then counts what was on it as lost, as with a dropped
+connection. What a lane cannot carry (too large) goes over the sockets as before.
 
 The order of the writes is what makes a message whole for the reader: x86-64 keeps a core's stores in order and its
 loads in order, so lanes are offered on x86-64 Linux only, where the futex call works (`supported`). AWAKE is not
@@ -43,13 +44,13 @@ from typing import Any
 
 from .wire import ProtocolError, _bytes
 
-# The header's int64 words (5 is unused), then the secret's bytes.
-REQ_SEQ, REQ_LEN, REP_SEQ, REP_LEN, AWAKE, CLOSED, MAGIC_WORD, GONE = 0, 1, 2, 3, 4, 6, 7, 8
+# The header's int64 words, then the secret's bytes.
+REQ_SEQ, REQ_LEN, REP_SEQ, REP_LEN, AWAKE, RING, CLOSED, MAGIC_WORD, GONE, BELL = range(10)
 SECRET_AT, SECRET_BYTES = 96, 16
 HEADER_BYTES = 128
 AREA_BYTES = 64 * 1024              # a 1x48 request is ~1 KB, its reply ~0.3 KB; larger ones take the sockets
 SIZE = HEADER_BYTES + 2 * AREA_BYTES
-MAGIC = 0x334E414C4159414C          # b"LAYALAN3", little-endian
+MAGIC = 0x344E414C4159414C          # b"LAYALAN4", little-endian
 BY_SOCKET = -1                      # REP_LEN of a reply that went over the socket (the lane is free again)
 MAX_FRAMES = 16
 NAP_MS = 2                          # each side's nap that bounds what an inexact flag costs (module docstring)
@@ -71,15 +72,21 @@ def _bind_futex() -> bool:
     is missing or refused (a sandbox)."""
     global _futex
     if _futex is None:
+        _futex = False
         try:
-            f = ctypes.CDLL(None, use_errno=True).syscall
-            f.restype = ctypes.c_long
-            f.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                          ctypes.c_void_p, ctypes.c_int)
-            word = ctypes.c_int32(0)
-            _futex = f if f(_SYS_FUTEX, ctypes.addressof(word), _FUTEX_WAKE, 1, None, None, 0) >= 0 else False
+            if ctypes.sizeof(ctypes.c_void_p) == 8:       # a 32-bit Python numbers its system calls otherwise
+                f = ctypes.CDLL(None, use_errno=True).syscall
+                f.restype = ctypes.c_long
+                f.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_int)
+                word = ctypes.c_int32(0)
+                woke = f(_SYS_FUTEX, ctypes.addressof(word), _FUTEX_WAKE, 1, None, None, 0)
+                # a wait for a value the word does not hold must refuse at once: EAGAIN
+                wait = f(_SYS_FUTEX, ctypes.addressof(word), _FUTEX_WAIT, 1, None, None, 0)
+                if woke == 0 and wait == -1 and ctypes.get_errno() == errno.EAGAIN:
+                    _futex = f
         except (OSError, AttributeError):
-            _futex = False
+            pass
     return bool(_futex)
 
 
@@ -114,8 +121,8 @@ def sweep(older_than_s: float = 60.0) -> int:
 
 
 def lane_rid(name: str) -> str:
-    """The request id of a lane's own messages (LANE: open it; back: opened, refused, or a ring), the lane's name: apart
-    from every request's id (a client's are integers)."""
+    """The request id of a lane's own messages (LANE: open it, or a ring either way; back: opened or refused), the
+    lane's name: apart from every request's id (a client's are integers)."""
     return f"lane:{name[:40]}"
 
 
@@ -178,9 +185,9 @@ class Lane:
         self.request = view[HEADER_BYTES: HEADER_BYTES + AREA_BYTES]
         self.reply_area = view[HEADER_BYTES + AREA_BYTES: SIZE]
         self._view = view
-        # The low half of REP_SEQ, where a client sleeps for its answer (`sleep`) and the worker wakes it (`reply`).
-        self._rep_word = ctypes.c_int32.from_buffer(self._map, REP_SEQ * 8)
-        self._rep_addr = ctypes.addressof(self._rep_word)
+        # The low half of BELL, where a client sleeps for its answer (`sleep`) and the worker wakes it (`_ring`).
+        self._bell = ctypes.c_int32.from_buffer(self._map, BELL * 8)
+        self._bell_addr = ctypes.addressof(self._bell)
         self._open = True
         self.seen = 0               # the worker: the last request number it took
         self.identity: bytes | None = None    # the worker: the client's identity on its direct socket
@@ -247,17 +254,23 @@ class Lane:
         size = self.words[REP_LEN]
         return [] if size == BY_SOCKET else unpack_frames(self.reply_area, size)
 
-    def sleep(self, timeout_s: float) -> None:
-        """Sleep until the worker answers (or closes the lane), `timeout_s` at most, without the GIL."""
-        seq = self.words[REP_SEQ]
-        if seq == self.words[REQ_SEQ] or self.words[GONE] or not _bind_futex():
-            return
+    def sleep(self, timeout_s: float) -> bool:
+        """Sleep until the worker answers (or closes the lane), `timeout_s` at most, without the GIL. False: this
+        process cannot (sleep some other way)."""
+        bell = self.words[BELL]             # first: a ring after this read changes the word the wait checks
+        if self.words[REP_SEQ] == self.words[REQ_SEQ] or self.words[GONE]:
+            return True
+        if not _bind_futex():
+            return False
         ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
-        expected = ctypes.c_int32(seq & 0xFFFFFFFF).value
-        if _futex(_SYS_FUTEX, self._rep_addr, _FUTEX_WAIT, expected, ctypes.byref(ts), None, 0) < 0:
-            e = ctypes.get_errno()
-            if e not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
-                raise OSError(e, f"futex wait on lane {self.name}: {os.strerror(e)}")
+        expected = ctypes.c_int32(bell & 0xFFFFFFFF).value
+        if _futex(_SYS_FUTEX, self._bell_addr, _FUTEX_WAIT, expected, ctypes.byref(ts), None, 0) < 0:
+            return ctypes.get_errno() in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)
+        return True
+
+    def ring_me(self, on: bool) -> None:
+        """Whether the worker should also ring us on the socket after answering (we sleep on our sockets)."""
+        self.words[RING] = int(on)
 
     # -- the worker ------------------------------------------------------------------------------------------
     @classmethod
@@ -317,13 +330,18 @@ class Lane:
                 return False
         self.words[REP_LEN] = size
         self.words[REP_SEQ] = self.seen      # last: the client reads this first
-        self._wake()
+        self._ring()
         return True
 
-    def _wake(self) -> None:
-        """Wake a client asleep on the answer (`sleep`); a system call of ~1 us when none is."""
+    def wants_ring(self) -> bool:
+        """The client sleeps on its sockets: ring it there too (the inbox does)."""
+        return bool(self.words[RING])
+
+    def _ring(self) -> None:
+        """Raise the bell and wake a client asleep on it (`sleep`): a system call of ~1 us when none is."""
+        self.words[BELL] = self.words[BELL] + 1
         if _bind_futex():
-            _futex(_SYS_FUTEX, self._rep_addr, _FUTEX_WAKE, 1, None, None, 0)
+            _futex(_SYS_FUTEX, self._bell_addr, _FUTEX_WAKE, 1, None, None, 0)
 
     def closed(self) -> bool:
         """The client closed the lane (or this end's mapping is gone)."""
@@ -341,7 +359,7 @@ class Lane:
         if self.mapped():
             self.words[AWAKE] = 0
             self.words[GONE] = 1
-            self._wake()
+            self._ring()
         self.close()
 
     # -- both --------------------------------------------------------------------------------------------------
@@ -353,7 +371,7 @@ class Lane:
         if say:
             self.words[CLOSED] = 1
         self._open = False
-        del self._rep_word            # its hold on the mapping
+        del self._bell                # its hold on the mapping
         for v in (self.words, self.request, self.reply_area, self._view):
             v.release()
         try:

@@ -70,9 +70,10 @@ def test_a_request_and_its_answer_cross_the_lane(pair):
 
 def test_the_flags_are_seen_across_the_mappings(pair):
     client, worker = pair
-    assert not client.usable() and not worker.closed()
+    assert not client.usable() and not worker.closed() and not worker.wants_ring()
     worker.set_awake(True)
-    assert client.usable()
+    client.ring_me(True)
+    assert client.usable() and worker.wants_ring()
     client.ask([b"x"])
     assert not client.usable()                         # one request at a time
     worker.asked()
@@ -129,8 +130,16 @@ def test_a_client_asleep_on_its_lane_wakes_when_the_worker_answers(pair):
     answer.join()
     assert client.free() and client.answer() == [b"a"] and 0.04 <= took < 1.0, took
     t0 = time.monotonic()
-    client.sleep(2.0)                                  # answered already: back at once
+    assert client.sleep(2.0)                           # answered already: back at once
     assert time.monotonic() - t0 < 0.1
+    client.ask([b"q2"])
+    worker.asked()
+    closing = threading.Timer(0.05, worker.leave)      # closing the lane wakes the sleeper too
+    closing.start()
+    t0 = time.monotonic()
+    client.sleep(2.0)
+    closing.join()
+    assert client.gone() and time.monotonic() - t0 < 1.0
 
 
 def test_a_client_that_leaves_says_so(pair):
@@ -336,3 +345,23 @@ def test_kill_9_of_a_worker_answering_on_a_lane(lane_pool, runtime):
         assert c._routes.dropped >= 1
     wait_until(lambda: sum(w["state"] == "ready" for w in lane_pool.status()["workers"]) == 2, 90,
                "the killed worker never came back")
+
+
+def test_several_calls_out_on_lanes_and_sockets_at_once(lane_pool):
+    """Client._run_all (predict_batch, one state a request): lanes and sockets carry calls together, and a client
+    asleep on its sockets is rung by the worker that answered on a lane (RING); the same answers as one at a time."""
+    from conftest import assert_answers_close
+    states = [f"ticket {i}: the printer on floor {i} is broken" for i in range(8)]
+    questions = {"team": {"type": "choice", "instructions": "Which team handles this ticket?",
+                          "criteria": {"it": "hardware", "hr": "people", "sales": "deals"}}}
+    with Client(lane_pool.endpoint, timeout=30, spin_ms=0) as c:
+        want = [c.predict(s, questions) for s in states]
+        wait_until(lambda: _lanes_open(c), 30, "the lanes never opened")
+        before = c._routes.on_lanes
+        for _ in range(3):
+            t0 = time.monotonic()
+            got = c.predict_batch(states, questions, batch_size=1)
+            assert time.monotonic() - t0 < 10
+            for g, w in zip(got, want, strict=True):
+                assert_answers_close(g, w)
+        assert c._routes.on_lanes > before, (before, c._routes.on_lanes)

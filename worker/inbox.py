@@ -20,9 +20,9 @@ request arrives a round trip later), then blocks in `zmq.poll` until a message o
 Lanes (protocol/lane.py, `lanes=True`): a client on this host may also ask on the direct socket to send its requests
 through shared memory. The data thread reads its lanes with its sockets while it polls, tells them whether it is
 polling (a client sends on a lane only then), and answers a lane's request on the lane (waking the client if it
-sleeps on it). A data thread falling asleep with lanes open looks at them once
-more `NAP_MS` (protocol/lane.py) later (a client that saw it awake an instant before is not left waiting; one that
-sees it asleep after writing rings it), then sleeps until a message comes.
+sleeps on the lane, ringing it on the direct socket if it sleeps on its sockets). A data thread falling asleep with
+lanes open looks at them once more `NAP_MS` (protocol/lane.py) later (a client that saw it awake an instant before
+is not left waiting; one that sees it asleep after writing rings it), then sleeps until a message comes.
 """
 from __future__ import annotations
 
@@ -176,7 +176,11 @@ class SocketInbox:
         if lane.closed():
             return                    # the client left; its retry went elsewhere
         if lane.reply(frames):
-            self.awake_until = time.monotonic() + self.poll_s
+            if lane.wants_ring():         # it sleeps on its sockets (several calls out): ring it there
+                self.send(wire.encode(wire.Cmd.LANE, {"rid": lane_rid(lane.name), "status": wire.STATUS_OK,
+                                                      "ring": True}), lane.identity)
+            else:
+                self.awake_until = time.monotonic() + self.poll_s
             return
         self.send(frames, lane.identity)
         if lane.mapped():             # (the send may have found its client gone and closed the lane)

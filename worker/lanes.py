@@ -1,6 +1,6 @@
 """The lanes clients on this host opened to the worker's data thread (protocol/lane.py): which are open, which has a
 request, and telling them all whether the thread is polling. The data thread's alone; no sockets here (the inbox
-answers and rings), so it is tested with real lanes and no pool."""
+answers and rings on sockets), so it is tested with real lanes and no pool."""
 from __future__ import annotations
 
 from collections import OrderedDict
