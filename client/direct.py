@@ -286,8 +286,7 @@ class Routes:
         if r is None:
             return
         if header.get("status") == wire.STATUS_OK:
-            r.lane_open = True
-            r.lane.unlink()           # (the worker did, having opened it: nothing is left behind if either dies)
+            r.lane_open = True        # (the worker unlinked its name on opening it)
         else:
             self._drop_lane(r, refused=True)      # this worker takes no lanes: its socket it is
 

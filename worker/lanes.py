@@ -37,21 +37,23 @@ class Lanes:
 
     def take(self) -> tuple[Lane, list[bytes] | ProtocolError] | None:
         """The first lane with a new request, and its frames (or why they are not a message); None: none has one.
-        A lane whose client closed it is closed here."""
-        for name, lane in list(self.open.items()):
-            if lane.closed():
-                self.open.pop(name)
-                lane.close()
-                continue
-            try:
-                frames = lane.asked()
-            except ProtocolError as e:
-                return lane, e
-            if frames is not None:
-                self.taken += 1
-                self.open.move_to_end(name)
-                return lane, frames
-        return None
+        A lane whose client closed it is closed here. (The data thread asks thousands of times a forward: nothing is
+        allocated on the way to None.)"""
+        for lane in self.open.values():
+            if lane.closed() or lane.has_request():
+                break
+        else:
+            return None
+        if lane.closed():
+            del self.open[lane.name]
+            lane.close()
+            return self.take()
+        self.taken += 1
+        self.open.move_to_end(lane.name)
+        try:
+            return lane, lane.asked()
+        except ProtocolError as e:
+            return lane, e
 
     def set_awake(self, on: bool) -> None:
         """Whether the data thread polls the lanes now: a client sends on a lane only while it does."""
