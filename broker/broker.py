@@ -83,7 +83,8 @@ class WorkerInfo:
     identity: bytes
     data: bytes | None = None           # the worker's data socket: its replies come from there
     data_requests: bool = False         # ... and its requests go there (once it is connected)
-    direct: str | None = None           # where clients on its host may send it requests themselves (loopback)
+    direct: str | None = None           # where clients may send it requests themselves (loopback without keys)
+    direct_key: str = ""                # ... and that socket's CURVE public key (z85), with keys
     host: str = "?"
     device: str = "?"
     fingerprint: str = ""
@@ -202,9 +203,8 @@ class Broker:
         if self.cfg.keys:
             if self.auth is None:
                 self.auth = security.start_authenticator(self.ctx, self.cfg.keys)
-            security.curve_server(s, self.cfg.keys)
             # Each socket authenticates its own kind of peer: a client key cannot register as a worker.
-            s.zap_domain = role.encode()
+            security.curve_server(s, self.cfg.keys, role)
         if endpoint.startswith("ipc://"):
             os.makedirs(os.path.dirname(endpoint[len("ipc://"):]) or ".", exist_ok=True)
             security.ipc_free(endpoint)     # ZeroMQ would unlink a live pool's socket and take its place
@@ -758,8 +758,13 @@ class Broker:
         if data is not None and data != f"{wid}/data":
             raise wire.ProtocolError("data", f"a worker's data socket is {wid + '/data'!r}, not {data!r}")
         direct = wire.get(h, "direct", str, default=None)
-        if direct is not None and not wire.is_loopback(direct):
-            raise wire.ProtocolError("direct", f"a worker's direct socket is on loopback (it has no CURVE): {direct!r}")
+        direct_key = wire.get(h, "direct_key", str, default=None)
+        if direct_key is not None and not wire.is_curve_key(direct_key):
+            raise wire.ProtocolError("direct_key", "a CURVE public key in z85 (40 characters)")
+        if direct is not None and self.cfg.keys and direct_key is None:
+            raise wire.ProtocolError("direct_key", "a pool with keys needs the direct socket's CURVE key")
+        if direct is not None and not wire.is_loopback(direct) and direct_key is None:
+            raise wire.ProtocolError("direct", f"a direct socket beyond loopback needs CURVE (direct_key): {direct!r}")
         old = self.workers.get(wid)
         registrations, kept = 0, {}
         if old is not None:
@@ -771,7 +776,7 @@ class Broker:
             self.by_identity.pop(old.data, None)
         w = WorkerInfo(id=wid, identity=identity, data=None if data is None else data.encode(),
                        data_requests=data is not None and wire.get(h, "data_requests", bool, default=False),
-                       direct=direct, host=wire.get(h, "host", str, default="?"),
+                       direct=direct, direct_key=direct_key or "", host=wire.get(h, "host", str, default="?"),
                        device=wire.get(h, "device", str, default="?"), fingerprint=fp,
                        capacity={k: int(v) for k, v in cap.items() if isinstance(v, int)},
                        limits={k: int(v) for k, v in wire.get(h, "limits", dict, default={}).items()
@@ -804,10 +809,11 @@ class Broker:
         self.dispatch()
 
     def routes(self) -> list[list[str]]:
-        """[worker id, direct endpoint, host] of each ready worker of the pool's model that takes clients' requests
-        itself (docs/architecture.md, "The data path"): a client on that host may send them there, and comes back
-        here when that fails. The endpoints are loopback: of use only on the worker's own host."""
-        return [[w.id, w.direct, w.host] for w in self.workers.values()
+        """[worker id, direct endpoint, host, CURVE key] of each ready worker of the pool's model that takes clients'
+        requests itself (docs/architecture.md, "The data path"): a client may send them there, and comes back here
+        when that fails. Without keys ("") the endpoints are loopback, of use on the worker's own host only; with
+        keys the client authenticates the worker by that key, wherever it is."""
+        return [[w.id, w.direct, w.host, w.direct_key] for w in self.workers.values()
                 if w.direct and w.state is WorkerState.READY and w.fingerprint == self.pool_fp]
 
     def on_worker_reply(self, w: WorkerInfo, msg: wire.Message) -> None:

@@ -12,8 +12,11 @@
 A broker refuses to bind a non-loopback address without keys (see `Broker.__init__`). With keys both its
 sockets are CURVE servers, each checking its own directory (separate ZAP domains), so a client's key cannot
 register a worker and receive other clients' requests, nor drain one (broker.operator). Give client hosts
-server.key and the client pair only. A tcp backend needs keys even on loopback (`check_endpoints`): any local
-process could otherwise register as a worker and answer clients with made-up logits.
+server.key and the client pair only; worker hosts server.key, the worker pair and `authorized/` (a worker's direct
+socket, which clients send their requests to, is a CURVE server with the worker's key pair admitting the keys the
+frontend admits; the broker's table of routes gives clients that public key). A tcp backend needs keys even on
+loopback (`check_endpoints`): any local process could otherwise register as a worker and answer clients with
+made-up logits.
 Files use ZeroMQ's certificate format, so `zmq.auth.load_certificate` reads them.
 """
 from __future__ import annotations
@@ -25,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.auth
 from laya_pool.protocol import wire
 
 
@@ -100,34 +102,18 @@ def generate(out: str | Path, overwrite: bool = False) -> dict[str, str]:
     return written
 
 
-def _load(path: Path) -> tuple[bytes, bytes | None]:
-    if not path.is_file():
-        raise SecurityError(f"{path}: missing key file (generate keys with `laya-pool keys --out DIR`)")
+def curve_server(sock: zmq.Socket, keys: str | Path, domain: str) -> None:
+    """The broker's side of CURVE on `sock`: its key pair, its peers judged by `domain` (`start_authenticator`)."""
     try:
-        return zmq.auth.load_certificate(str(path))
-    except Exception as e:
-        raise SecurityError(f"{path}: not a ZeroMQ certificate ({e})") from e
-
-
-def curve_server(sock: zmq.Socket, keys: str | Path) -> None:
-    public, secret = _load(Path(keys) / "server.key_secret")
-    if not secret:
-        raise SecurityError(f"{keys}/server.key_secret holds no secret key")
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_server = True
+        wire.configure_curve_server(sock, keys, "server", domain)
+    except (OSError, ValueError) as e:
+        raise SecurityError(f"{keys}: the broker's key pair: {e}") from e
 
 
 def start_authenticator(ctx: zmq.Context, keys: str | Path) -> Any:
     """A ZAP handler (thread): the frontend admits `authorized/`, the backend `authorized-workers/`."""
-    from zmq.auth.thread import ThreadAuthenticator
-
-    folders = {"clients": Path(keys) / "authorized", "workers": Path(keys) / "authorized-workers"}
-    for folder in folders.values():
-        if not folder.is_dir():
-            raise SecurityError(f"{folder}: missing (the public keys the broker accepts; `laya-pool keys`)")
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
-    for domain, folder in folders.items():
-        auth.configure_curve(domain=domain, location=str(folder))
-    return auth
+    try:
+        return wire.start_authenticator(ctx, {"clients": Path(keys) / "authorized",
+                                              "workers": Path(keys) / "authorized-workers"})
+    except FileNotFoundError as e:
+        raise SecurityError(str(e)) from e

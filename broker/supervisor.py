@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from laya_pool.protocol import contract
+from laya_pool.protocol import contract, wire
 from laya_pool.protocol.contract import WorkerState
 
 from . import rundir
@@ -144,6 +144,14 @@ def _cpu_sets(devices: list[str], per_device: int) -> list[list[int] | None]:
     return out
 
 
+def _direct_beyond_loopback(cfg: SupervisorConfig, env: dict[str, str]) -> bool:
+    """Whether the workers' direct sockets listen where the frontend does: a pool with keys whose frontend is tcp
+    beyond loopback, unless the operator chose their endpoint (--direct-endpoint, LAYA_DIRECT_ENDPOINT)."""
+    chosen = "LAYA_DIRECT_ENDPOINT" in env or any(a.startswith("--direct-endpoint") for a in cfg.worker_args)
+    return (bool(cfg.keys) and cfg.frontend.startswith("tcp://") and not wire.is_loopback(cfg.frontend)
+            and not chosen)
+
+
 class Supervisor:
     def __init__(self, cfg: SupervisorConfig):
         self.cfg = cfg
@@ -196,6 +204,10 @@ class Supervisor:
             argv += ["--mode", cfg.mode]
         if cpus:
             argv += ["--cpus", ",".join(map(str, cpus))]
+        if _direct_beyond_loopback(cfg, env):
+            # Clients that reach the frontend beyond loopback reach the workers' direct sockets on the same address
+            # (CURVE servers, with keys): their requests skip the broker (docs/architecture.md, "The data path").
+            argv += ["--direct-endpoint", f"tcp://{wire.endpoint_host(cfg.frontend)}:*"]
         return Child(f"worker {wid}", argv + cfg.worker_args, env)
 
     # ------------------------------------------------------------------------------------------------ children

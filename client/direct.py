@@ -1,7 +1,9 @@
 """Requests straight to the workers: the client's side of docs/architecture.md, "The data path", decision 1.
 
-A worker on the client's host may take requests on a socket of its own (loopback, announced to the broker in its
-READY); the broker hands the table of them out (`routes` in a ping's reply). The blocking `Client` sends a
+A worker may take requests on a socket of its own (announced to the broker in its READY); the broker hands the
+table of them out (`routes` in a ping's reply). In a pool without keys those sockets are on loopback, for clients
+on the worker's host; in a pool with keys each is a CURVE server with the worker's key, which the table gives, so
+a client with the pool's keys authenticates it and may use it from any host. The blocking `Client` sends a
 request's FIRST attempt to the worker with the fewest of this client's requests outstanding there, and every later
 attempt through the broker, which stays the path of last resort: a worker that refuses (stopping, busy, handed
 back), goes quiet past the attempt's share of the deadline, or drops its connection (killed: the call re-sends at
@@ -27,7 +29,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 from laya_pool.protocol import wire
@@ -58,6 +60,8 @@ class Route:
     lane_open: bool = False   # the worker took the lane
     lane_rid: int | None = None   # the request on the lane, until its answer is read
     lane_refused: bool = False    # the worker refused a lane (it takes none): this route asks for none again
+    key: str = ""             # the worker's CURVE key (z85) in a pool with keys: the socket authenticates it
+    local: bool = True        # the worker is on this host (only such a worker can take a lane)
 
 
 def pick(routes: Sequence[Route], turn: int) -> Route | None:
@@ -71,16 +75,33 @@ def pick(routes: Sequence[Route], turn: int) -> Route | None:
     return best
 
 
-def usable(table: Any, host: str) -> dict[str, str]:
-    """{worker: endpoint} from the broker's `routes` ([worker, endpoint, host] each): only workers on this host (the
-    endpoints are loopback) and only loopback endpoints (a broker's word is not taken for anything else)."""
-    out: dict[str, str] = {}
+class Target(NamedTuple):
+    """Where a route goes: the worker's endpoint, its CURVE key ("" without keys), whether it is on this host."""
+    endpoint: str
+    key: str
+    local: bool
+
+
+def usable(table: Any, host: str, curve: bool = False) -> dict[str, Target]:
+    """{worker: target} from the broker's `routes` ([worker, endpoint, host, key] each). Without a key: only workers
+    on this host at loopback endpoints (a broker's word is not taken for anything else). With one (a pool with keys;
+    `curve`: this client has them): any tcp endpoint, since the socket authenticates the worker by it (an ipc
+    endpoint still only on this host)."""
+    out: dict[str, Target] = {}
     if not isinstance(table, list):
         return out
     for row in table:
-        if (isinstance(row, list) and len(row) == 3 and all(isinstance(x, str) for x in row) and row[2] == host
-                and wire.is_loopback(row[1])):
-            out[row[0]] = row[1]
+        if not (isinstance(row, list) and len(row) in (3, 4) and all(isinstance(x, str) for x in row)):
+            continue
+        worker, endpoint, where = row[:3]
+        key = row[3] if len(row) == 4 else ""
+        local = where == host
+        if key:
+            if curve and wire.is_curve_key(key) and (endpoint.startswith("tcp://") or local
+                                                     and endpoint.startswith("ipc://")):
+                out[worker] = Target(endpoint, key, local)
+        elif local and wire.is_loopback(endpoint):
+            out[worker] = Target(endpoint, "", True)
     return out
 
 
@@ -93,8 +114,9 @@ class Routes:
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller | None, max_message_bytes: int, host: str | None = None,
                  watch: Callable[[Route], None] | None = None, unwatch: Callable[[Route], None] | None = None,
-                 lanes: bool = False):
+                 lanes: bool = False, keys: str | None = None, key_role: str = "client"):
         self.ctx, self.poller, self.max_message_bytes = ctx, poller, max_message_bytes
+        self.keys, self.key_role = keys, key_role     # the client's own CURVE keys: routes with a key need them
         self.watch, self.unwatch = watch, unwatch
         self.host = host or socket.gethostname()
         self.routes: dict[str, Route] = {}
@@ -117,17 +139,17 @@ class Routes:
         self.next_ask = now + REFRESH_S
         if table is None:
             return
-        want = usable(table, self.host)
+        want = usable(table, self.host, curve=self.keys is not None)
         for worker, r in list(self.routes.items()):
-            if want.get(worker) != r.endpoint:
+            if want.get(worker) != Target(r.endpoint, r.key, r.local):
                 self._close(r)
             else:
                 r.up = True       # ready again by the broker's word (a dead one's connection stays down: unused)
-                if self.lanes and r.lane is None and r.connected and not r.lane_refused:
+                if r.connected and self._wants_lane(r):
                     self._ask_lane(r)     # its worker closed the last one (room, a restart): at most once a table
-        for worker, endpoint in want.items():
+        for worker, target in want.items():
             if worker not in self.routes:
-                self._open(worker, endpoint)
+                self._open(worker, target)
 
     def choose(self) -> Route | None:
         routes = list(self.routes.values())
@@ -198,7 +220,7 @@ class Routes:
                 return lost
             if r is not None and ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 r.connected = True
-                if self.lanes and r.lane is None and not r.lane_refused:
+                if self._wants_lane(r):
                     self._ask_lane(r)         # the connection came back (the first is asked for at `_open`)
             elif r is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
                 r.connected = False
@@ -269,6 +291,9 @@ class Routes:
             pass                      # its queue is full: it is awake enough
 
 
+    def _wants_lane(self, r: Route) -> bool:
+        return self.lanes and r.local and r.lane is None and not r.lane_refused
+
     def _ask_lane(self, r: Route) -> None:
         try:
             r.lane = Lane.create()
@@ -308,18 +333,21 @@ class Routes:
             self._close(r)
 
     # -- inside ---------------------------------------------------------------------------------------------
-    def _open(self, worker: str, endpoint: str) -> None:
+    def _open(self, worker: str, target: Target) -> None:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, SEND_HWM)
         s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
+        if target.key:
+            # The worker proves it holds the key the broker's table gave; the client, that it holds an admitted one.
+            wire.configure_curve_client(s, self.keys, self.key_role, server_key=target.key.encode())
         mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        s.connect(endpoint)
-        r = Route(worker, endpoint, s, mon)
+        s.connect(target.endpoint)
+        r = Route(worker, target.endpoint, s, mon, key=target.key, local=target.local)
         self.routes[worker] = r
         self.by_socket[s] = self.by_socket[mon] = r
-        if self.lanes:
+        if self._wants_lane(r):
             self._ask_lane(r)
         if self.poller is not None:
             self.poller.register(s, zmq.POLLIN)

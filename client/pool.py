@@ -572,8 +572,9 @@ class Client(_Base):
         eleventh session); polling keeps it awake, at the price of a core (and of the GIL, in turns) while a call
         waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if no other thread of this process could
         want the GIL (which the polling would keep from it), sleep at once for anything else.
-        `direct`: send a request's first attempt to a worker on this host that takes requests itself, if the pool
-        has any (client/direct.py); every other attempt, and every other call, goes through the broker.
+        `direct`: send a request's first attempt to a worker that takes requests itself, if the pool has any (on
+        this host; in a pool with keys, on any host: client/direct.py); every other attempt, and every other call,
+        goes through the broker.
         `lanes`: ... and through shared memory when that worker takes it (protocol/lane.py)."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         if spin_ms is not None and spin_ms < 0:
@@ -592,8 +593,8 @@ class Client(_Base):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._mon, zmq.POLLIN)
-        self._routes = (Routes(self._ctx, self._poller, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES, lanes=lanes)
-                        if direct else None)
+        self._routes = (Routes(self._ctx, self._poller, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES, lanes=lanes,
+                               keys=self.keys, key_role=self.key_role) if direct else None)
 
     # -- the pool's API ----------------------------------------------------------------------------------
     def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -1075,8 +1076,8 @@ class AsyncClient(_Base):
         # Route sockets are plain ones on the same context (a non-blocking send is refused at once, as Client's);
         # a task per route reads each through an asyncio view of it (`_watch_route`).
         self._routes = (Routes(zmq.Context.shadow(self._ctx.underlying), None, wire.MAX_BODY_BYTES
-                               + wire.MAX_HEADER_BYTES, watch=self._watch_route, unwatch=self._unwatch_route)
-                        if direct else None)
+                               + wire.MAX_HEADER_BYTES, watch=self._watch_route, unwatch=self._unwatch_route,
+                               keys=self.keys, key_role=self.key_role) if direct else None)
         self._route_tasks: dict[str, tuple[list[asyncio.Task], list[Any]]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None

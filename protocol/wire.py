@@ -660,15 +660,19 @@ def is_loopback(endpoint: str) -> bool:
         return True
     if not endpoint.startswith("tcp://"):
         return False
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-    if ";" in host:   # "tcp://src;dst": judge the destination / bind address
-        host = host.split(";", 1)[1]
+    host = endpoint_host(endpoint)     # "tcp://src;dst": judge the destination / bind address
     if host in LOOPBACK_HOSTS:
         return True
     try:              # an address, not a name that merely starts like one ("127.evil.example")
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The address of a "tcp://HOST:PORT" endpoint ("tcp://src;dst:port": the destination's)."""
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    return host.split(";", 1)[1] if ";" in host else host
 
 
 def load_curve_keys(keys: str | os.PathLike, role: str = "client") -> tuple[bytes, bytes, bytes]:
@@ -678,8 +682,8 @@ def load_curve_keys(keys: str | os.PathLike, role: str = "client") -> tuple[byte
     can check its keys before it does anything expensive (a worker does, before loading the model)."""
     import zmq.auth
 
-    if role not in ("client", "worker", "operator"):
-        raise ValueError(f"role must be 'client', 'worker' or 'operator', got {role!r}")
+    if role not in ("client", "worker", "operator", "server"):
+        raise ValueError(f"role must be 'client', 'worker', 'operator' or 'server', got {role!r}")
     keys = Path(keys)
     for name in (f"{role}.key_secret", "server.key"):
         if not (keys / name).is_file():
@@ -691,12 +695,47 @@ def load_curve_keys(keys: str | os.PathLike, role: str = "client") -> tuple[byte
     return public, secret, server_public
 
 
-def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "client") -> None:
-    """Make a zmq socket a CURVE client (role "client" or "worker") with keys from `laya-pool keys --out DIR`.
+def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "client",
+                           server_key: bytes | None = None) -> None:
+    """Make a zmq socket a CURVE client (role "client" or "worker") with keys from `laya-pool keys --out DIR`;
+    `server_key` (z85): the peer is not the broker but a worker's direct socket, whose key the broker's table gave.
 
     Here, in the one module every process imports, so clients and workers authenticate the same way.
     """
     public, secret, server_public = load_curve_keys(keys, role)
     sock.curve_secretkey = secret
     sock.curve_publickey = public
-    sock.curve_serverkey = server_public
+    sock.curve_serverkey = server_key or server_public
+
+
+def configure_curve_server(sock: Any, keys: str | os.PathLike, role: str, domain: str) -> bytes:
+    """Make a zmq socket a CURVE server with `role`'s key pair ("server": the broker's; "worker": a worker's direct
+    socket), its peers judged by the authenticator's `domain` (`start_authenticator`); the public key (z85)."""
+    public, secret, _ = load_curve_keys(keys, role)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    sock.zap_domain = domain.encode()
+    return public
+
+
+def start_authenticator(ctx: Any, folders: dict[str, Path]) -> Any:
+    """A ZAP handler (a thread of `ctx`) admitting, for each domain, the public keys in its folder; stop() it."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    for folder in folders.values():
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: missing (the public keys this socket admits; `laya-pool keys`)")
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    for domain, folder in folders.items():
+        auth.configure_curve(domain=domain, location=str(folder))
+    return auth
+
+
+def is_curve_key(text: Any) -> bool:
+    """A z85 CURVE public key as a table carries it (40 characters of ZeroMQ's z85 alphabet)."""
+    return isinstance(text, str) and len(text) == 40 and all(c in _Z85 for c in text)
+
+
+_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")

@@ -230,21 +230,25 @@ def test_a_worker_leaving_in_good_order_hands_back_what_was_on_its_way(broker, t
 
 # ------------------------------------------------------------------------------------------------ direct routes
 
-def _ready(worker, wid: str, fingerprint: str, direct: str | None) -> None:
+def _ready(worker, wid: str, fingerprint: str, direct: str | None, key: str | None = None) -> None:
     header = {"id": wid, "device": "cpu", "fingerprint": fingerprint, "credit": 1, "host": "h1",
               "capacity": {"max_tokens": 100, "max_rows": 4, "max_markers": 8}}
     if direct is not None:
         header["direct"] = direct
+    if key is not None:
+        header["direct_key"] = key
     worker.send_multipart(wire.encode(wire.Cmd.READY, header))
 
 
 def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_directly(broker, tmp_path):
     """The table a client asks for (`routes` in a ping's reply): ready workers of the pool's model with a direct
     endpoint; not one draining, not one of another model, not one without a direct socket; and a READY naming an
-    endpoint beyond loopback is refused (that socket has no CURVE)."""
+    endpoint beyond loopback without its CURVE key (`direct_key`), or a key that is not one, is refused; with its key
+    the table carries it (the client authenticates the worker by it)."""
     import zmq
     ctx = zmq.Context()
-    socks = {wid: _dealer(ctx, wid.encode(), f"ipc://{tmp_path}/be") for wid in ("a", "b", "c", "d", "e")}
+    key = zmq.curve_keypair()[0].decode()
+    socks = {wid: _dealer(ctx, wid.encode(), f"ipc://{tmp_path}/be") for wid in ("a", "b", "c", "d", "e", "f", "g")}
     try:
         _ready(socks["a"], "a", "f" * 64, "tcp://127.0.0.1:4001")      # first: its model becomes the pool's
         assert broker.backend.poll(5000)
@@ -252,19 +256,23 @@ def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_dir
         _ready(socks["b"], "b", "f" * 64, "ipc:///tmp/b.sock")
         _ready(socks["c"], "c", "f" * 64, None)
         _ready(socks["d"], "d", "e" * 64, "tcp://127.0.0.1:4004")          # another model: MISMATCH
-        _ready(socks["e"], "e", "f" * 64, "tcp://10.1.2.3:4005")           # beyond loopback: refused
+        _ready(socks["e"], "e", "f" * 64, "tcp://10.1.2.3:4005")           # beyond loopback, no key: refused
+        _ready(socks["f"], "f", "f" * 64, "tcp://10.1.2.3:4006", key)      # ... with its key: listed with it
+        _ready(socks["g"], "g", "f" * 64, "tcp://10.1.2.3:4007", "x" * 39 + "~")   # not a z85 key: refused
         for _ in range(50):
-            if len(broker.workers) == 4:
+            if len(broker.workers) == 5:
                 break
             if broker.backend.poll(100):
                 broker._receive_all(broker.backend, broker.on_backend)
-        assert sorted(broker.workers) == ["a", "b", "c", "d"], sorted(broker.workers)
-        assert socks["e"].poll(2000)
-        refused = wire.decode(socks["e"].recv_multipart())
-        assert refused.cmd == wire.Cmd.DISCONNECT and "direct" in refused.header["reason"]
-        assert broker.routes() == [["a", "tcp://127.0.0.1:4001", "h1"], ["b", "ipc:///tmp/b.sock", "h1"]]
+        assert sorted(broker.workers) == ["a", "b", "c", "d", "f"], sorted(broker.workers)
+        for wid, field in (("e", "direct"), ("g", "direct_key")):
+            assert socks[wid].poll(2000)
+            refused = wire.decode(socks[wid].recv_multipart())
+            assert refused.cmd == wire.Cmd.DISCONNECT and field in refused.header["reason"], refused.header
+        assert broker.routes() == [["a", "tcp://127.0.0.1:4001", "h1", ""], ["b", "ipc:///tmp/b.sock", "h1", ""],
+                                   ["f", "tcp://10.1.2.3:4006", "h1", key]]
         broker.workers["a"].state = WorkerState.DRAINING
-        assert broker.routes() == [["b", "ipc:///tmp/b.sock", "h1"]]
+        assert broker.routes() == [["b", "ipc:///tmp/b.sock", "h1", ""], ["f", "tcp://10.1.2.3:4006", "h1", key]]
         assert broker.status()["workers"][1]["direct"] == "ipc:///tmp/b.sock"
     finally:
         for s in socks.values():

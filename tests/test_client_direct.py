@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zmq
 from conftest import wait_until
-from laya_pool.client.direct import Route, Routes, pick, usable
+from laya_pool.client.direct import Route, Routes, Target, pick, usable
 from laya_pool.protocol import wire
 
 
@@ -26,9 +26,24 @@ def test_pick_takes_the_least_outstanding_usable_route_and_turns_on_ties():
 
 def test_the_table_keeps_only_loopback_routes_on_this_host():
     table = [["0", "tcp://127.0.0.1:5000", "here"], ["1", "tcp://10.0.0.7:5000", "here"],
-             ["2", "tcp://127.0.0.1:5001", "elsewhere"], ["3", "ipc:///tmp/w3", "here"], ["4", 5, "here"], "junk"]
-    assert usable(table, "here") == {"0": "tcp://127.0.0.1:5000", "3": "ipc:///tmp/w3"}
+             ["2", "tcp://127.0.0.1:5001", "elsewhere"], ["3", "ipc:///tmp/w3", "here", ""], ["4", 5, "here"], "junk"]
+    assert usable(table, "here") == {"0": Target("tcp://127.0.0.1:5000", "", True),
+                                     "3": Target("ipc:///tmp/w3", "", True)}
     assert usable(None, "here") == {} and usable({"0": "x"}, "here") == {}
+
+
+def test_with_keys_a_route_is_usable_from_any_host_by_its_key():
+    """A pool with keys: each worker's direct socket is a CURVE server whose key the table carries; a client with
+    keys takes any tcp route (it authenticates the worker by that key), an ipc one only on its own host, and a
+    client without keys none of them (it could not connect)."""
+    key = zmq.curve_keypair()[0].decode()
+    table = [["0", "tcp://10.0.0.7:5000", "there", key], ["1", "tcp://127.0.0.1:5001", "here", key],
+             ["2", "ipc:///tmp/w2", "there", key], ["3", "ipc:///tmp/w3", "here", key],
+             ["4", "tcp://10.0.0.7:5002", "there", "not a key"], ["5", "tcp://10.0.0.7:5003", "there", key[:-1]]]
+    assert usable(table, "here", curve=True) == {"0": Target("tcp://10.0.0.7:5000", key, False),
+                                                 "1": Target("tcp://127.0.0.1:5001", key, True),
+                                                 "3": Target("ipc:///tmp/w3", key, True)}
+    assert usable(table, "here") == {}
 
 
 def _connected(routes, worker: str) -> bool:

@@ -47,15 +47,20 @@ def test_gil_switch_interval_from_flag_or_environment(monkeypatch):
 @pytest.mark.parametrize("extra,cuda,direct,problem", [
     ([], True, "on", None),                                       # a CUDA worker's default: clients come directly
     ([], False, "off", None),                                     # a CPU worker's (its forward holds the data thread)
-    (["--keys", "k"], True, "off", None),                         # CURVE pools keep every request on the broker
-    (["--keys", "k", "--direct", "on"], True, "on", "CURVE"),
+    (["--keys", "{keys}"], True, "on", None),                     # with keys: a CURVE server admitting authorized/
+    (["--keys", "{keys}", "--direct-endpoint", "tcp://0.0.0.0:*"], True, "on", None),   # ... so beyond loopback too
+    (["--keys", "{bare}"], True, "off", None),                    # keys without authorized/: the broker only
+    (["--keys", "{bare}", "--direct", "on"], True, "on", "authorized"),
     (["--direct", "on", "--direct-endpoint", "tcp://0.0.0.0:*"], False, "on", "beyond loopback"),
     (["--direct", "on", "--direct-endpoint", "tcp://127.0.0.1:7000"], False, "on", "free port"),
     (["--direct", "on", "--direct-endpoint", "ipc:///tmp/w.sock"], False, "on", "{id}"),
     (["--direct", "on", "--direct-endpoint", "ipc:///tmp/w{id}.sock"], False, "on", None),
     (["--direct", "on", "--direct-endpoint", "tcp://127.evil.example:*"], False, "on", "beyond loopback"),
 ])
-def test_direct_socket_defaults_and_refusals(extra, cuda, direct, problem):
+def test_direct_socket_defaults_and_refusals(extra, cuda, direct, problem, tmp_path):
+    (tmp_path / "keys" / "authorized").mkdir(parents=True)
+    (tmp_path / "bare").mkdir()
+    extra = [x.replace("{keys}", str(tmp_path / "keys")).replace("{bare}", str(tmp_path / "bare")) for x in extra]
     base = ["--model", "m", "--backend", "b", "--id", "0"]
     cfg = WorkerConfig.from_args(build_parser().parse_args([*base, *extra])).for_device(cuda)
     assert cfg.direct == direct

@@ -74,7 +74,7 @@ def parse_mix(text: str) -> list[Shape]:
 
 
 def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape], seed: int, out: mp.Queue,
-                 direct: bool = True) -> None:
+                 direct: bool = True, keys: str | None = None) -> None:
     import random
 
     async def main() -> dict:
@@ -84,7 +84,7 @@ def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape],
         lat: dict[str, list[float]] = {n: [] for n in names}
         failed: list[str] = []
         stop = time.monotonic() + seconds
-        async with AsyncClient(endpoint, timeout=10.0, retries=6, direct=direct) as c:
+        async with AsyncClient(endpoint, timeout=10.0, retries=6, direct=direct, keys=keys) as c:
             async def loop(k: int) -> None:
                 rng = random.Random(seed * 1000 + k)      # the same draw sequence run after run
                 while time.monotonic() < stop:
@@ -109,10 +109,10 @@ def _stats(seconds: list[float]) -> dict:
 COUNTS = ("ok", "merged_runs", "merged_requests")
 
 
-def _worker_counts(endpoint: str) -> dict[tuple[str, Any], tuple[int, ...]]:
+def _worker_counts(endpoint: str, keys: str | None = None) -> dict[tuple[str, Any], tuple[int, ...]]:
     """Requests answered and merged per worker process ((id, pid): a restarted worker counts from 0 again), from
     their last heartbeat's stats."""
-    with Client(endpoint, timeout=5.0, retries=2) as c:
+    with Client(endpoint, timeout=5.0, retries=2, keys=keys) as c:
         workers = c.status()["workers"]
     return {(w["id"], w.get("pid")): tuple(int((w.get("stats") or {}).get(k) or 0) for k in COUNTS)
             for w in workers}
@@ -128,15 +128,15 @@ def groups(before: dict, after: dict) -> dict | None:
     return {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None}
 
 
-def _killer(endpoint: str, after: float, done: dict) -> None:
+def _killer(endpoint: str, after: float, done: dict, keys: str | None = None) -> None:
     time.sleep(after)
-    with Client(endpoint, timeout=5.0, retries=2) as c:
+    with Client(endpoint, timeout=5.0, retries=2, keys=keys) as c:
         workers = [w for w in c.status()["workers"] if w["state"] == "ready" and w.get("pid")]
     victim = workers[0]
     os.kill(victim["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
     done.update(killed=victim["id"], pid=victim["pid"], device=victim["device"], at_s=after)
-    with Client(endpoint, timeout=5.0, retries=2) as c:
+    with Client(endpoint, timeout=5.0, retries=2, keys=keys) as c:
         while time.monotonic() - t_kill < 300:          # the supervisor brings it back with a new pid
             back = [w for w in c.status()["workers"]
                     if w["id"] == victim["id"] and w["state"] == "ready" and w.get("pid") != victim["pid"]]
@@ -173,32 +173,32 @@ def _sample_cpu(pool_pids, children: list, seconds: float, out: list) -> None:
 
 def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, rows: int = 1, tokens: int = 48,
              kill_after: float | None = None, mix: list[Shape] | None = None, pool_pids=None,
-             direct: bool = True) -> dict:
+             direct: bool = True, keys: str | None = None) -> dict:
     """Drive `endpoint` for `seconds` with `concurrency` requests in flight (of `rows` x `tokens`, or drawn
     from `mix`); returns the measurements, with the CPU each process used (`pool_pids`: a callable giving the
-    pool's pids and roles, for a pool on this host)."""
+    pool's pids and roles, for a pool on this host). `keys`: a pool with CURVE keys (`laya-pool keys`)."""
     mix = mix or [(rows, tokens, 1.0)]
     warm_failed = []
-    with Client(endpoint, timeout=10.0, retries=3) as c:       # one warm call per shape apart, not timed
+    with Client(endpoint, timeout=10.0, retries=3, keys=keys) as c:   # one warm call per shape apart, not timed
         for r, t, _ in mix:
             try:
                 c.forward(_rows(r, t))
             except Exception as e:
                 warm_failed.append(f"{type(e).__name__}: {e}")
     time.sleep(HEARTBEAT_S)                    # the warm calls in the workers' stats
-    counted = _worker_counts(endpoint)
+    counted = _worker_counts(endpoint, keys)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
-    children = [ctx.Process(target=_client_proc, args=(endpoint, n, seconds, mix, i, q, direct))
+    children = [ctx.Process(target=_client_proc, args=(endpoint, n, seconds, mix, i, q, direct, keys))
                 for i, n in enumerate(shares) if n > 0]
     t0 = time.perf_counter()
     for p in children:
         p.start()
     killed: dict = {}
     if kill_after is not None:
-        killer = threading.Thread(target=_killer, args=(endpoint, kill_after, killed), daemon=True)
+        killer = threading.Thread(target=_killer, args=(endpoint, kill_after, killed, keys), daemon=True)
         killer.start()
     used: list[dict] = []
     sampler = threading.Thread(target=_sample_cpu, args=(pool_pids, children, seconds, used), daemon=True)
@@ -211,7 +211,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     for p in children:
         p.join(30)
     time.sleep(HEARTBEAT_S)                    # the run's last requests in the workers' stats
-    grouped = groups(counted, _worker_counts(endpoint))
+    grouped = groups(counted, _worker_counts(endpoint, keys))
     per_shape = {f"{r}x{t}": [x for part in parts for x in part["latencies"][f"{r}x{t}"]] for r, t, _ in mix}
     everything = [x for xs in per_shape.values() for x in xs]
     failed = warm_failed + [x for part in parts for x in part["failed"]]
@@ -235,9 +235,10 @@ def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: floa
     def go(pool, concurrency, kill):
         return run_load(pool.endpoint, concurrency=concurrency, procs=args.procs, seconds=args.seconds,
                         rows=args.rows, tokens=args.tokens, kill_after=kill, mix=args.mix,
-                        pool_pids=lambda: cpu.tree(pool.process.pid), direct=not args.via_broker)
+                        pool_pids=lambda: cpu.tree(pool.process.pid), direct=not args.via_broker,
+                        keys=args.keys)
     with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600,
-                    extra_args=shlex.split(extra)) as pool:
+                    extra_args=shlex.split(extra), keys=args.keys) as pool:
         runs = [go(pool, n, None) for n in args.concurrency]
         res = dict(runs[-1], devices=devices, workers_per_device=wpd, pool_args=extra)
         if len(runs) > 1:
@@ -315,6 +316,8 @@ def main() -> int:
     ap.add_argument("--via-broker", action="store_true",
                     help="the clients (AsyncClient) send every request through the broker (direct=False); by default "
                          "first attempts go to the workers directly where the pool offers it, as AsyncClient's do")
+    ap.add_argument("--keys", help="a pool with CURVE keys: the `laya-pool keys` directory (the pools this starts "
+                                   "use it too)")
     args = ap.parse_args()
     global QUIET
     QUIET = args.quiet
@@ -331,7 +334,7 @@ def main() -> int:
     if args.frontend:
         runs = [run_load(args.frontend, concurrency=n, procs=args.procs, seconds=args.seconds, rows=args.rows,
                          tokens=args.tokens, kill_after=args.kill_after if n == args.concurrency[-1] else None,
-                         mix=args.mix, direct=not args.via_broker) for n in args.concurrency]
+                         mix=args.mix, direct=not args.via_broker, keys=args.keys) for n in args.concurrency]
         report["pool"] = dict(runs[-1], sweep=runs) if len(runs) > 1 else runs[0]
         for r in runs:
             print(_line("pool", r))

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -88,10 +90,16 @@ class SocketInbox:
         # thread, so that READY can name the port it got; read and answered by the data thread alone.
         self.direct: zmq.Socket | None = None
         self.direct_endpoint: str | None = None
+        self.direct_key: str | None = None    # with keys: its CURVE public key (z85), for the broker's table
+        self.direct_auth: Any = None          # ... and the ZAP handler that admits the pool's client keys
         if direct is not None:
+            # Before the bind: a CURVE socket with no ZAP handler in its context would admit every key.
+            if keys:
+                self.direct_auth = wire.start_authenticator(ctx, {"clients": Path(keys) / "authorized"})
             # The broker's frontend limit, not the backend's: a client's request is what comes here.
-            self.direct = _bind_direct(ctx, direct, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES)
-            self.direct_endpoint = self.direct.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.direct, self.direct_key = _bind_direct(ctx, direct, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES,
+                                                        keys)
+            self.direct_endpoint = announced(self.direct.getsockopt_string(zmq.LAST_ENDPOINT))
         self.direct_taken = 0         # request messages clients sent here directly
         self.lanes = Lanes() if lanes and direct is not None else None
         self.unroutable = 0           # direct replies whose client had gone
@@ -361,6 +369,9 @@ class SocketInbox:
         if self.direct is not None:
             self.direct.close(linger=500)
             self.direct = None
+        if self.direct_auth is not None:
+            self.direct_auth.stop()
+            self.direct_auth = None
         if not self.wake_in.closed:
             self.wake_in.close(0)
 
@@ -368,15 +379,28 @@ class SocketInbox:
 DIRECT_HWM = 64     # requests a client may have queued at the direct socket before its sends are refused
 
 
-def _bind_direct(ctx: zmq.Context, endpoint: str, max_message_bytes: int) -> zmq.Socket:
-    """The ROUTER clients send their requests to. Bounded per peer: at most DIRECT_HWM messages of at most
-    `max_message_bytes` wait in each client's pipe (a client's non-blocking send is refused beyond them, and it goes
-    through the broker); a reply to a client that has gone raises instead of queueing (ROUTER_MANDATORY)."""
+def _bind_direct(ctx: zmq.Context, endpoint: str, max_message_bytes: int,
+                 keys: str | None = None) -> tuple[zmq.Socket, str | None]:
+    """The ROUTER clients send their requests to, and its CURVE public key (with `keys`: a CURVE server with the
+    worker's key pair, admitting the keys the broker's frontend admits; so it may listen beyond loopback). Bounded
+    per peer: at most DIRECT_HWM messages of at most `max_message_bytes` wait in each client's pipe (a client's
+    non-blocking send is refused beyond them, and it goes through the broker); a reply to a client that has gone
+    raises instead of queueing (ROUTER_MANDATORY)."""
     s = ctx.socket(zmq.ROUTER)
     s.setsockopt(zmq.LINGER, 500)
     s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     s.setsockopt(zmq.RCVHWM, DIRECT_HWM)
     s.setsockopt(zmq.SNDHWM, 4 * DIRECT_HWM)
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    key = wire.configure_curve_server(s, keys, "worker", "clients").decode() if keys else None
     s.bind(endpoint)
-    return s
+    return s, key
+
+
+def announced(endpoint: str) -> str:
+    """The endpoint clients connect to: a wildcard bind (`tcp://*:*` reads back as 0.0.0.0) is named by this host's
+    name, which clients on other hosts resolve (bind one interface's address to name it exactly)."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if endpoint.startswith("tcp://") and host in ("0.0.0.0", "[::]", "*"):
+        return f"tcp://{socket.gethostname()}:{port}"
+    return endpoint

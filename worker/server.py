@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -73,7 +74,7 @@ class WorkerConfig:
     poll_us: int | None = None              # after a reply, the data thread polls this long (default: see --poll-us)
     data_requests: str = "auto"             # requests straight to the data thread: auto = on CUDA (see --data-requests)
     direct: str = "auto"                    # clients send requests here themselves: auto = as data_requests (--direct)
-    direct_endpoint: str = "tcp://127.0.0.1:*"   # where the direct socket binds (loopback only: it has no CURVE)
+    direct_endpoint: str = "tcp://127.0.0.1:*"   # where the direct socket binds (beyond loopback: with keys only)
     lanes: str = "auto"                     # requests through shared memory too: auto = as direct (--lanes)
     generation: int = 0                     # restart count (set by the supervisor)
     keys: str | None = None
@@ -90,8 +91,10 @@ class WorkerConfig:
         # milliseconds (a first graph capture well under a second); a CPU runs the large model far slower.
         timeout = self.compute_timeout if self.compute_timeout is not None else (10.0 if on_cuda else 30.0)
         data = self.data_requests if self.data_requests != "auto" else ("on" if on_cuda else "off")
-        # Direct requests skip the broker's CURVE check, so a pool with keys keeps every request on the broker.
-        direct = self.direct if self.direct != "auto" else ("on" if data == "on" and not self.keys else "off")
+        # With keys the direct socket is a CURVE server admitting the keys in `authorized/` (as the broker's
+        # frontend does): a worker whose key directory lacks them keeps its clients on the broker.
+        direct = self.direct if self.direct != "auto" else (
+            "on" if data == "on" and (not self.keys or self.admits_clients()) else "off")
         # A closed-loop caller's next request comes a round trip after its answer: a data thread still polling then
         # answers it ~0.2 ms sooner than one woken from sleep (device run, fourteenth session, call 4); a CPU
         # worker's forward is too slow for that to matter, and its cores are the tests'.
@@ -102,6 +105,9 @@ class WorkerConfig:
                                    credit=self.credit if self.credit is not None else max(2, 2 * max_batch),
                                    mode=self.mode or ("graph-cached" if on_cuda else "eager"))
 
+    def admits_clients(self) -> bool:
+        return bool(self.keys) and (Path(self.keys) / "authorized").is_dir()
+
     def usage_problem(self) -> str | None:
         if min(self.credit, self.max_batch, self.heartbeat_ms, self.liveness) < 1:
             return "--credit, --max-batch, --heartbeat-ms and --liveness must be positive"
@@ -109,15 +115,16 @@ class WorkerConfig:
             return f"--data-requests must be auto, on or off (got {self.data_requests!r}); check LAYA_DATA_REQUESTS"
         if self.direct not in ("auto", "on", "off"):
             return f"--direct must be auto, on or off (got {self.direct!r}); check LAYA_DIRECT"
-        if self.direct == "on" and self.keys:
-            return "--direct on with --keys: the direct socket has no CURVE authentication (not built); --direct off"
+        if self.direct == "on" and self.keys and not self.admits_clients():
+            return (f"--direct on with --keys: {self.keys}/authorized is missing (the client keys the direct socket "
+                    "admits, as the broker's frontend does; `laya-pool keys` writes it)")
         if self.lanes not in ("auto", "on", "off"):
             return f"--lanes must be auto, on or off (got {self.lanes!r}); check LAYA_LANES"
         if self.lanes == "on" and not lane.supported():
             return "--lanes on: this host has none (they need x86-64 Linux and a writable /dev/shm); --lanes off"
-        if not wire.is_loopback(self.direct_endpoint):
-            return (f"--direct-endpoint {self.direct_endpoint!r} is beyond loopback: the direct socket has no CURVE "
-                    "authentication, so it binds on loopback or ipc:// only")
+        if not wire.is_loopback(self.direct_endpoint) and not self.keys:
+            return (f"--direct-endpoint {self.direct_endpoint!r} is beyond loopback: the direct socket authenticates "
+                    "its clients only with CURVE keys (--keys), so without them it binds on loopback or ipc:// only")
         if not (self.direct_endpoint.startswith("tcp://") and self.direct_endpoint.endswith(":*")
                 or self.direct_endpoint.startswith("ipc://") and "{id}" in self.direct_endpoint):
             # Every worker of a pool gets the same option: a fixed port would clash, a fixed ipc path be taken over.
@@ -207,6 +214,7 @@ class Worker:
         self._send(wire.encode(Cmd.READY, {
             "id": self.id, "data": self.data_identity, "data_requests": self.cfg.data_requests == "on",
             **({"direct": self.inbox.direct_endpoint} if self.inbox.direct_endpoint else {}),
+            **({"direct_key": self.inbox.direct_key} if self.inbox.direct_key else {}),
             "device": self.device_label, "fingerprint": self.fingerprint,
             "capacity": {"max_tokens": int(cap.max_tokens), "max_rows": int(cap.max_rows),
                          "max_markers": int(cap.max_markers), "row_markers": int(getattr(cap, "row_markers", 0))},
@@ -448,11 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direct", default=os.environ.get("LAYA_DIRECT", d.direct), choices=("auto", "on", "off"),
                    help="on: the data thread also binds a socket (--direct-endpoint) that clients send their requests "
                         "to themselves, skipping the broker (which READY tells them of; the broker stays their "
-                        "fallback). auto (default): on when requests go to the data thread (--data-requests) and the "
-                        "pool has no CURVE keys; env LAYA_DIRECT")
+                        "fallback). With --keys it is a CURVE server with the worker's key pair admitting the keys "
+                        "in KEYS/authorized. auto (default): on when requests go to the data thread (--data-requests) "
+                        "and, with keys, KEYS/authorized is there; env LAYA_DIRECT")
     p.add_argument("--direct-endpoint", default=os.environ.get("LAYA_DIRECT_ENDPOINT", d.direct_endpoint),
-                   help="where the direct socket binds: loopback tcp (default tcp://127.0.0.1:*, a free port) or "
-                        "ipc://; env LAYA_DIRECT_ENDPOINT")
+                   help="where the direct socket binds: tcp with a free port (default tcp://127.0.0.1:*; beyond "
+                        "loopback with --keys only, e.g. tcp://10.0.0.5:* for clients on other hosts; a wildcard "
+                        "address is announced by this host's name) or ipc://; env LAYA_DIRECT_ENDPOINT")
     p.add_argument("--lanes", default=os.environ.get("LAYA_LANES", d.lanes), choices=("auto", "on", "off"),
                    help="on: clients on this host may send their requests through shared memory (protocol/lane.py) "
                         "instead of the direct socket, while the data thread polls. auto (default): on with the "

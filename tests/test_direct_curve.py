@@ -1,0 +1,141 @@
+"""Clients straight to the workers in a pool with CURVE keys (docs/architecture.md, "The data path", item 1): each
+worker's direct socket is a CURVE server with the worker's key pair, admitting the keys the broker's frontend admits;
+the broker's table carries that key, so a client with the pool's keys authenticates the worker, from any host."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
+from laya_pool.broker.supervisor import SupervisorConfig, _direct_beyond_loopback
+from laya_pool.client.pool import Client, local_pool
+from laya_pool.protocol import wire
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    out = tmp_path_factory.mktemp("curve") / "keys"
+    r = subprocess.run([sys.executable, "-m", "laya_pool", "keys", "--out", str(out)], env=SUBPROCESS_ENV,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def curve_pool(tiny_ckpt, keys, tmp_path_factory):
+    """One CPU worker with keys taking requests on its data thread and its direct socket (lanes off: the socket's
+    authentication is what is tested), a tcp frontend on loopback."""
+    log = tmp_path_factory.mktemp("curve-pool") / "pool.log"
+    env = {"LAYA_DATA_REQUESTS": "on", "LAYA_DIRECT": "on", "LAYA_LANES": "off", "LAYA_WORKER_POLL_US": "200000"}
+    with local_pool(tiny_ckpt, "cpu", frontend=f"tcp://127.0.0.1:{free_port()}", keys=str(keys), log=log, env=env,
+                    startup_timeout=180) as pool:
+        yield pool
+    text = log.read_text()
+    assert pool.process.returncode == 0 and "Traceback" not in text, text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_ckpt):
+    import torch
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime
+    torch.set_num_threads(1)
+    return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
+
+
+def _reference(runtime, rows):
+    from laya_pool.worker.batch import Batch
+    return runtime.run(Batch.from_rows(rows)).logits
+
+
+def _table(c: Client) -> list:
+    msg, _ = c.call(wire.Cmd.HEARTBEAT, lambda rid, cid: wire.encode(wire.Cmd.HEARTBEAT, {"rid": rid, "routes": True}),
+                    10.0, 0)
+    return msg.header["routes"]
+
+
+def _taken_directly(pool) -> int:
+    return sum(w.get("stats", {}).get("direct", 0) for w in pool.status()["workers"])
+
+
+@pytest.mark.parametrize("host", [None, "another-host"])
+def test_a_client_with_keys_sends_to_the_worker_itself_and_gets_the_same_answers(curve_pool, runtime, host):
+    """From this host and as a client on another host would (the table's host is not its own: what makes the route
+    usable is the worker's key, and no lane is asked for)."""
+    rows = make_rows(21)
+    want = _reference(runtime, rows)
+    with curve_pool.client(timeout=30) as c:
+        if host is not None:
+            c._routes.host = host
+        table = _table(c)
+        assert len(table) == 1 and wire.is_curve_key(table[0][3]), table
+        before = _taken_directly(curve_pool)
+        c.forward(rows)                                   # the table comes with the first call
+        wait_until(lambda: c.ping() is not None and all(r.connected for r in c._routes.routes.values())
+                   and len(c._routes.routes) == 1, 30, "the route never connected")
+        route = next(iter(c._routes.routes.values()))
+        assert route.key == table[0][3] and route.local is (host is None) and route.lane is None
+        sent = c._routes.sent
+        for _ in range(8):
+            np.testing.assert_allclose(c.forward(rows).flat, want, rtol=1e-5, atol=1e-5)
+        assert c._routes.sent - sent == 8
+    wait_until(lambda: _taken_directly(curve_pool) - before >= 8, 30, "the worker never counted them")
+
+
+def _stranger(ctx: zmq.Context, endpoint: str, server_key: str | None, keypair: tuple[bytes, bytes] | None):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if server_key is not None:
+        s.curve_publickey, s.curve_secretkey = keypair
+        s.curve_serverkey = server_key.encode()
+    mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    s.connect(endpoint)
+    return s, mon
+
+
+def test_the_direct_socket_refuses_keys_it_does_not_admit_and_keeps_serving(curve_pool, runtime, keys):
+    """A key pair the pool does not admit, and a peer without CURVE: no handshake, no answer; an admitted client
+    goes on being served directly."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    rows = make_rows(22)
+    with curve_pool.client(timeout=30) as c:
+        _, endpoint, _, key = _table(c)[0]
+    ctx = zmq.Context()
+    try:
+        for server_key, keypair, want in ((key, zmq.curve_keypair(), zmq.EVENT_HANDSHAKE_FAILED_AUTH),
+                                          (None, None, None)):
+            s, mon = _stranger(ctx, endpoint, server_key, keypair)
+            events = []
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                if mon.poll(100):
+                    events.append(recv_monitor_message(mon)["event"])
+            assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events, events
+            if want is not None:
+                assert want in events, events          # the worker's ZAP handler said no
+            s.close(0)
+            mon.close(0)
+    finally:
+        ctx.destroy(0)
+    want = _reference(runtime, rows)
+    with curve_pool.client(timeout=30) as c:
+        before = c._routes.sent if c._routes else 0
+        for _ in range(3):
+            np.testing.assert_allclose(c.forward(rows).flat, want, rtol=1e-5, atol=1e-5)
+        assert c._routes.sent - before >= 2        # the first may go to the broker while the route connects
+
+
+def test_a_pool_beyond_loopback_puts_the_direct_sockets_where_its_frontend_is():
+    cfg = SupervisorConfig(model="m", devices=["cuda:0"], frontend="tcp://10.0.0.5:5555", keys="/k")
+    assert _direct_beyond_loopback(cfg, {})
+    assert not _direct_beyond_loopback(cfg, {"LAYA_DIRECT_ENDPOINT": "tcp://10.0.0.6:*"})   # the operator's choice
+    cfg.worker_args = ["--direct-endpoint", "tcp://10.0.0.6:*"]
+    assert not _direct_beyond_loopback(cfg, {})
+    for frontend, k in (("tcp://127.0.0.1:5555", "/k"), ("ipc:///tmp/fe", "/k"), ("tcp://10.0.0.5:5555", None)):
+        assert not _direct_beyond_loopback(SupervisorConfig(model="m", devices=["cpu"], frontend=frontend, keys=k), {})
