@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-spin-ms", type=float, default=None,
                     help="the client polls for its reply without sleeping this long first (Client's spin_ms; "
                          "default: the Client's own)")
+    ap.add_argument("--keys", help="a pool with CURVE keys (`laya-pool keys` directory): every connection encrypted, "
+                                   "the direct one to the worker's key")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -151,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
     samples: dict[str, list[float]] = {k: [] for k in PARTS}
     extra = ["--threads", str(args.threads), *shlex.split(args.pool_args)]
-    with local_pool(args.model, args.device, frontend=frontend, extra_args=extra) as pool, \
-            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms) as c, \
-            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, direct=False) as via_broker:
+    with local_pool(args.model, args.device, frontend=frontend, extra_args=extra, keys=args.keys) as pool, \
+            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, keys=args.keys) as c, \
+            Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, direct=False, keys=args.keys) as via_broker:
         def forward() -> None:
             t = time.monotonic()
             res = c.forward(rows)
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     out["direct"] = c._routes.sent if c._routes is not None else 0
     out["on_lanes"] = c._routes.on_lanes if c._routes is not None else 0
     out["steps"] = protocol_steps(rows, 2000)
-    out["config"] = {"model": args.model, "device": args.device, "transport": args.transport,
+    out["config"] = {"model": args.model, "device": args.device, "transport": args.transport, "keys": bool(args.keys),
                      "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
                      "worker": status["workers"][0]["device"]}
     print(f"{'':60} {'p50 ms':>8} {'p95 ms':>8}")
