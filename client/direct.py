@@ -313,7 +313,9 @@ class Routes:
         if header.get("status") == wire.STATUS_OK:
             r.lane_open = True        # (the worker unlinked its name on opening it)
         else:
-            self._drop_lane(r, refused=True)      # this worker takes no lanes: its socket it is
+            # Final: this worker takes no lanes (its socket it is); retryable: none free now (asked again with the
+            # next table).
+            self._drop_lane(r, refused=header.get("status") != wire.STATUS_RETRYABLE)
 
     def _drop_lane(self, r: Route, refused: bool = False) -> None:
         if r.lane is None:

@@ -192,6 +192,7 @@ class Lane:
         self._open = True
         self.seen = 0               # the worker: the last request number it took
         self.identity: bytes | None = None    # the worker: the client's identity on its direct socket
+        self.used = 0.0             # the worker: when it last carried a request (monotonic; worker/lanes.py)
 
     # -- the client ------------------------------------------------------------------------------------------
     @classmethod

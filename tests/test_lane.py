@@ -14,7 +14,7 @@ from laya_pool.client.pool import Client, local_pool
 from laya_pool.protocol import lane as ln
 from laya_pool.protocol import wire
 from laya_pool.protocol.lane import Lane, pack_frames, unpack_frames
-from laya_pool.worker.lanes import Lanes
+from laya_pool.worker.lanes import IDLE_S, Full, Lanes
 
 pytestmark = pytest.mark.skipif(not ln.supported(), reason="lanes need x86-64 Linux and /dev/shm")
 
@@ -201,7 +201,11 @@ def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bound
         b.ask([b"from b"])
         lane, frames = lanes.take()
         assert (lane.identity, frames, lanes.taken) == (b"B", [b"from b"], 1)
-        lanes.attach(c.name, c.secret(), b"C")         # full: a, the least recently used, goes, and says so
+        with pytest.raises(Full):                      # full, and a carried nothing for less than IDLE_S: not yet
+            lanes.attach(c.name, c.secret(), b"C")
+        assert sorted(lanes.open) == sorted([a.name, b.name]) and lanes.refused == 1 and not a.gone()
+        lanes.open[a.name].used -= IDLE_S              # a idle that long: the least recently used goes, and says so
+        lanes.attach(c.name, c.secret(), b"C")
         assert sorted(lanes.open) == sorted([b.name, c.name]) and lanes.evicted == 1
         assert a.gone() and not a.worker_awake() and not b.gone()
         assert c.worker_awake()                       # a new lane learns the state at once
@@ -218,6 +222,18 @@ def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bound
         for x in made:
             x.unlink()
             x.close()
+
+
+def test_a_lane_refused_for_want_of_room_is_asked_for_again_and_one_refused_for_good_is_not():
+    import zmq
+    from laya_pool.client.direct import Route, Routes
+    from laya_pool.protocol.lane import lane_rid
+    routes = Routes(zmq.Context.instance(), None, 1 << 20, host="here", lanes=True)
+    for status, asks_again in ((wire.STATUS_RETRYABLE, True), (wire.STATUS_FINAL, False)):
+        r = Route("w", "tcp://127.0.0.1:1", lane=Lane.create(), connected=True)
+        routes.routes["w"] = r
+        routes.replied({"rid": lane_rid(r.lane.name), "status": status})
+        assert r.lane is None and r.lane_refused is not asks_again and routes._wants_lane(r) is asks_again
 
 
 def test_a_request_on_a_lane_its_worker_closed_is_lost_and_resent():

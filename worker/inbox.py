@@ -36,10 +36,11 @@ from typing import Any
 
 import zmq
 from laya_pool.protocol import wire
+from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.lane import NAP_MS, Lane, lane_rid
 
 from .landing import Landed, LandingWatch
-from .lanes import Lanes
+from .lanes import Full, Lanes
 
 log = logging.getLogger("laya-pool.worker")
 
@@ -334,6 +335,9 @@ class SocketInbox:
             self.lanes.attach(name, msg.header.get("secret"), to)
         except wire.ProtocolError as e:
             self.send(wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field), to)
+            return
+        except Full as e:             # no room now: the client asks again with its next table
+            self.send(wire.encode_error(rid, wire.STATUS_RETRYABLE, str(e), field="lane", reason=Reason.BUSY), to)
             return
         except OSError as e:          # mapping it failed: no lane, and the data thread goes on
             self.send(wire.encode_error(rid, wire.STATUS_FINAL, f"cannot map the lane: {e}", field="lane"), to)

@@ -3,12 +3,20 @@ request, and telling them all whether the thread is polling. The data thread's a
 answers and rings on sockets), so it is tested with real lanes and no pool."""
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from laya_pool.protocol.lane import Lane, sweep
 from laya_pool.protocol.wire import ProtocolError
 
-MAX_LANES = 64          # mapped at once (128 KB each): the oldest-used goes first when a new one comes
+MAX_LANES = 64          # mapped at once (128 KB each): the least recently used goes when a new one comes ...
+IDLE_S = 1.0            # ... if it carried nothing this long; else the new one is refused for now (`Full`), so that
+                        # more busy clients than lanes do not take them from each other (each taking costs its client
+                        # a re-send), and the client asks again with its next table
+
+
+class Full(Exception):
+    """Every lane carried a request within IDLE_S: a new one must wait (the client goes on over its socket)."""
 
 
 class Lanes:
@@ -19,14 +27,20 @@ class Lanes:
         self.awake = False
         self.taken = 0            # requests read from lanes
         self.evicted = 0          # lanes closed to make room
+        self.refused = 0          # lanes refused for want of room (`Full`)
 
     def attach(self, name: object, secret: object, identity: bytes) -> Lane:
         """Open a client's lane (a ProtocolError says why not); `identity`: the client on the direct socket, where
         what the lane cannot carry goes and where rings go."""
         if name in self.open:
             raise ProtocolError("lane", f"{name} is open already")
+        now = time.monotonic()
+        if len(self.open) >= self.limit and now - next(iter(self.open.values())).used < IDLE_S:
+            self.refused += 1
+            raise Full(f"all {self.limit} lanes carried a request in the last {IDLE_S:g} s")
         lane = Lane.open(name, secret)
         lane.identity = identity
+        lane.used = now
         lane.set_awake(self.awake)
         while len(self.open) >= self.limit:
             _, oldest = self.open.popitem(last=False)
@@ -49,6 +63,7 @@ class Lanes:
             lane.close()
             return self.take()
         self.taken += 1
+        lane.used = time.monotonic()
         self.open.move_to_end(lane.name)
         try:
             return lane, lane.asked()
