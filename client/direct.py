@@ -85,8 +85,9 @@ class Target(NamedTuple):
 def usable(table: Any, host: str, curve: bool = False) -> dict[str, Target]:
     """{worker: target} from the broker's `routes` ([worker, endpoint, host, key] each). Without a key: only workers
     on this host at loopback endpoints (a broker's word is not taken for anything else). With one (a pool with keys;
-    `curve`: this client has them): any tcp endpoint, since the socket authenticates the worker by it (an ipc
-    endpoint still only on this host)."""
+    `curve`: this client has them): a tcp endpoint, since the socket authenticates the worker by it; from another
+    host not a loopback or wildcard one (that worker listens where this host cannot reach it: its loopback would be
+    this host's), and an ipc endpoint only on this host."""
     out: dict[str, Target] = {}
     if not isinstance(table, list):
         return out
@@ -97,8 +98,9 @@ def usable(table: Any, host: str, curve: bool = False) -> dict[str, Target]:
         key = row[3] if len(row) == 4 else ""
         local = where == host
         if key:
-            if curve and wire.is_curve_key(key) and (endpoint.startswith("tcp://") or local
-                                                     and endpoint.startswith("ipc://")):
+            reachable = local or (endpoint.startswith("tcp://") and not wire.is_loopback(endpoint)
+                                  and not wire.is_unspecified(endpoint))
+            if curve and wire.is_curve_key(key) and reachable:
                 out[worker] = Target(endpoint, key, local)
         elif local and wire.is_loopback(endpoint):
             out[worker] = Target(endpoint, "", True)

@@ -711,11 +711,15 @@ def configure_curve_client(sock: Any, keys: str | os.PathLike, role: str = "clie
 def configure_curve_server(sock: Any, keys: str | os.PathLike, role: str, domain: str) -> bytes:
     """Make a zmq socket a CURVE server with `role`'s key pair ("server": the broker's; "worker": a worker's direct
     socket), its peers judged by the authenticator's `domain` (`start_authenticator`); the public key (z85)."""
+    import zmq
+
     public, secret, _ = load_curve_keys(keys, role)
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_server = True
     sock.zap_domain = domain.encode()
+    # Without a ZAP handler in its context (not started yet, stopped, died) ZeroMQ would admit every key: refuse all.
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     return public
 
 
@@ -731,6 +735,19 @@ def start_authenticator(ctx: Any, folders: dict[str, Path]) -> Any:
     for domain, folder in folders.items():
         auth.configure_curve(domain=domain, location=str(folder))
     return auth
+
+
+def stop_authenticator(auth: Any) -> None:
+    """Stop `start_authenticator`'s handler, also one whose thread died (pyzmq's stop would wait forever telling it)."""
+    if not auth.is_alive() and auth.pipe is not None:
+        auth.pipe.close(linger=0)
+        auth.pipe, auth.thread = None, None
+    auth.stop()
+
+
+def is_unspecified(endpoint: str) -> bool:
+    """A tcp endpoint on a wildcard address (`tcp://*:*`, 0.0.0.0, ::): where one binds, not where one connects."""
+    return endpoint.startswith("tcp://") and endpoint_host(endpoint) in ("*", "0.0.0.0", "::", "[::]")
 
 
 def is_curve_key(text: Any) -> bool:

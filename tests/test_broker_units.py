@@ -273,6 +273,15 @@ def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_dir
                                    ["f", "tcp://10.1.2.3:4006", "h1", key]]
         broker.workers["a"].state = WorkerState.DRAINING
         assert broker.routes() == [["b", "ipc:///tmp/b.sock", "h1", ""], ["f", "tcp://10.1.2.3:4006", "h1", key]]
+        # A pool with keys (its backend admits only workers' keys) lists no direct socket without its key, even on
+        # loopback: its clients would have nothing to authenticate it by.
+        broker.cfg.keys = "/keys"
+        header = {"id": "h", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
+                  "capacity": {"max_tokens": 100, "max_rows": 4, "max_markers": 8}, "direct": "tcp://127.0.0.1:4008"}
+        with pytest.raises(wire.ProtocolError, match="direct_key"):
+            broker.on_ready(b"h", wire.decode(wire.encode(wire.Cmd.READY, header)), 0.0)
+        broker.on_ready(b"h", wire.decode(wire.encode(wire.Cmd.READY, {**header, "direct_key": key})), 0.0)
+        assert broker.routes()[-1] == ["h", "tcp://127.0.0.1:4008", "?", key]
         assert broker.status()["workers"][1]["direct"] == "ipc:///tmp/b.sock"
     finally:
         for s in socks.values():

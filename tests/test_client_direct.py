@@ -39,7 +39,9 @@ def test_with_keys_a_route_is_usable_from_any_host_by_its_key():
     key = zmq.curve_keypair()[0].decode()
     table = [["0", "tcp://10.0.0.7:5000", "there", key], ["1", "tcp://127.0.0.1:5001", "here", key],
              ["2", "ipc:///tmp/w2", "there", key], ["3", "ipc:///tmp/w3", "here", key],
-             ["4", "tcp://10.0.0.7:5002", "there", "not a key"], ["5", "tcp://10.0.0.7:5003", "there", key[:-1]]]
+             ["4", "tcp://10.0.0.7:5002", "there", "not a key"], ["5", "tcp://10.0.0.7:5003", "there", key[:-1]],
+             ["6", "tcp://127.0.0.1:5004", "there", key], ["7", "tcp://0.0.0.0:5005", "there", key],
+             ["8", "tcp://*:5006", "there", key]]        # another host's loopback or wildcard: not reachable from here
     assert usable(table, "here", curve=True) == {"0": Target("tcp://10.0.0.7:5000", key, False),
                                                  "1": Target("tcp://127.0.0.1:5001", key, True),
                                                  "3": Target("ipc:///tmp/w3", key, True)}

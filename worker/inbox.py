@@ -97,9 +97,13 @@ class SocketInbox:
             # Before the bind: a CURVE socket with no ZAP handler in its context would admit every key.
             if keys:
                 self.direct_auth = wire.start_authenticator(ctx, {"clients": Path(keys) / "authorized"})
-            # The broker's frontend limit, not the backend's: a client's request is what comes here.
-            self.direct, self.direct_key = _bind_direct(ctx, direct, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES,
-                                                        keys)
+            try:
+                # The broker's frontend limit, not the backend's: a client's request is what comes here.
+                self.direct, self.direct_key = _bind_direct(ctx, direct, wire.MAX_BODY_BYTES
+                                                            + wire.MAX_HEADER_BYTES, keys)
+            except BaseException:
+                self._stop_auth()     # its thread and sockets would keep the context from terminating
+                raise
             self.direct_endpoint = announced(self.direct.getsockopt_string(zmq.LAST_ENDPOINT))
         self.direct_taken = 0         # request messages clients sent here directly
         self.lanes = Lanes() if lanes and direct is not None else None
@@ -373,8 +377,11 @@ class SocketInbox:
         if self.direct is not None:
             self.direct.close(linger=500)
             self.direct = None
+        self._stop_auth()
+
+    def _stop_auth(self) -> None:
         if self.direct_auth is not None:
-            self.direct_auth.stop()
+            wire.stop_authenticator(self.direct_auth)
             self.direct_auth = None
         if not self.wake_in.closed:
             self.wake_in.close(0)
@@ -404,7 +411,6 @@ def _bind_direct(ctx: zmq.Context, endpoint: str, max_message_bytes: int,
 def announced(endpoint: str) -> str:
     """The endpoint clients connect to: a wildcard bind (`tcp://*:*` reads back as 0.0.0.0) is named by this host's
     name, which clients on other hosts resolve (bind one interface's address to name it exactly)."""
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    if endpoint.startswith("tcp://") and host in ("0.0.0.0", "[::]", "*"):
-        return f"tcp://{socket.gethostname()}:{port}"
+    if wire.is_unspecified(endpoint):
+        return f"tcp://{socket.gethostname()}:{endpoint.rpartition(':')[2]}"
     return endpoint
