@@ -39,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .retry import reply_error
 
+RING_IT = object()        # `Routes.on_lane`: taken, and its worker must be rung
 REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
 RETRY_S = 1.0            # ... and this soon after a route failed (a broker that did not answer: REFRESH_S, since
                          # each unanswered question costs its caller the question's timeout)
@@ -116,7 +117,7 @@ class Routes:
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller | None, max_message_bytes: int, host: str | None = None,
                  watch: Callable[[Route], None] | None = None, unwatch: Callable[[Route], None] | None = None,
-                 lanes: bool = False, keys: str | None = None, key_role: str = "client"):
+                 lanes: bool = False, keys: str | None = None, key_role: str = "client", ring: bool = False):
         self.ctx, self.poller, self.max_message_bytes = ctx, poller, max_message_bytes
         self.keys, self.key_role = keys, key_role     # the client's own CURVE keys: routes with a key need them
         self.watch, self.unwatch = watch, unwatch
@@ -129,6 +130,9 @@ class Routes:
         self.sent = 0             # attempts that went direct (for tests and stats)
         self.dropped = 0          # ... and were on a connection that dropped (each went again through the broker)
         self.lanes = lanes and supported()
+        # Every answer on a lane also rung on the route's socket (the asyncio client: it never polls or sleeps on a
+        # lane, it reads its sockets; the answer stays in shared memory, only the ring travels).
+        self.ring = ring
         self.on_lanes = 0         # attempts that went on a lane
         self.waiting: list[Route] = []     # routes whose lane carries a request not yet answered
         self.lost: list[int] = []          # requests on lanes their worker closed (`take_lost`)
@@ -165,8 +169,12 @@ class Routes:
         r = self.choose()
         if r is None:
             return False
-        if r.lane_open and r.lane_rid is None and self._on_lane(r, rid, frames):
-            return True
+        if r.lane_open and r.lane_rid is None:
+            took = self.on_lane(r, rid, frames)
+            if took:
+                if took is RING_IT:
+                    self._ring(r)
+                return True
         try:
             wire.send_frames(r.sock, frames, copy=False)
         except zmq.Again:           # its queue is full (SEND_HWM)
@@ -270,25 +278,30 @@ class Routes:
         lost, self.lost = self.lost, []
         return lost
 
-    def _on_lane(self, r: Route, rid: int, frames: list[Any]) -> bool:
-        """Request `rid`'s attempt on route `r`'s lane, if the lane can take it now."""
+    def on_lane(self, r: Route, rid: int, frames: list[Any]) -> object:
+        """Request `rid`'s attempt on route `r`'s lane, if the lane can take it now (its lane open and free): False
+        (not taken), True, or RING_IT (taken, but its worker fell asleep as we wrote: send it `ring(r)` on the route's
+        socket; module docstring of protocol/lane.py)."""
         lane = r.lane
         if lane.gone():
             self._drop_lane(r)            # asked for again with the next table (`asked`)
             return False
         if not lane.usable() or lane.ask(frames) is None:
             return False
-        if not lane.worker_awake():       # it fell asleep as we wrote: wake it (module docstring of protocol/lane.py)
-            self._ring(r)
         r.lane_rid = rid
         self.waiting.append(r)
         self.on_lanes += 1
         self.took(r, rid)
-        return True
+        return True if lane.worker_awake() else RING_IT
+
+    @staticmethod
+    def ring(r: Route) -> list[Any]:
+        """The message that wakes route `r`'s worker to read its lane."""
+        return wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "ring": True})
 
     def _ring(self, r: Route) -> None:
         try:
-            wire.send_frames(r.sock, wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "ring": True}))
+            wire.send_frames(r.sock, self.ring(r))
         except zmq.Again:
             pass                      # its queue is full: it is awake enough
 
@@ -302,6 +315,7 @@ class Routes:
         except OSError:
             self.lanes = False        # no room or no /dev/shm for us: sockets only
             return
+        r.lane.ring_me(self.ring)
         try:
             wire.send_frames(r.sock, wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "lane": r.lane.name,
                                                                  "secret": r.lane.secret()}))

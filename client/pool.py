@@ -55,7 +55,7 @@ from zmq.utils.monitor import recv_monitor_message
 from . import batching, scan
 from .abstain import apply_confidence_gate, check_min_confidence
 from .card import CardError
-from .direct import RETRY_S, Routes
+from .direct import RETRY_S, RING_IT, Routes
 from .errors import (
     BadModelCard,
     MalformedReply,
@@ -1062,10 +1062,13 @@ class AsyncClient(_Base):
                  backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
-                 calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True):
+                 calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True,
+                 lanes: bool = True):
         """As `Client`'s. `direct` on by default since the fifteenth session's device run: 64 requests of 1x48 in flight
         from 8 processes, 5,436 req/s direct (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine
-        (docs/PERF.md, fifteenth session, call 1)."""
+        (docs/PERF.md, fifteenth session, call 1). `lanes`: a first attempt to a worker on this host goes through
+        shared memory when its lane is free and the worker polls (protocol/lane.py); the event loop never polls or
+        sleeps on a lane, so the worker also rings each answer on the route's socket, which the loop reads."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self._set_decoding(lang_temperatures, calibration)
@@ -1077,7 +1080,7 @@ class AsyncClient(_Base):
         # a task per route reads each through an asyncio view of it (`_watch_route`).
         self._routes = (Routes(zmq.Context.shadow(self._ctx.underlying), None, wire.MAX_BODY_BYTES
                                + wire.MAX_HEADER_BYTES, watch=self._watch_route, unwatch=self._unwatch_route,
-                               keys=self.keys, key_role=self.key_role) if direct else None)
+                               keys=self.keys, key_role=self.key_role, lanes=lanes, ring=True) if direct else None)
         self._route_tasks: dict[str, tuple[list[asyncio.Task], list[Any]]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -1214,9 +1217,23 @@ class AsyncClient(_Base):
         rid = msg.header.get("rid")
         if self._routes is not None:
             self._routes.replied(msg.header)
+            if self._routes.waiting and self._routes.lane_ready():     # a ring: answers (or a close) on lanes
+                self._lane_answers()
         fut = self._waiters.get(rid)
         if fut is not None and not fut.done():
             fut.set_result(msg)
+
+    def _lane_answers(self) -> None:
+        """Hand the lanes' answers to their calls; a call whose lane its worker closed unanswered re-sends now."""
+        for frames in self._routes.answers():
+            try:
+                self._deliver(wire.decode(frames))
+            except wire.ProtocolError as e:      # as on a socket: it fails no call (each waits for its own reply)
+                log.warning("dropped an undecodable answer from a lane (%s)", e)
+        for rid in self._routes.take_lost():
+            fut = self._waiters.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_result(_RECONNECTED)
 
     # -- requests straight to the workers (client/direct.py) ------------------------------------------------
     async def _ask_routes(self) -> None:
@@ -1239,8 +1256,16 @@ class AsyncClient(_Base):
         r = self._routes.choose()
         if r is None or r.worker not in self._route_tasks:
             return False
+        view = self._route_tasks[r.worker][1][0]
+        if r.lane_open and r.lane_rid is None:
+            took = self._routes.on_lane(r, rid, framed)
+            if took is RING_IT:
+                with contextlib.suppress(zmq.Again):     # its queue is full: it is awake enough
+                    await view.send_multipart(self._routes.ring(r), flags=zmq.NOBLOCK)
+            if took:
+                return True
         try:
-            await self._route_tasks[r.worker][1][0].send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
+            await view.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:           # its queue is full
             return False
         self._routes.took(r, rid)

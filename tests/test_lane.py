@@ -381,3 +381,35 @@ def test_several_calls_out_on_lanes_and_sockets_at_once(lane_pool):
             for g, w in zip(got, want, strict=True):
                 assert_answers_close(g, w)
         assert c._routes.on_lanes > before, (before, c._routes.on_lanes)
+
+
+def test_an_asyncio_client_goes_on_lanes_and_is_rung_on_its_sockets(lane_pool, runtime):
+    """AsyncClient: its first attempts go on lanes too, and since its event loop never polls or sleeps on a lane,
+    every answer there is also rung on the route's socket; alone and with calls out at once, the same answers."""
+    import asyncio
+
+    from laya_pool.client.pool import AsyncClient
+    rows = make_rows(15)
+    want = _reference(runtime, rows)
+
+    async def main() -> tuple[int, int]:
+        async with AsyncClient(lane_pool.endpoint, timeout=30) as c:
+            await c.forward(rows)
+            for _ in range(600):
+                if len(c._routes.routes) == 2 and all(r.lane_open for r in c._routes.routes.values()):
+                    break
+                await c.ping()
+                await asyncio.sleep(0.05)
+            assert all(r.lane is not None and r.lane.words[ln.RING] == 1 for r in c._routes.routes.values())
+            before = c._routes.on_lanes
+            for _ in range(10):
+                t0 = time.monotonic()
+                np.testing.assert_allclose((await c.forward(rows)).flat, want, rtol=1e-5, atol=1e-5)
+                assert time.monotonic() - t0 < 5            # rung, not found by an attempt's timeout
+            alone = c._routes.on_lanes - before
+            got = await asyncio.gather(*(c.forward(rows) for _ in range(8)))
+            for g in got:
+                np.testing.assert_allclose(g.flat, want, rtol=1e-5, atol=1e-5)
+            return alone, len(c._routes.waiting)
+    alone, waiting = asyncio.run(main())
+    assert alone >= 6 and waiting == 0, (alone, waiting)
