@@ -43,7 +43,7 @@ for step in ${*:-probe tests}; do
             | grep -vE "Warning|warn" | tail -18 ;;
     load) # through a live pool: closed-loop 1x48 at 1..256 in flight (issue 12's curve; the PNG needs matplotlib)
           timeout ${LOAD_TIMEOUT:-200} python3 scripts/load.py --model /tmp/large --devices cuda:0 --concurrency 1,16,64,256 \
-            --procs 8 --seconds 4 --quiet --out "$OUT/load-h200.json" --png "$OUT/load-h200.png" 2>&1 \
+            --procs 8 --seconds 4 --quiet --out "$OUT/load-h200.json" --png "$OUT/load-h200.png" ${LOAD_ARGS:-} 2>&1 \
             | grep -vE "Warning|warn" | tail -12 ;;
     serving) # the compute loop at saturation, in-process: requests/s and the GPU's busy share, overlap off and on
           timeout ${SERVING_TIMEOUT:-150} python3 scripts/serving_probe.py --model /tmp/large --device cuda \
