@@ -274,7 +274,8 @@ class Routes:
             r.lane_rid = None
 
     def take_lost(self) -> list[int]:
-        """Requests whose lane their worker closed before answering: re-send them (as a dropped connection's)."""
+        """Requests whose lane their worker closed before answering, or whose route closed (the table dropped it):
+        re-send them (as a dropped connection's)."""
         lost, self.lost = self.lost, []
         return lost
 
@@ -379,6 +380,9 @@ class Routes:
 
     def _close(self, r: Route) -> None:
         self._drop_lane(r)
+        # What is out on it will not be answered here (its socket closes): re-sent at once, as a dropped connection's.
+        self.lost.extend(r.outstanding)
+        self.dropped += len(r.outstanding)
         for rid in r.outstanding:
             self.by_rid.pop(rid, None)
         try:

@@ -1230,6 +1230,10 @@ class AsyncClient(_Base):
                 self._deliver(wire.decode(frames))
             except wire.ProtocolError as e:      # as on a socket: it fails no call (each waits for its own reply)
                 log.warning("dropped an undecodable answer from a lane (%s)", e)
+        self._resend_lost()
+
+    def _resend_lost(self) -> None:
+        """Calls whose attempt was on a lane its worker closed, or on a route that closed: they re-send now."""
         for rid in self._routes.take_lost():
             fut = self._waiters.get(rid)
             if fut is not None and not fut.done():
@@ -1248,6 +1252,7 @@ class AsyncClient(_Base):
             table = None
         if self._sock is not None:
             routes.asked(table, time.monotonic())
+            self._resend_lost()           # what was out on a route the table dropped
 
     async def _send_direct(self, rid: int, framed: list[Any]) -> bool:
         """Through the route's asyncio view, never its plain socket: a send on a ZeroMQ socket may take the

@@ -338,6 +338,10 @@ class Lane:
         self._ring()
         return True
 
+    def empty(self) -> bool:
+        """Nothing on the lane: no request waiting to be taken, none taken and not answered."""
+        return not self.has_request() and self.words[REP_SEQ] == self.seen
+
     def wants_ring(self) -> bool:
         """The client sleeps on its sockets: ring it there too (the inbox does)."""
         return bool(self.words[RING])

@@ -188,9 +188,9 @@ def test_a_worker_maps_only_a_private_lane_of_its_own_user_named_with_its_secret
 
 def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bounded():
     lanes = Lanes(limit=2)
-    made = [Lane.create() for _ in range(3)]
+    made = [Lane.create() for _ in range(4)]
     try:
-        a, b, c = made
+        a, b, c, d = made
         lanes.attach(a.name, a.secret(), b"A")
         with pytest.raises(wire.ProtocolError, match="open already"):
             lanes.attach(a.name, a.secret(), b"X")    # nobody takes a lane over
@@ -201,27 +201,89 @@ def test_the_worker_s_lanes_take_requests_close_what_clients_left_and_stay_bound
         b.ask([b"from b"])
         lane, frames = lanes.take()
         assert (lane.identity, frames, lanes.taken) == (b"B", [b"from b"], 1)
-        with pytest.raises(Full):                      # full, and a carried nothing for less than IDLE_S: not yet
+        with pytest.raises(Full):                      # full, and nothing idle for IDLE_S yet
             lanes.attach(c.name, c.secret(), b"C")
         assert sorted(lanes.open) == sorted([a.name, b.name]) and lanes.refused == 1 and not a.gone()
-        lanes.open[a.name].used -= IDLE_S              # a idle that long: the least recently used goes, and says so
-        lanes.attach(c.name, c.secret(), b"C")
-        assert sorted(lanes.open) == sorted([b.name, c.name]) and lanes.evicted == 1
-        assert a.gone() and not a.worker_awake() and not b.gone()
+        for x in lanes.open.values():
+            x.used -= IDLE_S                           # both quiet that long, but neither is empty:
+        a.ask([b"from a"])                             # a's request written, not taken yet
+        with pytest.raises(Full):                      # and b's taken, not answered (a forward running)
+            lanes.attach(c.name, c.secret(), b"C")
+        assert lanes.refused == 2 and not a.gone() and not b.gone()
+        worker_b = lanes.open[b.name]
+        worker_b.reply([b"answer"])
+        lanes.answered(worker_b)
+        assert b.answer() == [b"answer"]
+        with pytest.raises(Full):                      # b is empty now, but was in use a moment ago
+            lanes.attach(c.name, c.secret(), b"C")
+        worker_b.used -= IDLE_S
+        lanes.attach(c.name, c.secret(), b"C")         # b idle and empty: it goes, and says so; a keeps its request
+        assert sorted(lanes.open) == sorted([a.name, c.name]) and lanes.evicted == 1
+        assert b.gone() and not b.worker_awake() and not a.gone()
         assert c.worker_awake()                       # a new lane learns the state at once
-        c.ask([b"broken"])
-        c.request[:4] = (99).to_bytes(4, "little")   # a count no lane message has
+        lane, frames = lanes.take()
+        assert (lane.identity, frames) == (b"A", [b"from a"])
+        c.close(say=True)                             # c's client left: its place is free for d at once
+        lanes.attach(d.name, d.secret(), b"D")
+        assert sorted(lanes.open) == sorted([a.name, d.name]) and lanes.evicted == 1
+        d.ask([b"broken"])
+        d.request[:4] = (99).to_bytes(4, "little")   # a count no lane message has
         lane, err = lanes.take()
-        assert lane.identity == b"C" and isinstance(err, wire.ProtocolError) and err.field == "lane"
-        b.close(say=True)
-        assert lanes.take() is None and list(lanes.open) == [c.name]
-        lanes.forget(b"C")
-        assert len(lanes) == 0 and c.gone()
+        assert lane.identity == b"D" and isinstance(err, wire.ProtocolError) and err.field == "lane"
+        a.close(say=True)
+        assert lanes.take() is None and list(lanes.open) == [d.name]
+        lanes.forget(b"D")
+        assert len(lanes) == 0 and d.gone()
     finally:
         lanes.close()
         for x in made:
             x.unlink()
             x.close()
+
+
+def test_the_inbox_refuses_a_lane_it_has_no_room_for_as_busy_and_keeps_serving():
+    """worker/inbox.py: a LANE beyond the worker's room is answered retryable (busy), on a live inbox whose data
+    thread goes on taking lanes and requests."""
+    import zmq
+    from laya_pool.worker.inbox import SocketInbox
+    ctx = zmq.Context()
+    inbox = SocketInbox(ctx, "tcp://127.0.0.1:1", "w1", max_message_bytes=1 << 22, direct="tcp://127.0.0.1:*",
+                        lanes=True)
+    inbox.lanes.limit = 1
+    stop = threading.Event()
+
+    def data_thread():
+        inbox.open()
+        while not stop.is_set():
+            inbox.get(0.05)
+        inbox.close()
+    t = threading.Thread(target=data_thread, daemon=True)
+    t.start()
+    made, socks = [Lane.create() for _ in range(3)], []
+    try:
+        said = []
+        for lane in made:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(inbox.direct_endpoint)
+            socks.append(s)
+            s.send_multipart(wire.encode(wire.Cmd.LANE, {"rid": ln.lane_rid(lane.name), "lane": lane.name,
+                                                          "secret": lane.secret()}))
+            assert s.poll(5000)
+            said.append(wire.decode(s.recv_multipart()).header)
+        assert said[0]["status"] == "ok"
+        for h in said[1:]:
+            assert h["status"] == "retryable" and h["error"]["reason"] == "busy" and h["error"]["field"] == "lane", h
+        assert t.is_alive() and inbox.lanes.refused == 2
+    finally:
+        stop.set()
+        t.join(5)
+        for s in socks:
+            s.close(0)
+        for lane in made:
+            lane.unlink()
+            lane.close()
+        ctx.destroy(0)               # (the inbox's wake-up socket is the I/O thread's to close)
 
 
 def test_a_lane_refused_for_want_of_room_is_asked_for_again_and_one_refused_for_good_is_not():

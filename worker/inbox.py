@@ -188,6 +188,7 @@ class SocketInbox:
             return
         if lane.closed():
             return                    # the client left; its retry went elsewhere
+        self.lanes.answered(lane)
         if lane.reply(frames):
             if lane.wants_ring():         # it sleeps on its sockets (several calls out): ring it there
                 self.send(wire.encode(wire.Cmd.LANE, {"rid": lane_rid(lane.name), "status": wire.STATUS_OK,

@@ -9,14 +9,15 @@ from collections import OrderedDict
 from laya_pool.protocol.lane import Lane, sweep
 from laya_pool.protocol.wire import ProtocolError
 
-MAX_LANES = 64          # mapped at once (128 KB each): the least recently used goes when a new one comes ...
-IDLE_S = 1.0            # ... if it carried nothing this long; else the new one is refused for now (`Full`), so that
-                        # more busy clients than lanes do not take them from each other (each taking costs its client
-                        # a re-send), and the client asks again with its next table
+MAX_LANES = 64          # mapped at once (128 KB each): the least recently used idle one goes when a new one comes,
+IDLE_S = 1.0            # idle: nothing on it now and nothing asked or answered this long. With none idle the new one
+                        # is refused for now (`Full`; the client asks again with its next table), so more busy clients
+                        # than lanes do not take lanes from each other, and no lane goes with a request on it (its
+                        # client would re-send it, or, an asyncio client not watching the lane, wait for it)
 
 
 class Full(Exception):
-    """Every lane carried a request within IDLE_S: a new one must wait (the client goes on over its socket)."""
+    """No lane is idle: a new one must wait (its client goes on over its socket)."""
 
 
 class Lanes:
@@ -35,19 +36,30 @@ class Lanes:
         if name in self.open:
             raise ProtocolError("lane", f"{name} is open already")
         now = time.monotonic()
-        if len(self.open) >= self.limit and now - next(iter(self.open.values())).used < IDLE_S:
-            self.refused += 1
-            raise Full(f"all {self.limit} lanes carried a request in the last {IDLE_S:g} s")
+        self._drop_closed()
+        if len(self.open) >= self.limit:
+            idle = next((x for x in self.open.values() if now - x.used >= IDLE_S and x.empty()), None)
+            if idle is None:
+                self.refused += 1
+                raise Full(f"none of the {self.limit} lanes is idle ({IDLE_S:g} s without a request)")
+            del self.open[idle.name]
+            idle.leave()              # its client asks for a lane again with its next table
+            self.evicted += 1
         lane = Lane.open(name, secret)
         lane.identity = identity
         lane.used = now
         lane.set_awake(self.awake)
-        while len(self.open) >= self.limit:
-            _, oldest = self.open.popitem(last=False)
-            oldest.leave()            # its client counts what was on it as lost, and goes on over the socket
-            self.evicted += 1
         self.open[lane.name] = lane
         return lane
+
+    def answered(self, lane: Lane) -> None:
+        """`lane`'s request was answered: it was in use until now."""
+        lane.used = time.monotonic()
+
+    def _drop_closed(self) -> None:
+        """Close the lanes whose clients closed them (a client that left must not keep a newcomer out)."""
+        for name in [n for n, x in self.open.items() if x.closed()]:
+            self.open.pop(name).close()
 
     def take(self) -> tuple[Lane, list[bytes] | ProtocolError] | None:
         """The first lane with a new request, and its frames (or why they are not a message); None: none has one.
