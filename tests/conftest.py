@@ -161,3 +161,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tiny_ckpt):
+    """The tiny checkpoint's runtime on the CPU, in this process: what a pool's answers are checked against."""
+    import torch
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime
+    torch.set_num_threads(1)
+    return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
+
+
+def reference_logits(runtime, rows):
+    """`rows` run in-process by `runtime` (`tiny_runtime`): the logits a pool must answer."""
+    from laya_pool.worker.batch import Batch
+    return runtime.run(Batch.from_rows(rows)).logits

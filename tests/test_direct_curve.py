@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import zmq
-from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
+from conftest import SUBPROCESS_ENV, free_port, make_rows, reference_logits, wait_until
 from laya_pool.broker.supervisor import SupervisorConfig, _direct_beyond_loopback
 from laya_pool.client.pool import AsyncClient, Client, local_pool
 from laya_pool.protocol import wire
@@ -43,20 +43,6 @@ def curve_pool(tiny_ckpt, keys, tmp_path_factory):
     assert pool.process.returncode == 0 and "Traceback" not in text, text[-3000:]
 
 
-@pytest.fixture(scope="module")
-def runtime(tiny_ckpt):
-    import torch
-    from laya_pool.worker.checkpoint import load_checkpoint
-    from laya_pool.worker.runtime import Runtime
-    torch.set_num_threads(1)
-    return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
-
-
-def _reference(runtime, rows):
-    from laya_pool.worker.batch import Batch
-    return runtime.run(Batch.from_rows(rows)).logits
-
-
 def _table(c: Client) -> list:
     msg, _ = c.call(wire.Cmd.HEARTBEAT, lambda rid, cid: wire.encode(wire.Cmd.HEARTBEAT, {"rid": rid, "routes": True}),
                     10.0, 0)
@@ -68,11 +54,11 @@ def _taken_directly(pool) -> int:
 
 
 @pytest.mark.parametrize("host", [None, "another-host"])
-def test_a_client_with_keys_sends_to_the_worker_itself_and_gets_the_same_answers(curve_pool, runtime, host):
+def test_a_client_with_keys_sends_to_the_worker_itself_and_gets_the_same_answers(curve_pool, tiny_runtime, host):
     """From this host and as a client on another host would (the table's host is not its own: what makes the route
     usable is the worker's key, and no lane is asked for)."""
     rows = make_rows(21)
-    want = _reference(runtime, rows)
+    want = reference_logits(tiny_runtime, rows)
     with curve_pool.client(timeout=30) as c:
         if host is not None:
             c._routes.host = host
@@ -104,7 +90,7 @@ def _stranger(ctx: zmq.Context, endpoint: str, server_key: str | None, keypair: 
     return s, mon
 
 
-def test_the_direct_socket_refuses_keys_it_does_not_admit_and_keeps_serving(curve_pool, runtime, keys):
+def test_the_direct_socket_refuses_keys_it_does_not_admit_and_keeps_serving(curve_pool, tiny_runtime, keys):
     """Key pairs the pool does not admit (a stranger's; the workers' own, which only the backend admits) are refused
     by the worker's ZAP handler, a peer without CURVE by the handshake; an admitted client goes on being served
     directly."""
@@ -132,7 +118,7 @@ def test_the_direct_socket_refuses_keys_it_does_not_admit_and_keeps_serving(curv
             mon.close(0)
     finally:
         ctx.destroy(0)
-    want = _reference(runtime, rows)
+    want = reference_logits(tiny_runtime, rows)
     with curve_pool.client(timeout=30) as c:
         before = c._routes.sent if c._routes else 0
         for _ in range(3):
@@ -151,9 +137,9 @@ def test_a_pool_beyond_loopback_puts_the_direct_sockets_where_its_frontend_is():
     assert _direct_beyond_loopback(SupervisorConfig(model="m", devices=["cpu"], frontend="tcp://*:5555", keys="/k"), {})
 
 
-def test_an_asyncio_client_with_keys_goes_to_the_worker_itself(curve_pool, runtime):
+def test_an_asyncio_client_with_keys_goes_to_the_worker_itself(curve_pool, tiny_runtime):
     rows = make_rows(23)
-    want = _reference(runtime, rows)
+    want = reference_logits(tiny_runtime, rows)
 
     async def main() -> int:
         async with AsyncClient(curve_pool.endpoint, timeout=30, keys=str(curve_pool.keys)) as c:

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import make_rows, wait_until
+from conftest import make_rows, reference_logits, wait_until
 from laya_pool.client.pool import Client, local_pool
 from laya_pool.protocol import lane as ln
 from laya_pool.protocol import wire
@@ -338,28 +338,14 @@ def lane_pool(tiny_ckpt, tmp_path_factory):
     assert pool.process.returncode == 0 and "Traceback" not in text, text[-3000:]
 
 
-@pytest.fixture(scope="module")
-def runtime(tiny_ckpt):
-    import torch
-    from laya_pool.worker.checkpoint import load_checkpoint
-    from laya_pool.worker.runtime import Runtime
-    torch.set_num_threads(1)
-    return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
-
-
-def _reference(runtime, rows):
-    from laya_pool.worker.batch import Batch
-    return runtime.run(Batch.from_rows(rows)).logits
-
-
 def _lanes_open(c: Client) -> bool:
     c.ping()                  # the table, and the lanes' answers read by the client's poll
     return len(c._routes.routes) == 2 and all(r.lane_open for r in c._routes.routes.values())
 
 
-def test_a_closed_loop_goes_on_lanes_with_the_same_answers(lane_pool, runtime):
+def test_a_closed_loop_goes_on_lanes_with_the_same_answers(lane_pool, tiny_runtime):
     rows = make_rows(11)
-    want = _reference(runtime, rows)
+    want = reference_logits(tiny_runtime, rows)
     for spin_ms in (None, 0):         # polling for the answer, and sleeping until the worker rings
         with Client(lane_pool.endpoint, timeout=30, spin_ms=spin_ms) as c:
             c.forward(rows)
@@ -374,7 +360,7 @@ def test_a_closed_loop_goes_on_lanes_with_the_same_answers(lane_pool, runtime):
     wait_until(counted, 30, "the workers never counted their lanes' requests")
 
 
-def test_a_bad_message_on_a_lane_is_refused_naming_the_field_and_the_worker_keeps_serving(lane_pool, runtime):
+def test_a_bad_message_on_a_lane_is_refused_naming_the_field_and_the_worker_keeps_serving(lane_pool, tiny_runtime):
     rows = make_rows(12)
     with Client(lane_pool.endpoint, timeout=30) as c:
         c.forward(rows)
@@ -387,14 +373,14 @@ def test_a_bad_message_on_a_lane_is_refused_naming_the_field_and_the_worker_keep
             wait_until(r.lane.free, 30, "no answer on the lane")
             err = wire.decode(r.lane.answer())
             assert err.header["status"] == "final" and err.header["error"]["field"] == field, err.header
-        np.testing.assert_allclose(c.forward(rows).flat, _reference(runtime, rows), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(c.forward(rows).flat, reference_logits(tiny_runtime, rows), rtol=1e-5, atol=1e-5)
 
 
-def test_kill_9_of_a_worker_answering_on_a_lane(lane_pool, runtime):
+def test_kill_9_of_a_worker_answering_on_a_lane(lane_pool, tiny_runtime):
     """The lane's request is lost with its worker: the route's connection drops and the call goes again through the
     broker, at once, to the other worker; the right answer, nothing lost."""
     rows = make_rows(13, 16, 256)
-    want = _reference(runtime, rows)
+    want = reference_logits(tiny_runtime, rows)
     pids = {w["id"]: w["pid"] for w in lane_pool.status()["workers"]}
     with Client(lane_pool.endpoint, timeout=60, retries=6) as c:
         c.forward(make_rows(14))
@@ -445,14 +431,14 @@ def test_several_calls_out_on_lanes_and_sockets_at_once(lane_pool):
         assert c._routes.on_lanes > before, (before, c._routes.on_lanes)
 
 
-def test_an_asyncio_client_goes_on_lanes_and_is_rung_on_its_sockets(lane_pool, runtime):
+def test_an_asyncio_client_goes_on_lanes_and_is_rung_on_its_sockets(lane_pool, tiny_runtime):
     """AsyncClient: its first attempts go on lanes too, and since its event loop never polls or sleeps on a lane,
     every answer there is also rung on the route's socket; alone and with calls out at once, the same answers."""
     import asyncio
 
     from laya_pool.client.pool import AsyncClient
     rows = make_rows(15)
-    want = _reference(runtime, rows)
+    want = reference_logits(tiny_runtime, rows)
 
     async def main() -> tuple[int, int]:
         async with AsyncClient(lane_pool.endpoint, timeout=30) as c:
