@@ -139,6 +139,9 @@ class PoolObserver:
             return
         wid, epoch = str(w.get("id")), ("worker", w.get("pid"))
         t = self.totals
+        # Every path's answers, counted by the worker: requests clients sent it directly or on lanes never reach
+        # the broker's meter (worker_requests).
+        t.feed("worker_answered", {"worker": wid}, epoch, stats.get("ok"))
         t.feed("worker_merged_runs", {"worker": wid}, epoch, stats.get("merged_runs"))
         t.feed("worker_merged_requests", {"worker": wid}, epoch, stats.get("merged_requests"))
         for kind in WORKER_ERRORS:
@@ -207,6 +210,8 @@ class PoolObserver:
                 ("expired", "requests dropped unrun because their caller's deadline passed, by where (queue: "
                             "waiting in the broker; worker: skipped by a worker before compute)"),
                 ("worker_requests", "requests a worker answered, by outcome (ok, final), as the broker saw them"),
+                ("worker_answered", "requests a worker answered ok by its own count, whichever way they came (the "
+                                    "broker, a client's direct socket, a lane)"),
                 ("worker_rows", "question rows a worker answered"),
                 ("worker_tokens", "tokens a worker answered"),
                 ("worker_merged_runs", "forwards that merged more than one request"),

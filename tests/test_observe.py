@@ -18,7 +18,7 @@ def _status(broker_pid: int, meter: Meter, counters: dict, workers: list[dict] |
     return {"broker": {"pid": broker_pid, "queue": 2, "queue_size": 8, "inflight": 1, "counters": counters},
             "workers": workers if workers is not None else
             [{"id": "0", "device": "cpu", "state": "ready", "pid": 100, "inflight": 1, "credit": 2,
-              "stats": {"merged_runs": 1, "merged_requests": 3, "direct": 2, "lanes": 5,
+              "stats": {"ok": 9, "merged_runs": 1, "merged_requests": 3, "direct": 2, "lanes": 5,
                         "runtime": {"cache": {"hits": 4, "misses": 1}}}}],
             "meter": meter.snapshot()}
 
@@ -66,6 +66,7 @@ def test_counters_survive_a_broker_restart_and_a_worker_restart():
     assert first[("laya_pool_worker_graph_cache_total", (("event", "hits"), ("worker", "0")))] == 4
     assert first[("laya_pool_worker_taken_total", (("path", "lane"), ("worker", "0")))] == 5
     assert first[("laya_pool_worker_taken_total", (("path", "direct"), ("worker", "0")))] == 2
+    assert first[("laya_pool_worker_answered_total", (("worker", "0"),))] == 9     # 3 through the broker, 6 not
     assert first[("laya_pool_request_seconds_count", ())] == 3
     assert first[("laya_pool_batch_requests_bucket", (("le", "1.0"), ("worker", "0")))] == 3
     assert first[("laya_pool_queue_depth", ())] == 2
