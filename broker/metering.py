@@ -4,37 +4,21 @@ Pure bookkeeping, no sockets and no clocks: the broker calls it where a request 
 back or answered, and ships `snapshot()` in its status reply under "meter". Every number only grows while this
 broker process lives; the supervisor turns snapshots into totals that survive broker restarts (broker/observe.py).
 
-Histograms are fixed buckets of counts (Prometheus' `le` semantics: a value lands in the first bucket whose bound
-is >= it, the last bucket holds what is above every bound). They are kept here, in the broker, because only the
-broker sees every request; a status snapshot every second could not rebuild per-request timings.
+Histograms (protocol/histogram.py) are kept here for what the broker routes: a status snapshot every second could
+not rebuild per-request timings. What clients send the workers directly the workers time themselves (their stats'
+`answer_seconds`).
 """
 from __future__ import annotations
 
-import bisect
 import collections
-from collections.abc import Sequence
 from typing import Any
 
-# Seconds: from a tiny CPU model (sub-millisecond) to a request that waited out a queue timeout.
-SECONDS_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+from laya_pool.protocol.histogram import SECONDS_BOUNDS, Histogram
+
 # Requests per merged group: `--max-batch` is 32 on CUDA by default.
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64)
 
 TIMINGS = ("queue_seconds", "worker_seconds", "compute_seconds", "request_seconds")
-
-
-class Histogram:
-    def __init__(self, bounds: Sequence[float]):
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
 
 
 class Meter:

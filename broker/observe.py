@@ -142,6 +142,8 @@ class PoolObserver:
         # Every path's answers, counted by the worker: requests clients sent it directly or on lanes never reach
         # the broker's meter (worker_requests).
         t.feed("worker_answered", {"worker": wid}, epoch, stats.get("ok"))
+        if isinstance(stats.get("answer_seconds"), dict):
+            self._feed_histogram("worker_answer_seconds", {"worker": wid}, epoch, stats["answer_seconds"])
         t.feed("worker_merged_runs", {"worker": wid}, epoch, stats.get("merged_runs"))
         t.feed("worker_merged_requests", {"worker": wid}, epoch, stats.get("merged_requests"))
         for kind in WORKER_ERRORS:
@@ -235,7 +237,9 @@ class PoolObserver:
                 "compute_seconds": "seconds of the forward a request ran in (validate, pack, device, readback; the "
                                    "whole merged group)",
                 "request_seconds": "seconds from a request's arrival at the broker to its answer",
-                "batch_requests": "requests in the merged group a request ran in"}
+                "batch_requests": "requests in the merged group a request ran in",
+                "worker_answer_seconds": "seconds from a request's arrival at a worker to its ok answer, whichever "
+                                         "way it came (the broker, the worker's direct socket, a lane)"}
         grouped: dict[str, list[tuple[dict[str, str], list[float]]]] = {}
         for labels, bounds in self.histograms.values():
             labels = dict(labels)

@@ -358,6 +358,11 @@ def test_a_closed_loop_goes_on_lanes_with_the_same_answers(lane_pool, tiny_runti
         ws = lane_pool.status()["workers"]
         return sum(w.get("stats", {}).get("lanes", 0) for w in ws) >= 8
     wait_until(counted, 30, "the workers never counted their lanes' requests")
+    def timed():                                   # every ok answer timed by its worker, lanes' included (a
+        stats = [w["stats"] for w in lane_pool.status()["workers"]]     # heartbeat's snapshot, once the pool is idle)
+        return all(sum(s.get("answer_seconds", {}).get("counts", [])) == s.get("ok") > 0
+                   and s["answer_seconds"]["sum"] > 0 for s in stats)
+    wait_until(timed, 30, lambda: f"answer_seconds does not count the answers: {lane_pool.status()['workers']}")
 
 
 def test_a_bad_message_on_a_lane_is_refused_naming_the_field_and_the_worker_keeps_serving(lane_pool, tiny_runtime):

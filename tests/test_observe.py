@@ -6,9 +6,10 @@ their shape is the one `status` ships.
 from __future__ import annotations
 
 import pytest
-from laya_pool.broker.metering import Histogram, Meter
+from laya_pool.broker.metering import Meter
 from laya_pool.broker.observe import PoolObserver, Totals, readiness
 from laya_pool.broker.ops_http import is_loopback_host, parse_listen, refusal
+from laya_pool.protocol.histogram import Histogram
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -19,6 +20,7 @@ def _status(broker_pid: int, meter: Meter, counters: dict, workers: list[dict] |
             "workers": workers if workers is not None else
             [{"id": "0", "device": "cpu", "state": "ready", "pid": 100, "inflight": 1, "credit": 2,
               "stats": {"ok": 9, "merged_runs": 1, "merged_requests": 3, "direct": 2, "lanes": 5,
+                        "answer_seconds": {"bounds": [0.001, 0.01], "counts": [4, 3, 2], "sum": 0.5},
                         "runtime": {"cache": {"hits": 4, "misses": 1}}}}],
             "meter": meter.snapshot()}
 
@@ -67,6 +69,8 @@ def test_counters_survive_a_broker_restart_and_a_worker_restart():
     assert first[("laya_pool_worker_taken_total", (("path", "lane"), ("worker", "0")))] == 5
     assert first[("laya_pool_worker_taken_total", (("path", "direct"), ("worker", "0")))] == 2
     assert first[("laya_pool_worker_answered_total", (("worker", "0"),))] == 9     # 3 through the broker, 6 not
+    assert first[("laya_pool_worker_answer_seconds_bucket", (("le", "0.01"), ("worker", "0")))] == 7
+    assert first[("laya_pool_worker_answer_seconds_count", (("worker", "0"),))] == 9
     assert first[("laya_pool_request_seconds_count", ())] == 3
     assert first[("laya_pool_batch_requests_bucket", (("le", "1.0"), ("worker", "0")))] == 3
     assert first[("laya_pool_queue_depth", ())] == 2

@@ -35,6 +35,7 @@ from typing import Any
 
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
+from laya_pool.protocol.histogram import SECONDS_BOUNDS, Histogram
 
 from .batch import Batch, RequestError
 from .inbox import NOTHING, QueueInbox
@@ -108,6 +109,8 @@ class Compute:
         self.taken = self.answered = 0    # request messages taken by `intake`; replies sent (this thread's alone)
         self.fatal: str | None = None     # set when the device may be broken; the I/O thread then leaves
         self.runtime_stats: dict[str, Any] = {}
+        # Arrival -> ok answer of every request, whichever way it came: the broker's meter sees only what it routed.
+        self.answer_seconds = Histogram(SECONDS_BOUNDS)
         self.last_stats = 0.0
         self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
         self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
@@ -403,6 +406,9 @@ class Compute:
         self.counts["ok"] += len(members)
         for q, frames in zip(members, replies):
             self.reply(frames, q.to)
+        now = time.monotonic()
+        for q in members:
+            self.answer_seconds.observe(now - q.received)
 
     def _recover(self, members: list[Queued], group: Group, e: Exception) -> None:
         if len(members) > 1:

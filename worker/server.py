@@ -231,7 +231,7 @@ class Worker:
                 "outstanding": self.compute.outstanding(), "queued": self.inbox.qsize(),
                 "via_control": self.inbox.via_control, "direct": self.inbox.direct_taken,
                 "lanes": self.inbox.lanes.taken if self.inbox.lanes is not None else 0,
-                "unroutable": self.inbox.unroutable,
+                "unroutable": self.inbox.unroutable, "answer_seconds": self.compute.answer_seconds.snapshot(),
                 "runtime": self.compute.runtime_stats}
 
     # ------------------------------------------------------------------------------------------ the loop
