@@ -337,7 +337,7 @@ class Broker:
         self.describes_queued = 0
         self.inflight.clear()
         if self.auth is not None:
-            self.auth.stop()
+            wire.stop_authenticator(self.auth)     # (pyzmq's own stop waits forever on a handler that died)
         if self.op_path is not None:
             operator.remove_secret(self.op_path, self.op_token)
         for watch in self.watches:
@@ -811,9 +811,10 @@ class Broker:
     def routes(self) -> list[list[str]]:
         """[worker id, direct endpoint, host, CURVE key] of each ready worker of the pool's model that takes clients'
         requests itself (docs/architecture.md, "The data path"): a client may send them there, and comes back here
-        when that fails. Without keys ("") the endpoints are loopback, of use on the worker's own host only; with
-        keys the client authenticates the worker by that key, wherever it is."""
-        return [[w.id, w.direct, w.host, w.direct_key] for w in self.workers.values()
+        when that fails. Without keys the endpoints are loopback, of use on the worker's own host only, and the row
+        has no key (three columns, as clients before keyed routes read it); with keys the client authenticates the
+        worker by that key, wherever it is."""
+        return [[w.id, w.direct, w.host, *([w.direct_key] if w.direct_key else [])] for w in self.workers.values()
                 if w.direct and w.state is WorkerState.READY and w.fingerprint == self.pool_fp]
 
     def on_worker_reply(self, w: WorkerInfo, msg: wire.Message) -> None:

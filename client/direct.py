@@ -132,7 +132,8 @@ class Routes:
         self.lanes = lanes and supported()
         # Every answer on a lane also rung on the route's socket (the asyncio client: it never polls or sleeps on a
         # lane, it reads its sockets; the answer stays in shared memory, only the ring travels).
-        self.ring = ring
+        self.ring_answers = ring
+        self.asks: list[tuple[Route, list[Any]]] = []     # the asyncio client's LANE requests (`take_asks`)
         self.on_lanes = 0         # attempts that went on a lane
         self.waiting: list[Route] = []     # routes whose lane carries a request not yet answered
         self.lost: list[int] = []          # requests on lanes their worker closed (`take_lost`)
@@ -316,12 +317,27 @@ class Routes:
         except OSError:
             self.lanes = False        # no room or no /dev/shm for us: sockets only
             return
-        r.lane.ring_me(self.ring)
+        r.lane.ring_me(self.ring_answers)
+        ask = wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "lane": r.lane.name,
+                                          "secret": r.lane.secret()})
+        if self.watch is not None:
+            # The asyncio client sends through its view of the socket (`take_asks`): a send on the plain socket may
+            # take the readiness its reader waits on.
+            self.asks.append((r, ask))
+            return
         try:
-            wire.send_frames(r.sock, wire.encode(wire.Cmd.LANE, {"rid": lane_rid(r.lane.name), "lane": r.lane.name,
-                                                                 "secret": r.lane.secret()}))
+            wire.send_frames(r.sock, ask)
         except zmq.Again:
             self._drop_lane(r)
+
+    def unask(self, r: Route) -> None:
+        """Route `r`'s lane request could not be sent: no lane (asked for again with a later table)."""
+        self._drop_lane(r)
+
+    def take_asks(self) -> list[tuple[Route, list[Any]]]:
+        """The asyncio client's lane requests to send (each on its route's socket), made since it last took them."""
+        asks, self.asks = [(r, a) for r, a in self.asks if self.routes.get(r.worker) is r and r.lane is not None], []
+        return asks
 
     def _lane_said(self, name: str, header: dict) -> None:
         r = next((r for r in self.routes.values() if r.lane is not None and r.lane.name == name), None)

@@ -1253,6 +1253,18 @@ class AsyncClient(_Base):
         if self._sock is not None:
             routes.asked(table, time.monotonic())
             self._resend_lost()           # what was out on a route the table dropped
+            await self._send_asks()
+
+    async def _send_asks(self) -> None:
+        """Lane requests the routes made (client/direct.py `take_asks`), through each route's asyncio view."""
+        for r, ask in self._routes.take_asks():
+            tasks = self._route_tasks.get(r.worker)
+            try:
+                if tasks is None:
+                    raise zmq.Again
+                await tasks[1][0].send_multipart(ask, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._routes.unask(r)          # (asked for again with a later table)
 
     async def _send_direct(self, rid: int, framed: list[Any]) -> bool:
         """Through the route's asyncio view, never its plain socket: a send on a ZeroMQ socket may take the
@@ -1305,6 +1317,7 @@ class AsyncClient(_Base):
                 fut = self._waiters.get(rid)
                 if fut is not None and not fut.done():
                     fut.set_result(_RECONNECTED)
+            await self._send_asks()       # a connection back asks for its lane again
 
     async def _watch_connection(self) -> None:
         """Wait for monitor events (polled, never received here, so `_events` may read them at any time)."""

@@ -270,7 +270,7 @@ def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_dir
             refused = wire.decode(socks[wid].recv_multipart())
             assert refused.cmd == wire.Cmd.DISCONNECT and field in refused.header["reason"], refused.header
         # (in the order the READYs came, which ZeroMQ's fair queueing over five sockets does not fix)
-        a, b, f = ["a", "tcp://127.0.0.1:4001", "h1", ""], ["b", "ipc:///tmp/b.sock", "h1", ""], \
+        a, b, f = ["a", "tcp://127.0.0.1:4001", "h1"], ["b", "ipc:///tmp/b.sock", "h1"], \
             ["f", "tcp://10.1.2.3:4006", "h1", key]
         assert sorted(broker.routes()) == [a, b, f]
         broker.workers["a"].state = WorkerState.DRAINING

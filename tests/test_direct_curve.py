@@ -205,3 +205,17 @@ def test_a_dead_zap_handler_refuses_everyone_and_stops_without_hanging(keys):
     ender.start()
     ender.join(5)
     assert not ender.is_alive(), "the context could not end"
+
+
+def test_a_direct_socket_that_cannot_bind_says_why_and_leaves_no_handler(keys):
+    """An address this host does not have: the bind's own error, and the ZAP handler it started is stopped (its
+    thread would keep the context from ending)."""
+    from laya_pool.worker.inbox import SocketInbox
+    ctx = zmq.Context()
+    with pytest.raises(zmq.ZMQError):
+        SocketInbox(ctx, "tcp://127.0.0.1:1", "w1", keys=str(keys), max_message_bytes=1 << 20,
+                    direct="tcp://192.0.2.1:*")
+    ender = threading.Thread(target=lambda: ctx.destroy(0), daemon=True)
+    ender.start()
+    ender.join(5)
+    assert not ender.is_alive(), "the context could not end"

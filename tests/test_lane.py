@@ -298,6 +298,35 @@ def test_a_lane_refused_for_want_of_room_is_asked_for_again_and_one_refused_for_
         assert r.lane is None and r.lane_refused is not asks_again and routes._wants_lane(r) is asks_again
 
 
+def test_a_worker_that_fell_asleep_as_the_request_was_written_is_rung_on_the_socket():
+    """`Routes.send` finds the worker polling, writes, then sees it asleep (protocol/lane.py: AWAKE is not exact):
+    the request stays on the lane and a LANE ring goes on the route's socket to wake the worker."""
+    import zmq
+    from laya_pool.client.direct import Route, Routes
+    ctx = zmq.Context()
+    worker_sock = ctx.socket(zmq.ROUTER)
+    worker_sock.bind("tcp://127.0.0.1:*")
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(worker_sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    routes = Routes(ctx, None, 1 << 20, host="here", lanes=True)
+    mine = Lane.create()
+    r = Route("w", "tcp://127.0.0.1:1", sock=sock, lane=mine, lane_open=True, connected=True)
+    routes.routes["w"] = r
+    theirs = Lane.open(mine.name, mine.secret())
+    try:
+        theirs.set_awake(True)
+        looks = iter([True, False])                   # awake when checked, asleep right after the write
+        mine.worker_awake = lambda: next(looks)
+        assert routes.send(9, [b"req"]) and routes.waiting == [r] and theirs.asked() == [b"req"]
+        assert worker_sock.poll(5000)
+        rung = wire.decode(worker_sock.recv_multipart()[1:])
+        assert rung.cmd == wire.Cmd.LANE and rung.header == {"rid": ln.lane_rid(mine.name), "ring": True}
+    finally:
+        theirs.close()
+        mine.unlink()
+        ctx.destroy(0)
+
+
 def test_a_request_on_a_lane_its_worker_closed_is_lost_and_resent():
     """client/direct.py's side of GONE: the request comes back from `take_lost` (the client re-sends it through the
     broker at once) and the route asks for a lane again with the next table."""

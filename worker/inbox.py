@@ -379,13 +379,13 @@ class SocketInbox:
             self.direct.close(linger=500)
             self.direct = None
         self._stop_auth()
+        if not self.wake_in.closed:
+            self.wake_in.close(0)
 
     def _stop_auth(self) -> None:
         if self.direct_auth is not None:
             wire.stop_authenticator(self.direct_auth)
             self.direct_auth = None
-        if not self.wake_in.closed:
-            self.wake_in.close(0)
 
 
 DIRECT_HWM = 64     # requests a client may have queued at the direct socket before its sends are refused
