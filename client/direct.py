@@ -17,7 +17,7 @@ broker), and a dropped connection re-sends at once what was on it. Not ZMQ_IMMED
 itself: it also throws away a reply that came just before the connection dropped (a worker that answered its last
 request and left), and that reply must count.
 
-Lanes (protocol/lane.py; the blocking client's, `lanes=True`): each route also asks its worker to take requests
+Lanes (protocol/lane.py; `lanes=True`): each route to a worker on this host also asks its worker to take requests
 through shared memory (again after its connection came back). A first attempt goes on the route's lane when the
 worker said yes, the lane is free (one request at a time) and the worker polls its lanes now; else on the socket as
 before. Everything else about an attempt is the same: the same request id, the same retries, the same loss when the
@@ -117,7 +117,7 @@ class Routes:
 
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller | None, max_message_bytes: int, host: str | None = None,
                  watch: Callable[[Route], None] | None = None, unwatch: Callable[[Route], None] | None = None,
-                 lanes: bool = False, keys: str | None = None, key_role: str = "client", ring: bool = False):
+                 lanes: bool = False, keys: str | None = None, key_role: str = "client"):
         self.ctx, self.poller, self.max_message_bytes = ctx, poller, max_message_bytes
         self.keys, self.key_role = keys, key_role     # the client's own CURVE keys: routes with a key need them
         self.watch, self.unwatch = watch, unwatch
@@ -130,13 +130,13 @@ class Routes:
         self.sent = 0             # attempts that went direct (for tests and stats)
         self.dropped = 0          # ... and were on a connection that dropped (each went again through the broker)
         self.lanes = lanes and supported()
-        # Every answer on a lane also rung on the route's socket (the asyncio client: it never polls or sleeps on a
-        # lane, it reads its sockets; the answer stays in shared memory, only the ring travels).
-        self.ring_answers = ring
+        # A client that reads its routes through watchers (the asyncio client) never polls or sleeps on a lane: every
+        # answer there is also rung on the route's socket (the answer stays in shared memory, only the ring travels).
+        self.ring_answers = watch is not None
         self.asks: list[tuple[Route, list[Any]]] = []     # the asyncio client's LANE requests (`take_asks`)
         self.on_lanes = 0         # attempts that went on a lane
         self.waiting: list[Route] = []     # routes whose lane carries a request not yet answered
-        self.lost: list[int] = []          # requests on lanes their worker closed (`take_lost`)
+        self.lost: list[int] = []          # requests on closed lanes or routes, to re-send (`take_lost`)
 
     def due(self, now: float) -> bool:
         return now >= self.next_ask
@@ -243,7 +243,7 @@ class Routes:
                 self._drop_lane(r)        # its worker may be gone: what was on the lane is lost with the rest
                 self._fail(r)
 
-    # -- lanes (the blocking client's) -----------------------------------------------------------------------
+    # -- lanes ----------------------------------------------------------------------------------------------
     def lane_ready(self) -> bool:
         """A lane has its request's answer, or its worker closed it."""
         return any(r.lane.free() or r.lane.gone() for r in self.waiting)
@@ -306,7 +306,6 @@ class Routes:
             wire.send_frames(r.sock, self.ring(r))
         except zmq.Again:
             pass                      # its queue is full: it is awake enough
-
 
     def _wants_lane(self, r: Route) -> bool:
         return self.lanes and r.local and r.lane is None and not r.lane_refused

@@ -1080,7 +1080,7 @@ class AsyncClient(_Base):
         # a task per route reads each through an asyncio view of it (`_watch_route`).
         self._routes = (Routes(zmq.Context.shadow(self._ctx.underlying), None, wire.MAX_BODY_BYTES
                                + wire.MAX_HEADER_BYTES, watch=self._watch_route, unwatch=self._unwatch_route,
-                               keys=self.keys, key_role=self.key_role, lanes=lanes, ring=True) if direct else None)
+                               keys=self.keys, key_role=self.key_role, lanes=lanes) if direct else None)
         self._route_tasks: dict[str, tuple[list[asyncio.Task], list[Any]]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
