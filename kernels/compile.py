@@ -68,10 +68,20 @@ def recorded() -> Iterator[list[Spec]]:
 
     before = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
+    _RECORDING.append(hook)
     try:
         yield specs
     finally:
+        _RECORDING.pop()
         knobs.runtime.jit_cache_hook = before
+
+
+_RECORDING: list = []     # the hooks of the `recorded` blocks open now
+
+
+def recording() -> bool:
+    """Whether a `recorded` block is open: launches are skipped, so nothing computed now can be read back."""
+    return bool(_RECORDING)
 
 
 def deal(specs: list[Spec], procs: int) -> list[list[Spec]]:

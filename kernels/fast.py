@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from . import exact
+from . import cublas, exact
 from . import rows as rk
 from .arch import Arch
 from .attention import Rows, attention_sdpa
@@ -92,8 +92,13 @@ class FastModel:
         for theta in sorted({a.theta(i) for i in range(a.layers)}):
             cos, sin = _rope_tables(self.max_positions, a.head_dim, theta, dev)
             self.rope[theta] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+        # cuBLAS's products where proven to give our bits (kernels/cublas.py); its QKV product needs the checkpoint's
+        # row order, kept beside the paired one (6 MB a layer of the large preset).
+        self.products = cublas.Products(self.device) if self.device.type == "cuda" else None
         for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
-            lay["Wqkv_pairs"] = rope_pairs(lay.pop("Wqkv"), a.head_dim)
+            lay["Wqkv_pairs"] = rope_pairs(lay["Wqkv"], a.head_dim)
+            if self.products is None:
+                del lay["Wqkv"]
         # Whether any residual GEMM has K chunks (kernels/gemm.py), which a chunk-sum workspace then holds.
         ks = [a.hidden, a.intermediate] + ([4 * a.hidden] if self.head else [])
         self.max_chunks = 2 if any(k_chunk(k) for k in ks) else 1
@@ -134,6 +139,11 @@ class FastModel:
         if taps is None and self.max_chunks > 1 and T <= SPLIT_MAX_M:
             parts = empty((self.max_chunks, T, d), device=dev, dtype=torch.float32)
         pending = None
+        # cuBLAS's residual products wait here for the next LayerNorm (kernels/cublas.py); only where it may run, and
+        # not with taps, which read h between layers
+        product = None
+        if self.products is not None and taps is None and cublas.wanted(T):
+            product = empty((1, T, d), device=dev, dtype=cd)
         rows = Rows(row_start, row_len, L, T, a.half_window, cd) if self.attention == "sdpa" else None
         if rows is not None:
             qkv_spare[T].zero_()
@@ -146,16 +156,18 @@ class FastModel:
             if lay["attn_norm"] is not None:       # layer 0 has none, and nothing pending before it
                 rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps, pending)
             cos, sin = self.rope[lay["theta"]]
-            gemm(x, lay["Wqkv_pairs"], qkv, epi=Epi.ROPE, rope=(pos, cos, sin, D, 2 * H))
+            self._qkv(x, lay, qkv, (pos, cos, sin, D, 2 * H))
             if rows is not None:
                 attention_sdpa(qkv_spare, spare, rows, H, D, scale, local=not lay["global"])
             else:
                 banded(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
-            pending = residual(att, lay["Wo"], h, parts)
+            pending = self._residual(att, lay["Wo"], h, parts, product, lay["mlp_norm"])
             rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)
             inner = mid[:, : a.intermediate]
             gemm(x, lay["Wi"], inner, epi=Epi.GEGLU)
-            pending = residual(inner, lay["Wo_mlp"], h, parts)
+            # The last layer's is ours: the head's entry kernel, not a proven LayerNorm, adds what it leaves.
+            last = i == len(self.layers) - 1
+            pending = self._residual(inner, lay["Wo_mlp"], h, parts, None if last else product, lay["mlp_norm"])
             tap(f"encoder.{i}", h)
         if taps is not None:
             tap("final_norm", torch.nn.functional.layer_norm(h, (d,), self.final_norm, None, a.norm_eps))
@@ -204,6 +216,46 @@ class FastModel:
         return logits, act_probs
 
     __call__ = forward
+
+    def _qkv(self, x, lay, out, rope) -> None:
+        """out <- the QKV GEMM with RoPE: cuBLAS's product where proven equal to ours at this shape, else ours."""
+        if self.products is not None and cublas.wanted(x.shape[0]):
+            w = lay["Wqkv"]
+            if self.products.use(cublas.key("qkv", x, w, out), lambda: self._prove_qkv(x, lay, out, rope)):
+                cublas.qkv(x, w, out, rope)
+                return
+        gemm(x, lay["Wqkv_pairs"], out, epi=Epi.ROPE, rope=rope)
+
+    def _residual(self, a, w, h, parts, product, norm):
+        """h += a @ w.T now, or the `Pending` the next LayerNorm adds (`residual`'s or cuBLAS's, where proven)."""
+        if product is not None:
+            if self.products.use(cublas.key("residual", a, w, product),
+                                 lambda: self._prove_residual(a, w, h, product, norm)):
+                return cublas.residual(a, w, product)
+        return residual(a, w, h, parts)
+
+    def _prove_qkv(self, x, lay, out, rope) -> bool:
+        """Our fused QKV GEMM and cuBLAS's product + `rotate` on random rows laid out as x and out: equal bits?"""
+        pos, cos, sin, head_dim, heads = rope
+        x1 = cublas.like(x, random=True)
+        g = torch.Generator(pos.device).manual_seed(1)
+        pos1 = torch.randint(0, self.max_positions, pos.shape, generator=g, device=pos.device, dtype=pos.dtype)
+        ours, theirs = cublas.like(out), cublas.like(out)
+        gemm(x1, lay["Wqkv_pairs"], ours, epi=Epi.ROPE, rope=(pos1, cos, sin, head_dim, heads))
+        cublas.qkv(x1, lay["Wqkv"], theirs, (pos1, cos, sin, head_dim, heads))
+        return torch.equal(ours, theirs)
+
+    def _prove_residual(self, a, w, h, product, norm) -> bool:
+        """Our residual GEMM then a LayerNorm, against cuBLAS's product added by that LayerNorm, on random rows laid
+        out as a and h: equal residual stream and equal normed rows?"""
+        a1 = cublas.like(a, random=True)
+        h0 = cublas.like(h, random=True)
+        h1, h2 = h0.clone(), h0.clone()
+        x1 = torch.empty(h0.shape, device=h.device, dtype=self.dtype)
+        x2 = torch.empty_like(x1)
+        rk.layer_norm(h1, norm, None, x1, self.arch.norm_eps, residual(a1, w, h1, None))
+        rk.layer_norm(h2, norm, None, x2, self.arch.norm_eps, cublas.residual(a1, w, cublas.like(product)))
+        return torch.equal(h1, h2) and torch.equal(x1, x2)
 
     def parameter_bytes(self) -> int:
         return weight_bytes(self, tuple(t for pair in self.rope.values() for t in pair))

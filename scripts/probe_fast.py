@@ -383,7 +383,7 @@ def _inputs(arch, R, L, K=4, seed=0):
 
 def _family(name: str) -> str:
     for key in ("_gemm_kernel", "_attention_kernel", "_layer_norm_kernel", "_embed_kernel", "_head_entry_kernel",
-                "_gather_norm_kernel", "_features_kernel", "_softmax_kernel", "_linear_kernel"):
+                "_gather_norm_kernel", "_features_kernel", "_softmax_kernel", "_linear_kernel", "_rope_kernel"):
         if key in name:
             return key.strip("_")
     return "other: " + name[:40]
@@ -392,8 +392,9 @@ def _family(name: str) -> str:
 def _small_m_patches():
     """Tile and launch rules the model step can try in a whole forward (PROBE_MODEL_VARIANTS), each a list of
     (module, attribute, value) changes: at M <= 64 two warpgroups (w8), six stages (st6), the copy engine at every M
-    (tma48); at 512 < M <= 2,048 other tile counts (mid64, mid256); attention tiles (att*); cuBLAS's products
-    (cub*, scripts/cublas_variants.py). Tiles and TMA never change the bits; the step checks it anyway."""
+    (tma48); at 512 < M <= 2,048 other tile counts (mid64, mid256); attention tiles (att*). (cuBLAS's
+    products are the default now, kernels/cublas.py: the `nocublas` env variant turns them off.) Tiles and TMA never
+    change the bits; the step checks it anyway."""
     from laya_pool.kernels import gemm as g
     base = g.pick_tiles
 
@@ -427,9 +428,6 @@ def _small_m_patches():
            "att128s3": ("attention 128 queries, 8 warps, 3 stages", at, "TILE", (128, 8, 3)),
            "att64s3": ("attention 64 queries, 4 warps, 3 stages", at, "TILE", (64, 4, 3))}
     table = {name: (desc, [(mod, attr, value)]) for name, (desc, mod, attr, value) in one.items()}
-    if any(v.startswith("cub") for v in WANT_VARIANTS):     # needs Triton at import: only where asked
-        import cublas_variants
-        table.update(cublas_variants.patches())
     return table
 
 
@@ -465,7 +463,8 @@ def step_model(model_dir, report):
                 ("PDL for single-wave grids only: waves", {"LAYA_PDL_WAVES": "one"}),
                 ("epilogue operands read before the K loop at every M: early", {"LAYA_EARLY_EPI": "1"}),
                 ("epilogue operands read after the K loop at every M: late", {"LAYA_EARLY_EPI": "0"}),
-                ("RoPE tables read before the K loop at every M: rope", {"LAYA_EARLY_EPI": "rope"}))
+                ("RoPE tables read before the K loop at every M: rope", {"LAYA_EARLY_EPI": "rope"}),
+                ("our GEMMs only, no cuBLAS products (kernels/cublas.py): nocublas", {"LAYA_CUBLAS": "0"}))
         for label, env in envs + tuple((k_, None) for k_ in patches):
             if env is None:
                 if label not in WANT_VARIANTS:
