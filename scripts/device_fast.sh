@@ -38,7 +38,7 @@ for step in ${*:-probe tests}; do
           for l in on off; do echo "-- LAYA_LANES=$l"; LAYA_LANES=$l bash "$0" overhead; done ;;
     overhead) # the pool's overhead at 1x48, split by part (up, queue, launch, device wait, wake, down)
           timeout ${OVERHEAD_TIMEOUT:-200} python3 scripts/overhead.py --model /tmp/large --device cuda --samples 200 \
-            ${CLIENT_SPIN_MS:+--client-spin-ms $CLIENT_SPIN_MS} --pool-args "${POOL_ARGS:-}" \
+            ${CLIENT_SPIN_MS:+--client-spin-ms $CLIENT_SPIN_MS} ${OVERHEAD_ARGS:-} --pool-args "${POOL_ARGS:-}" \
             --json "$OUT/overhead${CLIENT_SPIN_MS:+-spin}${POOL_ARGS:+-args}${LAYA_LANES:+-lanes-$LAYA_LANES}.json" 2>&1 \
             | grep -vE "Warning|warn" | tail -18 ;;
     load) # through a live pool: closed-loop 1x48 at 1..256 in flight (issue 12's curve; the PNG needs matplotlib)

@@ -2,7 +2,7 @@
 """Where the pool's overhead goes: one small row through a live pool against the same row run in-process.
 
     python scripts/overhead.py --model DIR [--device cpu] [--samples 1000] [--threads 1] [--transport ipc|tcp]
-                               [--client-spin-ms MS]
+                               [--client-spin-ms MS] [--burst N]
                                [--pool-args "..."] [--json FILE]
 
 Starts a pool (one worker on --device), and in this process the same runtime the worker runs. After
@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                          "default: the Client's own)")
     ap.add_argument("--keys", help="a pool with CURVE keys (`laya-pool keys` directory): every connection encrypted, "
                                    "the direct one to the worker's key")
+    ap.add_argument("--burst", type=int, default=1,
+                    help="calls of one kind in a row per turn (default 1: the kinds interleaved). A forward right after "
+                         "a forward finds the worker still polling, so it takes a lane: a loop of forwards, as "
+                         "a decision loop (and ../shared's pool_overhead.py) calls them, wants --burst 20 or so")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -184,13 +188,15 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
         for k in PARTS[4:]:
             del samples[k][:]
-        # One call of each kind in turn (the order rotating), so load from elsewhere on the machine falls on
-        # every kind alike.
+        # One call (or --burst calls) of each kind in turn (the order rotating), so load from elsewhere on the
+        # machine falls on every kind alike.
         names = list(kinds)
-        for i in range(args.samples):
+        burst = max(1, args.burst)
+        for i in range(-(-args.samples // burst)):
             for k in range(len(names)):
                 kind = names[(i + k) % len(names)]
-                samples[kind].append(clock(kinds[kind]))
+                for _ in range(burst):
+                    samples[kind].append(clock(kinds[kind]))
         status = c.status()
     out: dict[str, Any] = {k: stats(v) for k, v in samples.items() if v}
     out["added"] = round(out["forward"]["p50"] - out["in-process"]["p50"], 4)
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     out["steps"] = protocol_steps(rows, 2000)
     out["config"] = {"model": args.model, "device": args.device, "transport": args.transport, "keys": bool(args.keys),
                      "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
+                     "burst": burst,
                      "worker": status["workers"][0]["device"]}
     print(f"{'':60} {'p50 ms':>8} {'p95 ms':>8}")
     for k in (k for k in PARTS if k in out):
