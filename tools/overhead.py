@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", help="a pool with CURVE keys (`laya-pool keys` directory): every connection encrypted, "
                                    "the direct one to the worker's key")
     ap.add_argument("--burst", type=int, default=1,
-                    help="calls of one kind in a row per turn (default 1: the kinds interleaved). A forward right after "
-                         "a forward finds the worker still polling, so it takes a lane: a loop of forwards, as "
+                    help="calls of one kind in a row per turn (default 1: the kinds interleaved). A forward right "
+                         "after a forward finds the worker still polling, so it takes a lane: a loop of forwards, as "
                          "a decision loop (and ../shared's pool_overhead.py) calls them, wants --burst 20 or so")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
