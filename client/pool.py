@@ -1067,8 +1067,9 @@ class AsyncClient(_Base):
         """As `Client`'s. `direct` on by default since the fifteenth session's device run: 64 requests of 1x48 in flight
         from 8 processes, 5,436 req/s direct (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine
         (docs/PERF.md, fifteenth session, call 1). `lanes`: a first attempt to a worker on this host goes through
-        shared memory when its lane is free and the worker polls (protocol/lane.py); the event loop never polls or
-        sleeps on a lane, so the worker also rings each answer on the route's socket, which the loop reads."""
+        shared memory when its lane is free and the worker polls (protocol/lane.py), if other calls of this client
+        are out (a lone call goes on the socket); the event loop never polls or sleeps on a lane, so the worker also
+        rings each answer on the route's socket, which the loop reads."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self._set_decoding(lang_temperatures, calibration)
@@ -1274,7 +1275,12 @@ class AsyncClient(_Base):
         if r is None or r.worker not in self._route_tasks:
             return False
         view = self._route_tasks[r.worker][1][0]
-        if r.lane_open and r.lane_rid is None:
+        # A lane only with other calls of this client out (`_waiters` holds this one too). The event loop cannot wait
+        # on a lane, so a lane's answer comes as a ring on this very socket and then a read of the lane: for a lone
+        # call that costs more than the answer on the socket (1x48 at 1 in flight, H200 host: 2.01 against 1.88 ms
+        # p50), while with calls out together lanes win (at 64: 7,595 against 6,403 req/s; docs/PERF.md, nineteenth
+        # session, call 2).
+        if len(self._waiters) > 1 and r.lane_open and r.lane_rid is None:
             took = self._routes.on_lane(r, rid, framed)
             if took is RING_IT:
                 with contextlib.suppress(zmq.Again):     # its queue is full: it is awake enough
