@@ -125,10 +125,13 @@ def qkv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rope: tuple) -> Non
 
 def rotate(y: torch.Tensor, pos, cos, sin, head_dim: int, heads: int) -> None:
     """The first `heads` heads of y [T, *] (query and key) rotated in place by each token's position."""
-    assert heads & (heads - 1) == 0 and y.stride(1) == 1, "rope: heads a power of two, unit column stride"
+    assert y.stride(1) == 1, "rope: unit column stride"
     t = y.shape[0]
+    half = head_dim // 2
+    # Block sizes are powers of two (12 heads of 64 in the multilingual preset: 24 rotated heads, a block of 32)
     dispatch(_rope_kernel, (t,), (y, pos, cos, sin, y.stride(0)),
-             dict(HEADS=heads, HALF=head_dim // 2, **launch(y.device, t), num_warps=2), y.device)
+             dict(HEADS=heads, HALF=half, HEADS_P2=triton.next_power_of_2(heads), HALF_P2=triton.next_power_of_2(half),
+                  **launch(y.device, t), num_warps=2), y.device)
 
 
 def residual(a: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Pending:
@@ -140,20 +143,21 @@ def residual(a: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Pending:
 if triton is not None:
     @triton.jit
     def _rope_kernel(y_ptr, pos_ptr, cos_ptr, sin_ptr, stride, HEADS: tl.constexpr, HALF: tl.constexpr,
-                     USE_GDC: tl.constexpr):
+                     HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr, USE_GDC: tl.constexpr):
         wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         t = tl.program_id(0).to(tl.int64)
-        head = tl.arange(0, HEADS)
-        j = tl.arange(0, HALF)
+        head = tl.arange(0, HEADS_P2)
+        j = tl.arange(0, HALF_P2)
         p = tl.load(pos_ptr + t)
-        c = tl.load(cos_ptr + p * HALF + j)[None, :]
-        s = tl.load(sin_ptr + p * HALF + j)[None, :]
+        c = tl.load(cos_ptr + p * HALF + j, mask=j < HALF, other=0.0)[None, :]
+        s = tl.load(sin_ptr + p * HALF + j, mask=j < HALF, other=0.0)[None, :]
         first = y_ptr + t * stride + head[:, None] * (2 * HALF) + j[None, :]
-        x1 = tl.load(first).to(tl.float32)
-        x2 = tl.load(first + HALF).to(tl.float32)
+        inside = (head[:, None] < HEADS) & (j[None, :] < HALF)
+        x1 = tl.load(first, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(first + HALF, mask=inside, other=0.0).to(tl.float32)
         # torch's x * cos + rotate_half(x) * sin, as the ROPE epilogue computes it: each product rounded alone
-        tl.store(first, (_mul(x1, c) - _mul(x2, s)).to(y_ptr.dtype.element_ty))
-        tl.store(first + HALF, (_mul(x2, c) + _mul(x1, s)).to(y_ptr.dtype.element_ty))
+        tl.store(first, (_mul(x1, c) - _mul(x2, s)).to(y_ptr.dtype.element_ty), mask=inside)
+        tl.store(first + HALF, (_mul(x2, c) + _mul(x1, s)).to(y_ptr.dtype.element_ty), mask=inside)
 
 
 
