@@ -26,6 +26,9 @@ def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
     assert kill["killed"]["killed"] in {"0", "1"} and kill["killed"]["ready_again_s"] > 0
     assert kill["groups"] is None            # a restarted worker counts from 0: no figure rather than a wrong one
     assert "lost 0" in proc.stdout
+    # Every answered request went somewhere: straight to a worker, or routed by the broker (a CPU pool: the broker).
+    assert clean["paths"]["direct"] + clean["groups"]["broker"]["requests"] >= clean["answered"], clean
+    assert "requests routed" in proc.stdout
     # Where the CPU went: both workers computed (the CPU pool's forwards), the broker routed, two clients sent.
     used = clean["cpu"]
     roles = [r["role"] for r in used]
@@ -43,6 +46,9 @@ def test_groups_from_two_snapshots():
     # 24 requests: 3 merged runs of 14 requests, 10 alone: 13 forwards
     assert groups(before, after) == {"requests": 24, "forwards": 13, "mean_group": 1.85}
     assert groups(before, {("0", 99): (5, 0, 0), ("1", 12): (4, 0, 0)}) is None     # worker 0 restarted
+    # the broker's counts beside the workers': what reached it between the snapshots
+    with_broker = groups({**before, "broker": (7, 3)}, {**after, "broker": (19, 5)})
+    assert with_broker["broker"] == {"frontend_messages": 12, "requests": 2} and with_broker["requests"] == 24
 
 
 def test_cpu_use_from_two_snapshots():

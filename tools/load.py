@@ -96,7 +96,9 @@ def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape],
                     except Exception as e:  # a lost request is the result we report, not a crash
                         failed.append(f"{type(e).__name__}: {e}")
             await asyncio.gather(*(loop(k) for k in range(inflight)))
-        return {"latencies": lat, "failed": failed}
+            r = c._routes
+            paths = {"direct": r.sent, "on_lanes": r.on_lanes, "dropped": r.dropped} if r is not None else {}
+        return {"latencies": lat, "failed": failed, "paths": paths}
     out.put(asyncio.run(main()))
 
 
@@ -107,15 +109,20 @@ def _stats(seconds: list[float]) -> dict:
 
 
 COUNTS = ("ok", "merged_runs", "merged_requests")
+# What reached the broker: every message from a client (asks for the route table included), and the requests it routed.
+BROKER_COUNTS = ("frontend_messages", "requests")
 
 
 def _worker_counts(endpoint: str, keys: str | None = None) -> dict[tuple[str, Any], tuple[int, ...]]:
     """Requests answered and merged per worker process ((id, pid): a restarted worker counts from 0 again), from
-    their last heartbeat's stats."""
+    their last heartbeat's stats; under the key "broker", the broker's counts of BROKER_COUNTS."""
     with Client(endpoint, timeout=5.0, retries=2, keys=keys) as c:
-        workers = c.status()["workers"]
-    return {(w["id"], w.get("pid")): tuple(int((w.get("stats") or {}).get(k) or 0) for k in COUNTS)
-            for w in workers}
+        status = c.status()
+    out: dict = {(w["id"], w.get("pid")): tuple(int((w.get("stats") or {}).get(k) or 0) for k in COUNTS)
+                 for w in status["workers"]}
+    counters = (status.get("broker") or {}).get("counters") or {}
+    out["broker"] = tuple(int(counters.get(k) or 0) for k in BROKER_COUNTS)
+    return out
 
 
 def groups(before: dict, after: dict) -> dict | None:
@@ -123,9 +130,13 @@ def groups(before: dict, after: dict) -> dict | None:
     came or went between them (its counts cover another window); pure."""
     if set(before) != set(after):
         return None
-    ok, runs, merged = (sum(after[w][i] - before[w][i] for w in after) for i in range(len(COUNTS)))
+    workers = [w for w in after if w != "broker"]
+    ok, runs, merged = (sum(after[w][i] - before[w][i] for w in workers) for i in range(len(COUNTS)))
     forwards = runs + ok - merged
-    return {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None}
+    out = {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None}
+    if "broker" in after:
+        out["broker"] = {k: after["broker"][i] - before["broker"][i] for i, k in enumerate(BROKER_COUNTS)}
+    return out
 
 
 def _killer(endpoint: str, after: float, done: dict, keys: str | None = None) -> None:
@@ -219,7 +230,8 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
            "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
            "errors": failed[:5], "throughput_rps": total["answered"] / wall, "p50_ms": total["p50_ms"],
-           "p95_ms": total["p95_ms"], "killed": killed or None, "groups": grouped, "cpu": used}
+           "p95_ms": total["p95_ms"], "killed": killed or None, "groups": grouped, "cpu": used,
+           "paths": {k: sum(part["paths"].get(k, 0) for part in parts) for k in ("direct", "on_lanes", "dropped")}}
     if len(mix) > 1:
         out["mix"] = [[r, t, w] for r, t, w in mix]
         out["per_shape"] = {k: _stats(v) for k, v in per_shape.items()}
@@ -285,6 +297,14 @@ def _line(name: str, r: dict) -> str:
          f"answered {r['answered']}  lost {r['lost']}")
     if (r.get("groups") or {}).get("mean_group"):
         s += f"  mean group {r['groups']['mean_group']}"
+    broker = (r.get("groups") or {}).get("broker")
+    if r.get("paths") or broker:
+        # where the attempts went: the clients' direct sends (on lanes among them), what the broker saw
+        p = r.get("paths") or {}
+        s += (f"\n    attempts direct {p.get('direct', 0)} (on lanes {p.get('on_lanes', 0)}, dropped "
+              f"{p.get('dropped', 0)})")
+        if broker:
+            s += f"; broker: {broker['frontend_messages']} client messages, {broker['requests']} requests routed"
     if r.get("killed"):
         k = r["killed"]
         s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
