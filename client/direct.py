@@ -7,9 +7,10 @@ a client with the pool's keys authenticates it and may use it from any host. The
 request's FIRST attempt to the worker with the fewest of this client's requests outstanding there, and every later
 attempt through the broker, which stays the path of last resort: a worker that refuses (stopping, busy, handed
 back), goes quiet past the attempt's share of the deadline, or drops its connection (killed: the call re-sends at
-once, through the broker) costs one attempt, not the call. The broker's reply cache does not see a direct attempt,
-so a request whose direct attempt ran but whose answer was lost runs again through the broker: at-least-once, as a
-forward is deterministic.
+once, through the broker) costs one attempt, not the call. A quiet worker is sent nothing more until the next table
+only if it answered nothing sent after that attempt (else it is alive and the attempt waited in its queue). The
+broker's reply cache does not see a direct attempt, so a request whose direct attempt ran but whose answer was lost
+runs again through the broker: at-least-once, as a forward is deterministic.
 
 `pick` (the choice) and `usable` (the table) are pure, so they are tested without sockets; `Routes` holds one DEALER
 per worker and its monitor: a route is used only once its handshake is done (until then the attempt goes to the
@@ -54,7 +55,8 @@ class Route:
     endpoint: str
     sock: Any = None
     mon: Any = None
-    outstanding: set[int] = field(default_factory=set)   # request ids sent here and not answered
+    outstanding: dict[int, float] = field(default_factory=dict)   # request ids sent here and not answered: when
+    heard: float = float("-inf")   # when this worker last answered an attempt sent here (alive, if slow, since then)
     up: bool = True           # False once its connection dropped or it refused as stopping (until the table drops it)
     connected: bool = False   # its handshake is done and no disconnect followed (from its monitor's events)
     lane: Lane | None = None  # asked for (or open, `lane_open`) on this worker
@@ -186,7 +188,7 @@ class Routes:
     def took(self, r: Route, rid: int) -> None:
         """Request `rid`'s attempt went to route `r` (sent by the caller: the asyncio client sends through its own
         view of the socket)."""
-        r.outstanding.add(rid)
+        r.outstanding[rid] = time.monotonic()
         self.by_rid[rid] = r
         self.sent += 1
 
@@ -196,7 +198,8 @@ class Routes:
         r = self.by_rid.pop(rid, None) if isinstance(rid, int) else None
         if r is None:
             return
-        r.outstanding.discard(rid)
+        r.outstanding.pop(rid, None)
+        r.heard = time.monotonic()
         self._unwait(r, rid)
         if status == wire.STATUS_RETRYABLE and reason in _LEAVING:
             self._fail(r)
@@ -212,12 +215,14 @@ class Routes:
 
     def detach(self, rid: int, blame: bool = False) -> None:
         """Request `rid` goes on elsewhere (a retry through the broker): forget its direct attempt; with `blame`
-        (that attempt heard nothing) send that worker nothing more until the table lists it again."""
+        (that attempt heard nothing) send that worker nothing more until the table lists it again, unless it answered
+        another attempt since this one went out: then it is alive and the attempt only waited in its queue, and
+        sending every request through the broker for a second would add the broker's hops to a busy pool's load."""
         r = self.by_rid.pop(rid, None)
         if r is not None:
-            r.outstanding.discard(rid)
+            sent = r.outstanding.pop(rid, float("-inf"))
             self._unwait(r, rid)
-            if blame:
+            if blame and r.heard < sent:
                 self._fail(r)
 
     def events(self, mon: Any) -> list[int]:
@@ -260,7 +265,7 @@ class Routes:
                 out.append(frames)
             elif frames is None:          # gone, unanswered
                 self.by_rid.pop(rid, None)
-                r.outstanding.discard(rid)
+                r.outstanding.pop(rid, None)
                 self.lost.append(rid)
                 self.dropped += 1
             if r.lane.gone():

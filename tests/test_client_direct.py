@@ -9,8 +9,8 @@ from laya_pool.protocol import wire
 
 
 def _route(worker: str, outstanding: int, up: bool = True) -> Route:
-    return Route(worker, f"tcp://127.0.0.1:{1000 + int(worker)}", outstanding=set(range(outstanding)), up=up,
-                 connected=True)
+    return Route(worker, f"tcp://127.0.0.1:{1000 + int(worker)}", outstanding=dict.fromkeys(range(outstanding), 0.0),
+                 up=up, connected=True)
 
 
 def test_pick_takes_the_least_outstanding_usable_route_and_turns_on_ties():
@@ -116,9 +116,18 @@ def test_a_worker_that_says_it_is_stopping_is_sent_nothing_more():
         # A retry through the broker detaches the direct attempt; one that heard nothing blames its worker.
         assert routes.send(4, frames) and routes.send(5, frames)
         routes.detach(4)
-        assert routes.routes["w"].up and routes.routes["w"].outstanding == {5}
+        assert routes.routes["w"].up and set(routes.routes["w"].outstanding) == {5}
         routes.detach(5, blame=True)
         assert routes.routes["w"].up is False and not routes.routes["w"].outstanding and not routes.by_rid
+        # ... unless its worker answered another attempt after this one went out: alive, the attempt only queued there
+        routes.asked([["w", endpoint, "here"]], now=2.0)
+        assert routes.send(6, frames) and routes.send(7, frames)
+        routes.answered(6, wire.STATUS_OK)
+        routes.detach(7, blame=True)
+        assert routes.routes["w"].up and not routes.routes["w"].outstanding and routes.send(8, frames)
+        assert routes.send(9, frames)
+        routes.detach(9, blame=True)               # nothing answered since 9 went out (8 is still out): blamed
+        assert routes.routes["w"].up is False
     finally:
         routes.close()
         ctx.destroy(0)
