@@ -497,7 +497,7 @@ def test_an_asyncio_client_s_lone_call_goes_on_the_socket_and_calls_out_together
             on_lanes = routes.on_lanes
             for _ in range(20):           # until a round finds a worker polling its lanes (0.2 s after a reply)
                 t0 = time.monotonic()
-                got = await asyncio.gather(*(c.forward(rows) for _ in range(8)))
+                got = await asyncio.gather(*(c.forward(rows) for _ in range(16)))
                 assert time.monotonic() - t0 < 5            # rung, not found by an attempt's timeout
                 for g in got:
                     np.testing.assert_allclose(g.flat, want, rtol=1e-5, atol=1e-5)
@@ -509,3 +509,41 @@ def test_an_asyncio_client_s_lone_call_goes_on_the_socket_and_calls_out_together
     assert (lone_lanes, lone_direct) == (0, 10), f"lone calls: {lone_lanes} on lanes, {lone_direct} direct of 10"
     assert together >= 1 and waiting == 0, (together, waiting)
     wait_until(lambda: lanes_read() >= before + together, 30, "the workers never counted the requests on their lanes")
+
+
+def test_requests_on_lanes_are_read_while_the_sockets_stay_busy(lane_pool, tiny_runtime):
+    """An asyncio client keeps 16 calls out for two seconds: one at a time on each worker's lane, the rest on the
+    sockets, which so always hold a request. The data thread must keep reading the lanes (it read the sockets first, so
+    a lane's request waited for its attempt's timeout, then went again through the broker). Counted, and timed only
+    against that timeout (6 s: 30 s over retries + 2 attempts)."""
+    import asyncio
+
+    from laya_pool.client.pool import AsyncClient
+    rows = make_rows(9)
+    want = reference_logits(tiny_runtime, rows)
+
+    async def main() -> tuple[int, float, int]:
+        async with AsyncClient(lane_pool.endpoint, timeout=30) as c:
+            routes = c._routes
+            await c.forward(rows)
+            for _ in range(600):
+                if len(routes.routes) == 2 and all(r.lane_open for r in routes.routes.values()):
+                    break
+                await c.ping()
+                await asyncio.sleep(0.05)
+            on_lanes, slowest, stop = routes.on_lanes, 0.0, time.monotonic() + 2.0
+
+            async def loop() -> None:
+                nonlocal slowest
+                while time.monotonic() < stop:
+                    t0 = time.monotonic()
+                    got = await c.forward(rows)
+                    slowest = max(slowest, time.monotonic() - t0)
+                    np.testing.assert_allclose(got.flat, want, rtol=1e-5, atol=1e-5)
+                    assert got.attempts == 1
+            await asyncio.gather(*(loop() for _ in range(16)))
+            return routes.on_lanes - on_lanes, slowest, len(routes.waiting)
+    on_lanes, slowest, waiting = asyncio.run(main())
+    # This CPU: ~400 on lanes and 0.09 s at most; reading the sockets first, 2 and 2.0 s.
+    assert on_lanes >= 100, f"only {on_lanes} requests went on the lanes in 2 s"
+    assert slowest < 1.0 and waiting == 0, (slowest, waiting)
