@@ -56,7 +56,7 @@ class Route:
     sock: Any = None
     mon: Any = None
     outstanding: dict[int, float] = field(default_factory=dict)   # request ids sent here and not answered: when
-    heard: float = float("-inf")   # when this worker last answered an attempt sent here (alive, if slow, since then)
+    heard: float = float("-inf")   # when a message last came from this worker (alive, if slow, since then)
     up: bool = True           # False once its connection dropped or it refused as stopping (until the table drops it)
     connected: bool = False   # its handshake is done and no disconnect followed (from its monitor's events)
     lane: Lane | None = None  # asked for (or open, `lane_open`) on this worker
@@ -199,7 +199,6 @@ class Routes:
         if r is None:
             return
         r.outstanding.pop(rid, None)
-        r.heard = time.monotonic()
         self._unwait(r, rid)
         if status == wire.STATUS_RETRYABLE and reason in _LEAVING:
             self._fail(r)
@@ -212,6 +211,11 @@ class Routes:
             return
         err = reply_error(header) or {}
         self.answered(header.get("rid"), header.get("status"), err.get("reason"))
+
+    def heard_from(self, r: Route) -> None:
+        """A message came from route `r`'s worker (on its socket or its lane, an answer to any attempt, late ones too):
+        it is alive. Not a call that ended without one (`answered` with no reply)."""
+        r.heard = time.monotonic()
 
     def detach(self, rid: int, blame: bool = False) -> None:
         """Request `rid` goes on elsewhere (a retry through the broker): forget its direct attempt; with `blame`
@@ -261,6 +265,8 @@ class Routes:
             self.waiting.remove(r)
             rid, r.lane_rid = r.lane_rid, None
             frames = r.lane.answer()
+            if frames is not None:
+                self.heard_from(r)
             if frames:
                 out.append(frames)
             elif frames is None:          # gone, unanswered

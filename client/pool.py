@@ -907,6 +907,8 @@ class Client(_Base):
                     break
                 msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
                 if self._routes is not None:
+                    if s is not self._sock:
+                        self._routes.heard_from(self._routes.owner(s))
                     self._routes.replied(msg.header)
                 yield msg
 
@@ -1200,11 +1202,13 @@ class AsyncClient(_Base):
             for t in tasks:
                 t.cancel()
 
-    async def _read(self, sock: Any = None, source: str = "the pool") -> None:
-        """Hand every reply on `sock` (default: the broker's) to its call."""
+    async def _read(self, sock: Any = None, source: str = "the pool", route: Any = None) -> None:
+        """Hand every reply on `sock` (default: the broker's; else `route`'s) to its call."""
         sock = self._sock if sock is None else sock
         while True:
             frames = await sock.recv_multipart()
+            if route is not None:
+                self._routes.heard_from(route)
             try:
                 msg = wire.decode(frames)
             except wire.ProtocolError as e:
@@ -1298,7 +1302,7 @@ class AsyncClient(_Base):
         import zmq.asyncio
 
         views = [zmq.asyncio.Socket.shadow(r.sock.underlying), zmq.asyncio.Socket.shadow(r.mon.underlying)]
-        tasks = [asyncio.ensure_future(self._read(views[0], f"worker {r.worker}")),
+        tasks = [asyncio.ensure_future(self._read(views[0], f"worker {r.worker}", r)),
                  asyncio.ensure_future(self._watch_monitor(r, views[0], views[1]))]
         self._route_tasks[r.worker] = (tasks, views)
 

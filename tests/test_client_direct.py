@@ -119,15 +119,18 @@ def test_a_worker_that_says_it_is_stopping_is_sent_nothing_more():
         assert routes.routes["w"].up and set(routes.routes["w"].outstanding) == {5}
         routes.detach(5, blame=True)
         assert routes.routes["w"].up is False and not routes.routes["w"].outstanding and not routes.by_rid
-        # ... unless its worker answered another attempt after this one went out: alive, the attempt only queued there
+        # ... unless a message came from its worker after this attempt went out: alive, the attempt only queued there
         routes.asked([["w", endpoint, "here"]], now=2.0)
+        r = routes.routes["w"]
         assert routes.send(6, frames) and routes.send(7, frames)
+        routes.heard_from(r)                       # (what the clients' readers call for each message on the route)
         routes.answered(6, wire.STATUS_OK)
         routes.detach(7, blame=True)
-        assert routes.routes["w"].up and not routes.routes["w"].outstanding and routes.send(8, frames)
+        assert r.up and not r.outstanding and routes.send(8, frames)
         assert routes.send(9, frames)
-        routes.detach(9, blame=True)               # nothing answered since 9 went out (8 is still out): blamed
-        assert routes.routes["w"].up is False
+        routes.answered(8)                         # a call that ended with no reply (gave up): heard nothing
+        routes.detach(9, blame=True)               # nothing came since 9 went out: blamed
+        assert r.up is False
     finally:
         routes.close()
         ctx.destroy(0)

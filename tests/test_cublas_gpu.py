@@ -28,6 +28,7 @@ CHILD = os.environ.get("LAYA_CUBLAS_CHILD") == "1"
 child_only = pytest.mark.skipif(not CHILD, reason="runs in a child process (test_in_a_process_of_its_own)")
 
 
+@pytest.mark.timeout(960)
 def test_in_a_process_of_its_own():
     if CHILD or not torch.cuda.is_available():
         pytest.skip("the child itself, or no CUDA")
