@@ -28,7 +28,7 @@ def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
     assert "lost 0" in proc.stdout
     # Every answered request went somewhere: straight to a worker, or routed by the broker (a CPU pool: the broker).
     assert clean["paths"]["direct"] + clean["groups"]["broker"]["requests"] >= clean["answered"], clean
-    assert "requests routed" in proc.stdout
+    assert "request messages" in proc.stdout
     # Where the CPU went: both workers computed (the CPU pool's forwards), the broker routed, two clients sent.
     used = clean["cpu"]
     roles = [r["role"] for r in used]

@@ -109,7 +109,8 @@ def _stats(seconds: list[float]) -> dict:
 
 
 COUNTS = ("ok", "merged_runs", "merged_requests")
-# What reached the broker: every message from a client (asks for the route table included), and the requests it routed.
+# What reached the broker: every message from a client (asks for the route table included), and its REQUEST messages
+# (first attempts and retries: cache hits and refusals too).
 BROKER_COUNTS = ("frontend_messages", "requests")
 
 
@@ -304,7 +305,7 @@ def _line(name: str, r: dict) -> str:
         s += (f"\n    attempts direct {p.get('direct', 0)} (on lanes {p.get('on_lanes', 0)}, dropped "
               f"{p.get('dropped', 0)})")
         if broker:
-            s += f"; broker: {broker['frontend_messages']} client messages, {broker['requests']} requests routed"
+            s += f"; broker: {broker['frontend_messages']} client messages, {broker['requests']} request messages"
     if r.get("killed"):
         k = r["killed"]
         s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
