@@ -8,7 +8,7 @@ request's FIRST attempt to the worker with the fewest of this client's requests 
 attempt through the broker, which stays the path of last resort: a worker that refuses (stopping, busy, handed
 back), goes quiet past the attempt's share of the deadline, or drops its connection (killed: the call re-sends at
 once, through the broker) costs one attempt, not the call. A quiet worker is sent nothing more until the next table
-only if it answered nothing sent after that attempt (else it is alive and the attempt waited in its queue). The
+only if nothing came from it since that attempt went out (else it is alive and the attempt waited in its queue). The
 broker's reply cache does not see a direct attempt, so a request whose direct attempt ran but whose answer was lost
 runs again through the broker: at-least-once, as a forward is deterministic.
 
@@ -219,9 +219,10 @@ class Routes:
 
     def detach(self, rid: int, blame: bool = False) -> None:
         """Request `rid` goes on elsewhere (a retry through the broker): forget its direct attempt; with `blame`
-        (that attempt heard nothing) send that worker nothing more until the table lists it again, unless it answered
-        another attempt since this one went out: then it is alive and the attempt only waited in its queue, and
-        sending every request through the broker for a second would add the broker's hops to a busy pool's load."""
+        (that attempt heard nothing) send that worker nothing more until the table lists it again, unless a message
+        came from it since this attempt went out (`heard_from`): then it is alive and the attempt only waited in its
+        queue, and sending every request through the broker for a second would add the broker's hops to a busy pool's
+        load."""
         r = self.by_rid.pop(rid, None)
         if r is not None:
             sent = r.outstanding.pop(rid, float("-inf"))

@@ -367,6 +367,16 @@ def lane_pool(tiny_ckpt, tmp_path_factory):
     assert pool.process.returncode == 0 and "Traceback" not in text, text[-3000:]
 
 
+async def _lanes_open_async(c) -> None:
+    """An AsyncClient's wait for both workers' lanes (asked for with the table its first call fetched)."""
+    import asyncio
+    for _ in range(600):
+        if len(c._routes.routes) == 2 and all(r.lane_open for r in c._routes.routes.values()):
+            return
+        await c.ping()            # the table again, and the workers' answers to the lane requests
+        await asyncio.sleep(0.05)
+
+
 def _lanes_open(c: Client) -> bool:
     c.ping()                  # the table, and the lanes' answers read by the client's poll
     return len(c._routes.routes) == 2 and all(r.lane_open for r in c._routes.routes.values())
@@ -484,11 +494,7 @@ def test_an_asyncio_client_s_lone_call_goes_on_the_socket_and_calls_out_together
         async with AsyncClient(lane_pool.endpoint, timeout=30) as c:
             routes = c._routes
             await c.forward(rows)
-            for _ in range(600):
-                if len(routes.routes) == 2 and all(r.lane_open for r in routes.routes.values()):
-                    break
-                await c.ping()
-                await asyncio.sleep(0.05)
+            await _lanes_open_async(c)
             assert all(r.lane is not None and r.lane.words[ln.RING] == 1 for r in routes.routes.values())
             on_lanes, sent = routes.on_lanes, routes.sent
             for _ in range(10):           # one at a time: each the only call out
@@ -526,11 +532,7 @@ def test_requests_on_lanes_are_read_while_the_sockets_stay_busy(lane_pool, tiny_
         async with AsyncClient(lane_pool.endpoint, timeout=30) as c:
             routes = c._routes
             await c.forward(rows)
-            for _ in range(600):
-                if len(routes.routes) == 2 and all(r.lane_open for r in routes.routes.values()):
-                    break
-                await c.ping()
-                await asyncio.sleep(0.05)
+            await _lanes_open_async(c)
             on_lanes, slowest, stop = routes.on_lanes, 0.0, time.monotonic() + 2.0
 
             async def loop() -> None:
