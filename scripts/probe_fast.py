@@ -170,6 +170,10 @@ def _sweep_configs(m: int, epi: Epi) -> list[Tiles]:
     if m <= 64:
         out = [Tiles(64, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)]
         out += [Tiles(64, bn, 128, 8, 4) for bn in (32, 64)]       # two warpgroups: more loads issued at once
+        if os.environ.get("PROBE_SMALL_BM") == "1":
+            # only M tiles under one warpgroup (mma.sync, not wgmma): 3x the programs at M = 48. Same bits?
+            out = [Tiles(bm, bn, 128, w, 4) for bm in (16, 32) for bn in (16, 32) for w in (1, 2, 4)
+                   if not (bm == 32 and w == 1)] + [Tiles(16, 16, 256, 2, 3), Tiles(16, 16, 64, 2, 6)]
     else:
         bns = (32, 64, 128) if epi == Epi.GEGLU else (64, 128, 256)
         out = [Tiles(128, bn, 64, 8, st) for bn in bns for st in (2, 3, 4)] + [Tiles(64, bns[1], 64, 4, 4)]
