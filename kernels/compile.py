@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .launch import RECORDING
+
 try:
     from triton import knobs
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
@@ -68,20 +70,17 @@ def recorded() -> Iterator[list[Spec]]:
 
     before = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
-    _RECORDING.append(hook)
+    RECORDING.append(hook)        # kernels/launch.py `through_triton`: a kernel compiled already is not launched either
     try:
         yield specs
     finally:
-        _RECORDING.pop()
+        RECORDING.pop()
         knobs.runtime.jit_cache_hook = before
-
-
-_RECORDING: list = []     # the hooks of the `recorded` blocks open now
 
 
 def recording() -> bool:
     """Whether a `recorded` block is open: launches are skipped, so nothing computed now can be read back."""
-    return bool(_RECORDING)
+    return bool(RECORDING)
 
 
 def deal(specs: list[Spec], procs: int) -> list[list[Spec]]:

@@ -19,7 +19,9 @@ Off by default: LAYA_CUBLAS=1 turns it on. On the device (twenty-first session, 
 tests pass with it on, but a process that ran tests/test_cublas_gpu.py's forwards (the large checkpoint, the default
 stream, a capture) then faulted at the next Runtime's first kernel ("operation not supported on global/shared address
 space", launch-blocking), and cuBLAS's 32 MiB workspace, made at a stream's first product, counts against a
-runtime's memory accounting. Until the fault is understood it is opt-in (docs/PERF.md, twenty-first session).
+runtime's memory accounting. Since then both are understood (twenty-second session): the fault was a compile-ahead
+recording that launched the kernels this process had compiled already, on buffers the skipped kernels never wrote
+(kernels/launch.py `through_triton`), and a runtime makes its stream's workspace at start (`workspace`).
 """
 from __future__ import annotations
 
@@ -47,6 +49,17 @@ MAX_PROOFS = 4096  # eager mode meets a new M on every request: a bound, then pr
 def wanted(m: int) -> bool:
     """Whether a GEMM of M rows may try cuBLAS at all (only with LAYA_CUBLAS=1: module docstring)."""
     return m >= LOW and os.environ.get("LAYA_CUBLAS", "0") == "1"
+
+
+def workspace(stream: torch.cuda.Stream) -> None:
+    """cuBLAS's workspace for `stream` made now, if cuBLAS may be used: torch makes it at a stream's first product
+    (32 MiB on Hopper) and keeps it, which a runtime's memory accounting would otherwise count as a leak of whatever
+    ran first at M >= LOW (the twenty-first session's failing capture test)."""
+    if not wanted(LOW):
+        return
+    with torch.cuda.stream(stream):
+        a = torch.zeros(16, 16, device=stream.device, dtype=torch.bfloat16)
+        torch.mm(a, a)
 
 
 class Proofs:

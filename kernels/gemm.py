@@ -38,7 +38,19 @@ from dataclasses import dataclass
 import torch
 
 from .exact import gelu_table, needs_table
-from .launch import cached, compile_launch, current_device, env, keep, launch, on_forget, prefetching, settle_keys, sms
+from .launch import (
+    cached,
+    compile_launch,
+    current_device,
+    env,
+    keep,
+    launch,
+    on_forget,
+    prefetching,
+    settle_keys,
+    sms,
+    through_triton,
+)
 from .launch import switches as launch_switches
 
 try:
@@ -453,7 +465,7 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
                   PIECES=32 * t.warps, EARLY=early_epilogue(m, epi), **options,
                   num_warps=t.warps, num_stages=t.stages)
     if key is None:
-        _gemm_kernel[grid](*args, *ints, **kwargs)
+        through_triton(_gemm_kernel, grid, args + ints, kwargs)
         return
     compiled = compile_launch(_gemm_kernel, grid, args + ints, kwargs)
     if compiled is not None:

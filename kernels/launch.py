@@ -170,8 +170,8 @@ _device = _stream = None
 
 def cached(device: torch.device) -> bool:
     """Whether launches on `device` go through `dispatch`'s cache (CUDA, Triton compiled rather than interpreted, no
-    launch hooks such as a Triton profiler's, LAYA_LAUNCH_CACHE not 0)."""
-    if triton is None or device.type != "cuda" or env("LAYA_LAUNCH_CACHE", "1") == "0" or _INTERPRETED:
+    launch hooks such as a Triton profiler's, LAYA_LAUNCH_CACHE not 0, no compile-ahead recording open)."""
+    if triton is None or device.type != "cuda" or env("LAYA_LAUNCH_CACHE", "1") == "0" or _INTERPRETED or RECORDING:
         return False
     hooks = triton.knobs.runtime
     if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
@@ -221,10 +221,25 @@ def _spec(args: tuple) -> tuple | None:
     return tuple(out)
 
 
+RECORDING: list = []     # the hooks of kernels/compile.py's `recorded` blocks open now
+
+
+def through_triton(kernel, grid: tuple, args: tuple, kwargs: dict):
+    """kernel[grid](*args, **kwargs) through Triton's dispatch; while a compile-ahead recording is open (kernels/
+    compile.py `recorded`), Triton's warm-up instead: a kernel not compiled yet is recorded by the recording's hook,
+    and one compiled already is not launched either. (Launched, it read what kernels skipped before it never wrote:
+    a RoPE table indexed by the positions of an embedding that did not run faulted the process on the device, the
+    "cuBLAS fault" of docs/PERF.md's twenty-first session.)"""
+    if RECORDING:
+        kernel.warmup(*args, grid=grid, **kwargs)
+        return None
+    return kernel[grid](*args, **kwargs)
+
+
 def compile_launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> Compiled | None:
     """kernel[grid](*args, **kwargs) through Triton's dispatch (compiling it if need be), and the compiled kernel to
     launch the same kind again directly (None where Triton returned none)."""
-    compiled = kernel[grid](*args, **kwargs)
+    compiled = through_triton(kernel, grid, args, kwargs)
     if compiled is None or not hasattr(compiled, "packed_metadata"):
         return None
     if _stream is None:
@@ -236,11 +251,11 @@ def dispatch(kernel, grid: tuple, args: tuple, kwargs: dict, device: torch.devic
     """kernel[grid](*args, **kwargs) (every argument Triton specializes on positional, constexprs and launch options in
     kwargs), without Triton's dispatch once a launch of its kind was made (module docstring)."""
     if not cached(device):
-        kernel[grid](*args, **kwargs)
+        through_triton(kernel, grid, args, kwargs)
         return
     spec = _spec(args)
     if spec is None:
-        kernel[grid](*args, **kwargs)
+        through_triton(kernel, grid, args, kwargs)
         return
     # constexprs by value and type (Triton tells True from 1); what Triton also reads on each of its launches and
     # this key does not (TRITON_DEBUG, instrumentation, pre-run hooks, a kernel's globals changed since it compiled)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from laya_pool.kernels import cublas
 from laya_pool.kernels.fast import FastModel, supports
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.protocol.contract import MODES
@@ -229,6 +230,8 @@ class Runtime:
         self.workspace = Workspace(cap, arch.n_act, self.device, slots=2 if overlap else 1)
         self.slots = SlotLedger(len(self.workspace.slots))
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        if self.is_cuda and self.why_reference is None:
+            cublas.workspace(self.stream)
         self.upload = None
         self.events: list[Any] = []
         if self.is_cuda:
