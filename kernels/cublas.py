@@ -15,13 +15,14 @@ worker's capture does first (worker/runtime.py `_capture`). What cuBLAS's produc
   epilogue's arithmetic (kernels/gemm.py: the product rounded to bf16, each product with the tables rounded alone);
 - residual: the bf16 product is left as a one-chunk `Pending` that the next LayerNorm adds to the fp32 stream
   (kernels/rows.py), the RESIDUAL epilogue's rounding when there is no bias.
-Off by default: LAYA_CUBLAS=1 turns it on. On the device (twenty-first session, H100) the runtime's and the serving
-tests pass with it on, but a process that ran tests/test_cublas_gpu.py's forwards (the large checkpoint, the default
-stream, a capture) then faulted at the next Runtime's first kernel ("operation not supported on global/shared address
-space", launch-blocking), and cuBLAS's 32 MiB workspace, made at a stream's first product, counts against a
-runtime's memory accounting. Since then both are understood (twenty-second session): the fault was a compile-ahead
-recording that launched the kernels this process had compiled already, on buffers the skipped kernels never wrote
-(kernels/launch.py `through_triton`), and a runtime makes its stream's workspace at start (`workspace`).
+On by default; LAYA_CUBLAS=0 turns it off. It was opt-in for one session: on the device (twenty-first session, H100)
+a process that ran tests/test_cublas_gpu.py's forwards faulted at the next Runtime's warm-up ("operation not
+supported on global/shared address space"), and cuBLAS's 32 MiB workspace, made at a stream's first product, counted
+as a leak in a runtime's memory accounting. Both are understood (twenty-second session): the fault was a compile-ahead
+recording that launched the kernels the process had compiled already, on buffers that the kernels it skipped never
+wrote (here `rotate` read RoPE tables at garbage positions; kernels/launch.py `through_triton` launches nothing while
+recording now), and a runtime makes its stream's workspace at start (`workspace`). Graph replay, same call, on
+against off (H100): 32x48 3.051 / 3.666 ms, 4x256 2.415 / 2.600, 16x512 14.958 / 15.510, the same bits.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ MAX_PROOFS = 4096  # eager mode meets a new M on every request: a bound, then pr
 
 
 def wanted(m: int) -> bool:
-    """Whether a GEMM of M rows may try cuBLAS at all (only with LAYA_CUBLAS=1: module docstring)."""
-    return m >= LOW and os.environ.get("LAYA_CUBLAS", "0") == "1"
+    """Whether a GEMM of M rows may try cuBLAS at all (not with LAYA_CUBLAS=0)."""
+    return m >= LOW and os.environ.get("LAYA_CUBLAS", "1") != "0"
 
 
 def workspace(stream: torch.cuda.Stream) -> None:

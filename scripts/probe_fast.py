@@ -397,7 +397,7 @@ def _small_m_patches():
     """Tile and launch rules the model step can try in a whole forward (PROBE_MODEL_VARIANTS), each a list of
     (module, attribute, value) changes: at M <= 64 two warpgroups (w8), six stages (st6), the copy engine at every M
     (tma48); at 512 < M <= 2,048 other tile counts (mid64, mid256); attention tiles (att*). (cuBLAS's
-    products, kernels/cublas.py, are opt-in: the `cublas` env variant turns them on.) Tiles and TMA never
+    products, kernels/cublas.py, are on by default: the `nocublas` env variant turns them off.) Tiles and TMA never
     change the bits; the step checks it anyway."""
     from laya_pool.kernels import gemm as g
     base = g.pick_tiles
@@ -468,7 +468,7 @@ def step_model(model_dir, report):
                 ("epilogue operands read before the K loop at every M: early", {"LAYA_EARLY_EPI": "1"}),
                 ("epilogue operands read after the K loop at every M: late", {"LAYA_EARLY_EPI": "0"}),
                 ("RoPE tables read before the K loop at every M: rope", {"LAYA_EARLY_EPI": "rope"}),
-                ("cuBLAS's products where proven (kernels/cublas.py): cublas", {"LAYA_CUBLAS": "1"}))
+                ("our GEMMs only, no cuBLAS products (kernels/cublas.py): nocublas", {"LAYA_CUBLAS": "0"}))
         for label, env in envs + tuple((k_, None) for k_ in patches):
             if env is None:
                 if label not in WANT_VARIANTS:

@@ -57,9 +57,9 @@ def test_no_answer_kept_while_recording():
 
 def test_only_large_m_asks_and_the_switch_turns_it_off(monkeypatch):
     monkeypatch.delenv("LAYA_CUBLAS", raising=False)
-    assert not cublas.wanted(8192)                      # off by default (kernels/cublas.py says why)
+    assert not cublas.wanted(cublas.LOW - 1) and cublas.wanted(cublas.LOW) and cublas.wanted(8192)   # on by default
     monkeypatch.setenv("LAYA_CUBLAS", "1")
-    assert not cublas.wanted(cublas.LOW - 1) and cublas.wanted(cublas.LOW) and cublas.wanted(8192)
+    assert cublas.wanted(8192)
     monkeypatch.setenv("LAYA_CUBLAS", "0")
     assert not cublas.wanted(8192)
 

@@ -9,9 +9,6 @@ exists; the tiny one always.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,23 +19,6 @@ from laya_pool.worker.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.gpu
 LARGE = Path(os.environ.get("LAYA_LARGE_CKPT", "/tmp/large"))
-# The tests below run in a child pytest of their own (`test_in_a_process_of_its_own`): on the device a process that ran
-# them faulted at the next Runtime's first kernel (kernels/cublas.py), which would fail every gpu test after them.
-CHILD = os.environ.get("LAYA_CUBLAS_CHILD") == "1"
-child_only = pytest.mark.skipif(not CHILD, reason="runs in a child process (test_in_a_process_of_its_own)")
-
-
-@pytest.mark.timeout(960)
-def test_in_a_process_of_its_own():
-    if CHILD or not torch.cuda.is_available():
-        pytest.skip("the child itself, or no CUDA")
-    env = {**os.environ, "LAYA_CUBLAS_CHILD": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "gpu", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    print(proc.stdout[-3000:])
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    ran = re.search(r"(\d+) passed", proc.stdout.splitlines()[-1] if proc.stdout else "")
-    assert ran and int(ran.group(1)) >= 2, proc.stdout[-2000:]          # both tests at least on the tiny checkpoint
 
 
 @pytest.fixture(scope="module", params=["tiny", "large"])
@@ -73,7 +53,6 @@ def run(model: FastModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.clone(), act.clone()
 
 
-@child_only
 def test_cublas_keeps_the_bits_merged_alone_and_captured(ckpt, monkeypatch):
     monkeypatch.setenv("LAYA_CUBLAS", "0")
     ours = FastModel(ckpt.arch, ckpt.tensors, device="cuda")
@@ -105,7 +84,6 @@ def test_cublas_keeps_the_bits_merged_alone_and_captured(ckpt, monkeypatch):
         assert summary["proven"] >= 1, summary
 
 
-@child_only
 def test_a_planted_difference_is_refused(ckpt, monkeypatch):
     """One element of cuBLAS's QKV result one ulp off, and every residual product's first element: the proofs must
     refuse both, and the forward must keep our bits."""
