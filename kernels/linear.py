@@ -74,9 +74,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     ieee = x.dtype == torch.float32
     BM, BN, BK = (32, 64, 32) if ieee else (64, 128, 64)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    through_triton(_linear_kernel, grid, (x2, w, b if b is not None else w, y, M, N, K,
-                               x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1)),
-        dict(HAS_BIAS=b is not None, BIAS_APART=bias_apart, IEEE=ieee, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3))
+    args = (x2, w, b if b is not None else w, y, M, N, K,
+            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
+    through_triton(_linear_kernel, grid, args, dict(HAS_BIAS=b is not None, BIAS_APART=bias_apart, IEEE=ieee,
+                                                    BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3))
     return y.reshape(*shape[:-1], N)
 
 

@@ -294,7 +294,7 @@ def test_kernels_compiled_ahead_leave_nothing_for_the_warm_up_to_compile(tiny_ck
     assert again["ahead"] == {"kernels": ahead["ahead"]["kernels"], "cached": True} and again["compiled_in_warmup"] == 0
 
 
-def test_a_recording_launches_nothing_not_even_a_kernel_compiled_already():
+def test_a_recording_launches_nothing_not_even_a_kernel_compiled_already(monkeypatch):
     """kernels/compile.py `recorded`: the warm-up's compile-ahead runs forwards whose launches are only recorded. A
     kernel this process had compiled already used to run there for real, on buffers that the skipped kernels before
     it never wrote (the twenty-first session's "cuBLAS fault": a RoPE table indexed by garbage positions). Through
@@ -309,19 +309,16 @@ def test_a_recording_launches_nothing_not_even_a_kernel_compiled_already():
     pos = torch.arange(48, device="cuda", dtype=torch.int32)
     cos, sin = torch.rand(64, 16, device="cuda", generator=g), torch.rand(64, 16, device="cuda", generator=g)
     for cache in ("1", "0"):
-        os.environ["LAYA_LAUNCH_CACHE"] = cache
-        try:
-            y = torch.randn(48, 64, device="cuda", generator=g).bfloat16()
-            gemm(a, w, torch.empty(48, 32, device="cuda", dtype=torch.bfloat16))   # compiled and launched once
-            cublas.rotate(y.clone(), pos, cos, sin, 32, 2)
-            out, kept = torch.zeros(48, 32, device="cuda", dtype=torch.bfloat16), y.clone()
-            with recorded() as specs:
-                gemm(a, w, out)
-                cublas.rotate(y, pos, cos, sin, 32, 2)
-                gemm(a[:17], w, torch.zeros(17, 32, device="cuda", dtype=torch.bfloat16))  # M = 17: not compiled
-            torch.cuda.synchronize()
-        finally:
-            os.environ.pop("LAYA_LAUNCH_CACHE")
+        monkeypatch.setenv("LAYA_LAUNCH_CACHE", cache)
+        y = torch.randn(48, 64, device="cuda", generator=g).bfloat16()
+        gemm(a, w, torch.empty(48, 32, device="cuda", dtype=torch.bfloat16))   # compiled and launched once
+        cublas.rotate(y.clone(), pos, cos, sin, 32, 2)
+        out, kept = torch.zeros(48, 32, device="cuda", dtype=torch.bfloat16), y.clone()
+        with recorded() as specs:
+            gemm(a, w, out)
+            cublas.rotate(y, pos, cos, sin, 32, 2)
+            gemm(a[:17], w, torch.zeros(17, 32, device="cuda", dtype=torch.bfloat16))  # M = 17: not compiled
+        torch.cuda.synchronize()
         assert not out.any(), f"LAYA_LAUNCH_CACHE={cache}: a compiled GEMM ran inside the recording"
         assert torch.equal(y, kept), f"LAYA_LAUNCH_CACHE={cache}: a compiled kernel ran inside the recording"
         assert [s.name for s in specs] == ["_gemm_kernel"], [s.name for s in specs]
