@@ -19,6 +19,7 @@ import enum
 import ipaddress
 import itertools
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,10 +83,18 @@ class ProtocolError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- msgpack
 
+_PACKERS = threading.local()   # a Packer is not thread-safe; one per thread packs 2x faster than `packb` makes one
+
+
 def pack(obj: Any) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True)
+        packer = _PACKERS.packer
+    except AttributeError:
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+    try:
+        return packer.pack(obj)
     except (TypeError, ValueError, OverflowError) as e:
+        _PACKERS.packer = msgpack.Packer(use_bin_type=True)    # nothing half-packed carries over
         raise ProtocolError("header", f"cannot encode {type(obj).__name__}: {e}") from e
 
 
@@ -160,10 +169,13 @@ def recv_frames(sock: Any, copy: bool = True) -> list[Any]:
 
 def encode(cmd: Cmd, header: dict[str, Any], *frames: Any) -> list[Any]:
     """Frames for one message; payload frames are passed through untouched (zero copy)."""
-    h = pack(header)
-    if len(h) > MAX_HEADER_BYTES:
-        raise ProtocolError("header", f"{len(h)} bytes exceed the limit of {MAX_HEADER_BYTES}")
-    return [PROTOCOL, _CMD_FRAMES[cmd], h, *frames]
+    return _framed(cmd, pack(header), frames)
+
+
+def _framed(cmd: Cmd, header: bytes, frames: Sequence[Any]) -> list[Any]:
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError("header", f"{len(header)} bytes exceed the limit of {MAX_HEADER_BYTES}")
+    return [PROTOCOL, _CMD_FRAMES[cmd], header, *frames]
 
 
 def decode(frames: Sequence[Any], max_frames: int = 8 + MAX_TAPS) -> Message:
@@ -493,32 +505,75 @@ class Reply:
         return (self.error or {}).get("message", "")
 
 
+class Replies:
+    """The "ok" REPLYs of one forward's requests: what their headers share (status, worker, fingerprint, the
+    group's metrics) is msgpack-packed once, and each reply packs only its own fields (rid, counts, its own
+    metrics) and joins the bytes. A worker answers ~32 requests a forward at load, and packing the ~20 shared
+    metrics for each was a tenth of its data thread (py-spy at 256 in flight, docs/PERF.md). Each header decodes to
+    the map one `pack` of the whole makes (tests/test_wire.py)."""
+
+    def __init__(self, *, worker: str | None = None, fingerprint: str | None = None, metrics: dict | None = None):
+        shared: dict[str, Any] = {"status": STATUS_OK}
+        if worker is not None:
+            shared["worker"] = worker
+        if fingerprint is not None:
+            shared["fp"] = fingerprint
+        self._shared, self._n_shared = pack(shared)[1:], len(shared)     # (a fixmap: one header byte)
+        self._metrics = _plain(metrics) if metrics else {}
+        self._metric_pairs = _pairs(self._metrics)
+        self._metrics_alone = _METRICS_KEY + _map_head(len(self._metrics)) + self._metric_pairs if metrics else b""
+
+    def encode(self, rid: Any, logits: np.ndarray, act: np.ndarray, metrics: dict | None = None,
+               taps: dict[str, np.ndarray] | None = None) -> list[Any]:
+        """One reply: logits float32 [M] and act float32 [R, n_act] as raw frames (+ taps, if any); `metrics`:
+        this reply's own (where the group's metrics have the key too, this reply's value)."""
+        lg = np.ascontiguousarray(np.asarray(logits, np.float32).reshape(-1), dtype=F32)
+        ac = np.asarray(act, np.float32)
+        if ac.ndim != 2:
+            raise ProtocolError("act", f"must be [R, n_act], got shape {ac.shape}")
+        ac = np.ascontiguousarray(ac, dtype=F32)
+        own: dict[str, Any] = {"rid": rid, "markers": lg.shape[0], "rows": ac.shape[0], "n_act": ac.shape[1]}
+        frames = [lg.data, ac.data]
+        if taps:
+            specs = []
+            for name, t in taps.items():
+                a = np.ascontiguousarray(np.asarray(t, np.float32), dtype=F32)
+                specs.append([str(name), [int(s) for s in a.shape]])
+                frames.append(a.data)
+            own["taps"] = specs
+        if not metrics:
+            tail = self._metrics_alone
+        elif len(metrics) < 16 and self._metrics.keys().isdisjoint(metrics):
+            tail = (_METRICS_KEY + _map_head(len(self._metrics) + len(metrics)) + self._metric_pairs
+                    + pack(_plain(metrics))[1:])
+        else:
+            tail = _METRICS_KEY + pack(_plain({**self._metrics, **metrics}))
+        n = len(own) + self._n_shared + (len(tail) > 0)      # at most 9 keys: a fixmap
+        return _framed(Cmd.REPLY, bytes((0x80 | n,)) + pack(own)[1:] + self._shared + tail, frames)
+
+
+_METRICS_KEY = msgpack.packb("metrics")
+
+
+def _map_head(n: int) -> bytes:
+    """msgpack's header of a map of `n` pairs (fixmap, map16 or map32)."""
+    if n < 16:
+        return bytes((0x80 | n,))
+    if n < 1 << 16:
+        return b"\xde" + n.to_bytes(2, "big")
+    return b"\xdf" + n.to_bytes(4, "big")
+
+
+def _pairs(d: dict[str, Any]) -> bytes:
+    """The key-value pairs of a msgpack map, without its header: maps are joined from these."""
+    return pack(d)[len(_map_head(len(d))):]
+
+
 def encode_reply(rid: Any, logits: np.ndarray, act: np.ndarray, *, worker: str | None = None,
                  fingerprint: str | None = None, metrics: dict | None = None,
                  taps: dict[str, np.ndarray] | None = None) -> list[Any]:
     """An "ok" REPLY: logits float32 [M] and act float32 [R, n_act] as raw frames (+ taps, if any)."""
-    lg = np.ascontiguousarray(np.asarray(logits, np.float32).reshape(-1), dtype=F32)
-    ac = np.asarray(act, np.float32)
-    if ac.ndim != 2:
-        raise ProtocolError("act", f"must be [R, n_act], got shape {ac.shape}")
-    ac = np.ascontiguousarray(ac, dtype=F32)
-    h: dict[str, Any] = {"rid": rid, "status": STATUS_OK, "markers": int(lg.shape[0]), "rows": int(ac.shape[0]),
-                         "n_act": int(ac.shape[1])}
-    if worker is not None:
-        h["worker"] = worker
-    if fingerprint is not None:
-        h["fp"] = fingerprint
-    if metrics:
-        h["metrics"] = _plain(metrics)
-    frames = [lg.data, ac.data]
-    if taps:
-        specs = []
-        for name, t in taps.items():
-            a = np.ascontiguousarray(np.asarray(t, np.float32), dtype=F32)
-            specs.append([str(name), [int(s) for s in a.shape]])
-            frames.append(a.data)
-        h["taps"] = specs
-    return encode(Cmd.REPLY, h, *frames)
+    return Replies(worker=worker, fingerprint=fingerprint).encode(rid, logits, act, metrics, taps=taps)
 
 
 def encode_error(rid: Any, status: str, message: str, *, field: str | None = None, row: int | None = None,

@@ -86,3 +86,57 @@ def test_pool_merges_queued_requests_and_fails_a_bad_one_alone(tiny_ckpt):
         np.testing.assert_allclose(m.flat, a.flat, atol=1e-4)
         np.testing.assert_allclose(m.act, a.act, atol=1e-4)
     assert stats["credit"] == 16, "the credit follows the merge size"
+
+
+def _with(b: Batch, **arrays: np.ndarray) -> Batch:
+    return Batch(**{**b.arrays(), **arrays})
+
+
+def test_a_groups_values_are_checked_once_and_a_bad_member_is_refused_as_alone(tiny_ckpt):
+    """The worker checks each request's structure on arrival and the values of a whole group at once (one
+    `check_values` a group). A group with bad members is checked member by member: each bad one is refused with the
+    field and row it gets alone (`Runtime.check`), the rest are answered, and nothing bad reaches the forward."""
+    from compute_driver import Driven, queued, rows
+    from laya_pool.worker.batch import RequestError
+    from laya_pool.worker.runtime import RuntimeConfig
+
+    rt = Runtime(load_checkpoint(tiny_ckpt), config=RuntimeConfig(capacity=Capacity(
+        max_tokens=4096, max_rows=64, max_markers=1024, row_markers=8)))
+    rng = np.random.default_rng(5)
+    batches = [rows(rng, 3, 40, 3) for _ in range(16)]
+    b = batches
+    bad = {
+        2: _with(b[2], ids=np.where(np.arange(b[2].tokens) == 95, 10**6, b[2].ids).astype(np.int32)),   # row 2
+        5: _with(b[5], lengths=np.array([40, 0, 80], np.int32)),                        # a row of length 0
+        6: _with(b[6], types=np.array([0, 0, 7], np.int32)),                             # question type 7
+        9: _with(b[9], markers=np.concatenate([b[9].markers[:3], [39, 39, 1], b[9].markers[6:]]).astype(np.int32)),
+        12: _with(b[12], markers=np.concatenate([b[12].markers[:8], [45]]).astype(np.int32)),   # past row 2's end
+        13: _with(b[13], marker_counts=np.array([1, 1, 9], np.int32),
+                  markers=np.concatenate([[1], [2], np.arange(10, 19)]).astype(np.int32)),  # 9 > 8 a row
+        14: _with(b[14], lengths=np.array([40, 40, 41], np.int32)),                      # structure: refused on arrival
+    }
+    batches = [bad.get(i, x) for i, x in enumerate(batches)]
+    expected = {}
+    for i, x in bad.items():
+        with pytest.raises(RequestError) as e:
+            rt.check(x)
+        expected[i] = (e.value.field, e.value.row)
+    assert len(set(expected.values())) == len(bad), f"the planted errors must differ: {expected}"
+    checks = []
+    check_values = rt.check_values
+    rt.check_values = lambda batch: (checks.append(batch.rows), check_values(batch))[1]
+
+    d = Driven(rt, max_group=8)
+    good = d.run([queued(i, x) for i, x in enumerate(batches) if i not in bad])
+    assert len(checks) == len(good) // 8 + bool(len(good) % 8), f"one values check a group: {checks}"
+    assert all(r.status == "ok" for r in good.values())
+
+    checks.clear()
+    answers = d.run([queued(i, x) for i, x in enumerate(batches)])
+    for i, reply in answers.items():
+        if i in bad:
+            assert reply.status == "final" and (reply.error["field"], reply.error.get("row")) == expected[i], i
+        else:
+            assert reply.status == "ok", (i, reply.error)
+            np.testing.assert_allclose(reply.logits, good[i].logits, atol=1e-4)
+    assert d.counts["request_errors"] == len(bad) and d.counts["internal_errors"] == 0

@@ -56,6 +56,26 @@ def test_reply_round_trip_with_taps():
     np.testing.assert_array_equal(rep.taps["final_norm"], taps["final_norm"])
 
 
+@pytest.mark.parametrize("n_group_metrics", [0, 3, 20])
+def test_a_groups_replies_decode_to_the_header_packed_whole(n_group_metrics):
+    """`Replies` joins bytes packed apart: each reply's header must decode to exactly the map one `pack` of the
+    whole makes, whatever the maps' sizes (fixmap and map16 headers) and when a reply repeats a shared key."""
+    shared = {f"m{i}": (i * 0.5 if i % 2 else np.int32(i)) for i in range(n_group_metrics)}
+    replies = wire.Replies(worker="w3", fingerprint="f" * 64, metrics=shared)
+    act = np.zeros((2, 3), np.float32)
+    for rid, own in [(7, {"queue_ms": 1.5, "received_at": 12.25}), ("x", None), (8, {"m1": "mine", "q": 1}),
+                     (9, {f"o{i}": i for i in range(17)})]:
+        frames = [bytes(f) for f in replies.encode(rid, np.arange(5, dtype=np.float32), act, own)]
+        header = msgpack.unpackb(frames[2], strict_map_key=False)
+        metrics = wire.plain({**shared, **(own or {})})
+        whole = {"rid": rid, "markers": 5, "rows": 2, "n_act": 3, "status": "ok", "worker": "w3", "fp": "f" * 64,
+                 **({"metrics": metrics} if metrics else {})}
+        assert header == whole
+        assert len(header.get("metrics", {})) == len(metrics)     # a repeated key is there once
+        rep = wire.parse_reply(wire.decode(frames))
+        assert rep.rid == rid and rep.metrics == metrics
+
+
 def test_error_replies():
     rep = wire.parse_reply(wire.decode(wire.encode_error(9, "final", "ids (row 1): token 5000 is outside",
                                                          field="ids", row=1)))

@@ -80,6 +80,15 @@ def _first_bad_row(bad: np.ndarray) -> int:
 
 def validate(batch: Batch, limits: Limits) -> None:
     """Raise `RequestError` for the first thing wrong with the whole group; return silently if all is well."""
+    validate_structure(batch, limits)
+    validate_values(batch, limits)
+
+
+def validate_structure(batch: Batch, limits: Limits) -> None:
+    """What ties a request's arrays together (types, sizes, the lengths' and the marker counts' sums) and its size
+    against the capacity. Once each request of a group passes this, the group's rows line up with its members'
+    rows, so `validate_values` on the merged group passes exactly when it passes on every member (the worker
+    checks the values of a group at once, and each member apart only when the group fails: worker/compute.py)."""
     for name in wire.REQUEST_ARRAYS:
         arr = getattr(batch, name)
         if not isinstance(arr, np.ndarray) or arr.dtype != np.int32 or arr.ndim != 1:
@@ -92,6 +101,20 @@ def validate(batch: Batch, limits: Limits) -> None:
     for name in ("types", "marker_counts"):
         if getattr(batch, name).shape[0] != r:
             raise RequestError(name, f"has {getattr(batch, name).shape[0]} entries for {r} rows")
+    total = sum(batch.lengths.tolist())
+    if total != batch.tokens:
+        raise RequestError("ids", f"has {batch.tokens} tokens but the lengths add up to {total}")
+    if total > limits.max_tokens:
+        raise RequestError("ids", f"{total} tokens exceed this worker's capacity of {limits.max_tokens}")
+    m = sum(batch.marker_counts.tolist())
+    if m != batch.n_markers:
+        raise RequestError("markers", f"has {batch.n_markers} entries but the marker counts add up to {m}")
+    if m > limits.max_markers:
+        raise RequestError("markers", f"{m} markers exceed this worker's capacity of {limits.max_markers}")
+
+
+def validate_values(batch: Batch, limits: Limits) -> None:
+    """Each row's and each token's values (lengths, ids, types, markers), on a batch `validate_structure` passed."""
     if not plainly_valid(batch, limits):
         check_values(batch, limits)
 

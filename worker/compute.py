@@ -306,7 +306,7 @@ class Compute:
             return None
         try:
             batch = Batch(**req.arrays())
-            self.rt.check(batch, mode=req.mode, taps=req.taps)
+            self.rt.check_request(batch, mode=req.mode, taps=req.taps)     # its values: with its group's (`_valid`)
             return batch
         except RequestError as e:
             self.counts["request_errors"] += 1
@@ -364,6 +364,9 @@ class Compute:
                 self.reply(self._handed_back(q), q.to)
             return None
         try:
+            members, group = self._valid(members, group)
+            if not members:
+                return None
             return self._launch(members, group)
         except UploadError as e:
             if e.sticky:
@@ -419,6 +422,30 @@ class Compute:
             return
         self.fail(members[0], e)
 
+    def _valid(self, members: list[Queued], group: Group) -> tuple[list[Queued], Group]:
+        """The members whose rows' values pass, and their group; each other one refused, naming its field and row.
+
+        `admit` checked each request's structure, so the merged rows line up with the members' and one check of the
+        group's values passes exactly when every member's would (worker/batch.py `validate_structure`): ~30 numpy
+        and list passes a group instead of a member. Only a group that fails is checked member by member."""
+        try:
+            self.rt.check_values(group.merged())
+            return members, group
+        except RequestError:
+            pass
+        kept: list[Queued] = []
+        batches = []
+        for q, batch in zip(members, group.batches):
+            try:
+                self.rt.check_values(batch)
+            except RequestError as e:
+                self.counts["request_errors"] += 1
+                self.reply(self._refusal(q.req, e), q.to)
+                continue
+            kept.append(q)
+            batches.append(batch)
+        return kept, Group(batches)
+
     def _launch(self, members: list[Queued], group: Group) -> Flight:
         """Launch the group (inside the caller's guard: a failure here is the run's)."""
         started = time.monotonic()
@@ -435,16 +462,17 @@ class Compute:
         res = self.rt.finish(flight.job)
         done = time.monotonic()
         members, t0 = flight.members, flight.started
+        # received_at ... done_at: this host's monotonic clock, so a client on the same host can place the worker's
+        # part of a round trip, hand-offs included (scripts/overhead.py); meaningless across hosts. What the members
+        # share is packed once (wire.Replies).
+        answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, metrics=dict(
+            res.metrics, batched=len(members), started_at=t0, launched_at=flight.launched,
+            landed_at=getattr(flight.job, "landed_at", None) or done, done_at=done))
         replies = []
         for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
-            # received_at ... done_at: this host's monotonic clock, so a client on the same host can place the
-            # worker's part of a round trip, hand-offs included (scripts/overhead.py); meaningless across hosts.
-            metrics = dict(res.metrics, batched=len(members), queue_ms=(t0 - q.received) * 1e3,
-                           worker_ms=(done - q.received) * 1e3, received_at=q.received, started_at=t0,
-                           launched_at=flight.launched, landed_at=getattr(flight.job, "landed_at", None) or done,
-                           done_at=done)
-            replies.append(wire.encode_reply(q.req.rid, logits, act, worker=self.id, fingerprint=self.fingerprint,
-                                             metrics=metrics, taps=res.taps))
+            own = {"queue_ms": (t0 - q.received) * 1e3, "worker_ms": (done - q.received) * 1e3,
+                   "received_at": q.received}
+            replies.append(answers.encode(q.req.rid, logits, act, own, taps=res.taps))
         return replies
 
     def fail(self, q: Queued, e: Exception) -> None:

@@ -7,7 +7,8 @@ around it (batch-invariant GEMMs, per-row attention, padding-invariant reduction
 answer is byte-identical to its answer alone. CPU GEMMs are not batch-invariant (merged answers move
 in the 6th decimal), so CPU workers merge only when asked.
 
-Each request is validated on its own before it joins a group, so a bad request is refused alone.
+Each request's structure is checked before it joins a group, and the group's values once before it runs; a
+group that fails is checked member by member (worker/compute.py `_valid`), so a bad request is refused alone.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Group:
     tokens: int = field(init=False, default=0)
     rows: int = field(init=False, default=0)
     n_markers: int = field(init=False, default=0)
+    _merged: Batch | None = field(init=False, default=None, repr=False, compare=False)   # `merged`, until an `add`
 
     def __post_init__(self) -> None:
         batches, self.batches = self.batches, []
@@ -42,13 +44,20 @@ class Group:
 
     def add(self, b: Batch) -> None:
         self.batches.append(b)
+        self._merged = None
         self.tokens += b.tokens
         self.rows += b.rows
         self.n_markers += b.n_markers
 
     def merged(self) -> Batch:
+        """The members' rows back to back (made once: the worker checks the group's values, then launches it)."""
         if len(self.batches) == 1:
             return self.batches[0]
+        if self._merged is None:
+            self._merged = self._concatenated()
+        return self._merged
+
+    def _concatenated(self) -> Batch:
         cat = np.concatenate
         return Batch(ids=cat([b.ids for b in self.batches]), lengths=cat([b.lengths for b in self.batches]),
                      types=cat([b.types for b in self.batches]),

@@ -24,7 +24,7 @@ from laya_pool.kernels.fast import FastModel, supports
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.protocol.contract import MODES
 
-from .batch import Batch, Limits, RequestError, validate
+from .batch import Batch, Limits, RequestError, validate_structure, validate_values
 from .checkpoint import Checkpoint
 from .graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
 from .slots import SlotLedger, SlotState
@@ -447,11 +447,15 @@ class Runtime:
 
     def check(self, batch: Batch, mode: str | None = None, taps: bool = False) -> str:
         """Raise `RequestError` if this worker cannot run `batch` as asked; return the mode it would use."""
-        validate(batch, self.limits)
-        if batch.max_row_markers > self.capacity.row_markers:
-            i = int(np.flatnonzero(batch.marker_counts > self.capacity.row_markers)[0])
-            raise RequestError("marker_counts", f"{int(batch.marker_counts[i])} markers exceed this worker's "
-                                                f"{self.capacity.row_markers} per row", i)
+        validate_structure(batch, self.limits)
+        self.check_values(batch)
+        return self.check_request(batch, mode, taps, structure=False)
+
+    def check_request(self, batch: Batch, mode: str | None = None, taps: bool = False, structure: bool = True) -> str:
+        """`check` but for the values of rows and tokens (`check_values`): a worker checks those once for a merged
+        group (worker/batch.py `validate_structure` says why that is the same)."""
+        if structure:
+            validate_structure(batch, self.limits)
         mode = mode or self.config.mode
         if mode not in MODES:
             raise RequestError("mode", f"must be one of {MODES}, got {mode!r}")
@@ -460,6 +464,14 @@ class Runtime:
         if taps and mode != "eager":
             raise RequestError("taps", "intermediate taps are only recorded in eager mode")
         return mode
+
+    def check_values(self, batch: Batch) -> None:
+        """The values of each row and token of `batch`, whose structure passed (`validate_structure`)."""
+        validate_values(batch, self.limits)
+        if batch.max_row_markers > self.capacity.row_markers:
+            i = int(np.flatnonzero(batch.marker_counts > self.capacity.row_markers)[0])
+            raise RequestError("marker_counts", f"{int(batch.marker_counts[i])} markers exceed this worker's "
+                                                f"{self.capacity.row_markers} per row", i)
 
     def run(self, batch: Batch, mode: str | None = None, taps: bool = False, checked: bool = False) -> RunResult:
         """`checked=True`: the caller already ran `check` on these rows (the worker does, request by request,
