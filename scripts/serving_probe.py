@@ -101,8 +101,9 @@ def main() -> None:
         t = time.perf_counter()
         rt = Runtime(ck, device=args.device, config=cfg)
         steps = rt.warmup()
+        step_ms = sum(v for v in steps.values() if isinstance(v, float))     # ("compile" holds a dict)
         print(f"overlap {'on' if overlap else 'off'}: runtime + warm-up {time.perf_counter() - t:.2f} s, "
-              f"{rt.cache.counters.captures} buckets captured ({sum(v for v in steps.values() if isinstance(v, float)):.0f} ms in warm-up steps)")
+              f"{rt.cache.counters.captures} buckets captured ({step_ms:.0f} ms in warm-up steps)")
         run(rt, items[: min(200, len(items))], args.max_batch)           # untimed: first replays, allocator
         r = run(rt, items, args.max_batch)
         busy_ms = sum(n * replay_ms(rt, shape) for shape, n in r["shapes"].items()) if rt.is_cuda else float("nan")
