@@ -349,8 +349,9 @@ class _Base:
             for e in encoded:
                 self._check_fits(len(e.rows), e.n_tokens, e.n_markers, "questions")
             # A pool that did not say its capacity (no worker was ready when it described itself) still gets
-            # requests within the frame limit (4 bytes a token) rather than one the client must refuse.
-            capacity = {"max_tokens": self.max_frame_bytes // 4, **self.capacity}
+            # requests within the frame limit rather than one the client must refuse: a request's one buffer holds at
+            # most 5 int32 a token (a row has a token or more, a marker is a token's position).
+            capacity = {"max_tokens": self.max_frame_bytes // 20, **self.capacity}
             chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
 
             # The whole states' counts (usage) are tokenized while the pool computes.
@@ -494,12 +495,11 @@ class _Base:
 
     def _request_frames(self, arrays: dict[str, Any], worker: str | None, mode: str | None,
                         taps: bool) -> Callable[[int, str], list[Any]]:
-        for name in wire.REQUEST_ARRAYS:
-            n = 4 * int(np.asarray(arrays[name]).size)
-            if n > self.max_frame_bytes:
-                # The broker's MAXMSGSIZE would drop the connection without a word: refuse it here instead.
-                raise RequestFailed(f"{name}: {n} bytes exceed the {self.max_frame_bytes}-byte frame limit",
-                                    field=name, reason=Reason.TOO_LARGE)
+        n = 4 * sum(int(np.asarray(arrays[name]).size) for name in wire.REQUEST_ARRAYS)
+        if n > self.max_frame_bytes:
+            # The broker's MAXMSGSIZE would drop the connection without a word: refuse it here instead.
+            raise RequestFailed(f"{wire.ARRAYS}: {n} bytes exceed the {self.max_frame_bytes}-byte frame limit",
+                                field=wire.ARRAYS, reason=Reason.TOO_LARGE)
 
         def build(rid: int, cid: str) -> list[Any]:
             return wire.encode_request(rid, arrays, cid=cid, worker=worker, mode=mode, taps=taps)

@@ -2,7 +2,7 @@
 
 A message is a list of ZeroMQ frames (after the ROUTER envelope, which this module never sees):
 
-    [b"LAYA1", command (1 byte), msgpack header (a map), payload frames ...]
+    [b"LAYA2", command (1 byte), msgpack header (a map), payload frames ...]
 
 Payload frames are raw little-endian int32 / float32 buffers (request arrays, reply logits) or one
 msgpack "body" frame (status tables, the model card). Nothing is ever pickled. Decoding is strict:
@@ -30,7 +30,8 @@ import numpy as np
 
 from .contract import MODES
 
-PROTOCOL = b"LAYA1"
+# LAYA2: a REQUEST's five arrays travel in one frame (LAYA1: five), four frames fewer for every hop to read and write.
+PROTOCOL = b"LAYA2"
 
 # Limits. The header is small by construction; bodies carry a model card (tokenizer.json, a few MB).
 MAX_HEADER_BYTES = 64 * 1024
@@ -49,7 +50,10 @@ STATUS_RETRYABLE = "retryable"   # try again (same request id): busy, worker los
 STATUS_FINAL = "final"           # do not retry: the request itself is wrong (names field and row)
 STATUSES = (STATUS_OK, STATUS_RETRYABLE, STATUS_FINAL)
 
+# A REQUEST's arrays, back to back in this order in its one payload frame (`ARRAYS`): int32, their lengths the
+# header's counts T, R, R, R, M.
 REQUEST_ARRAYS = ("ids", "lengths", "types", "marker_counts", "markers")
+ARRAYS = "arrays"
 
 
 class Cmd(enum.IntEnum):
@@ -363,10 +367,10 @@ def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
 
 def encode_request(rid: int | str, arrays: dict[str, Any], *, cid: str | None = None, worker: str | None = None,
                    mode: str | None = None, taps: bool = False, extra: dict | None = None) -> list[Any]:
-    """A REQUEST message. `arrays` holds the five int32 arrays (see `pack_rows`)."""
-    a = {k: _i32(arrays[k], k) for k in REQUEST_ARRAYS}
-    header: dict[str, Any] = {"rid": rid, "rows": int(a["lengths"].shape[0]), "tokens": int(a["ids"].shape[0]),
-                              "markers": int(a["markers"].shape[0])}
+    """A REQUEST message. `arrays` holds the five int32 arrays (see `pack_rows`), sent back to back in one frame."""
+    a = [_i32(arrays[k], k) for k in REQUEST_ARRAYS]
+    header: dict[str, Any] = {"rid": rid, "rows": int(a[1].shape[0]), "tokens": int(a[0].shape[0]),
+                              "markers": int(a[4].shape[0])}
     if cid is not None:
         header["cid"] = cid
     if worker is not None:
@@ -377,7 +381,12 @@ def encode_request(rid: int | str, arrays: dict[str, Any], *, cid: str | None = 
         header["taps"] = True
     if extra:
         header.update(extra)
-    return encode(Cmd.REQUEST, header, *(a[k].data for k in REQUEST_ARRAYS))
+    return encode(Cmd.REQUEST, header, b"".join([x.data for x in a]))
+
+
+def request_bytes(rows: int, tokens: int, markers: int) -> int:
+    """The size of a REQUEST's payload frame."""
+    return (tokens + 3 * rows + markers) * I32.itemsize
 
 
 class RequestHead:
@@ -398,7 +407,7 @@ class RequestHead:
 
 
 def parse_request_head(msg: Message, need_cid: bool = False) -> RequestHead:
-    """Check a REQUEST's header, and its five buffers' sizes against the header's counts."""
+    """Check a REQUEST's header, and its buffer's size against the header's counts."""
     if msg.cmd != Cmd.REQUEST:
         raise ProtocolError("command", f"expected REQUEST, got {msg.cmd.name}")
     h = msg.header
@@ -414,21 +423,24 @@ def parse_request_head(msg: Message, need_cid: bool = False) -> RequestHead:
     taps = get(h, "taps", bool, default=False)
     budget_ms = budget_of(h)
     frames = msg.frames
-    if len(frames) != len(REQUEST_ARRAYS):
-        raise ProtocolError("frames", f"a request carries {len(REQUEST_ARRAYS)} buffers "
-                                      f"({', '.join(REQUEST_ARRAYS)}), got {len(frames)}")
-    for name, frame, count in zip(REQUEST_ARRAYS, frames, (tokens, rows, rows, rows, markers)):
-        _check_size(frame, I32, count, name)
+    if len(frames) != 1:
+        raise ProtocolError("frames", f"a request carries one buffer ({', '.join(REQUEST_ARRAYS)} back to back), "
+                                      f"got {len(frames)}")
+    n = _nbytes(frames[0])
+    if n != request_bytes(rows, tokens, markers):
+        raise ProtocolError(ARRAYS, f"the buffer holds {n} bytes; the header's counts (tokens {tokens}, rows {rows}, "
+                                    f"markers {markers}) need {request_bytes(rows, tokens, markers)}")
     return RequestHead(rid, cid, rows, tokens, markers, worker, mode, taps, budget_ms, h)
 
 
 def parse_request(msg: Message, need_cid: bool = False) -> Request:
-    """Check a REQUEST's header and its five buffers against each other; arrays are zero-copy views."""
+    """Check a REQUEST's header and its buffer against each other; the five arrays are zero-copy views of it."""
     head = parse_request_head(msg, need_cid)
-    counts = (head.tokens, head.rows, head.rows, head.rows, head.n_markers)
-    arrays = {k: np.frombuffer(_bytes(f), dtype=I32, count=n) for k, f, n in zip(REQUEST_ARRAYS, msg.frames, counts)}
+    t, r = head.tokens, head.rows
+    flat = np.frombuffer(_bytes(msg.frames[0]), dtype=I32)
     return Request(rid=head.rid, cid=head.cid, worker=head.worker, mode=head.mode, taps=head.taps,
-                   budget_ms=head.budget_ms, header=head.header, **arrays)
+                   budget_ms=head.budget_ms, header=head.header, ids=flat[:t], lengths=flat[t:t + r],
+                   types=flat[t + r:t + 2 * r], marker_counts=flat[t + 2 * r:t + 3 * r], markers=flat[t + 3 * r:])
 
 
 def request_header_for_worker(req: Request | RequestHead, job: int, budget_ms: int | None = None) -> dict[str, Any]:

@@ -461,7 +461,7 @@ def test_predict_batch_equals_sdk_in_shared_requests(client, sdk, monkeypatch):
 def test_predict_batch_without_known_capacity_stays_within_the_frame_limit(client, sdk, monkeypatch):
     client.describe()
     monkeypatch.setattr(client, "capacity", {})                  # as after a describe with no worker ready
-    monkeypatch.setattr(client, "max_frame_bytes", 4 * 200)      # 200 tokens a request
+    monkeypatch.setattr(client, "max_frame_bytes", 20 * 200)     # 200 tokens a request
     sent = count_requests(client, monkeypatch)
     states = [state for state in STATES if state is not STATES[3]]
     got = client.predict_batch(states, {"urgent": URGENT})

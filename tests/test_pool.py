@@ -358,11 +358,11 @@ _H = msgpack.unpackb(_GOOD[2])
 MALFORMED = [
     ("not the protocol", [b"garbage"], "version"),
     ("another version", [b"LAYA0", bytes([Cmd.REQUEST]), msgpack.packb({"rid": 1})], "version"),
-    ("unknown command", [b"LAYA1", bytes([200]), msgpack.packb({"rid": 2})], "command"),
-    ("header not msgpack", [b"LAYA1", bytes([Cmd.REQUEST]), b"\xc1not msgpack"], "header"),
-    ("truncated buffer", _GOOD[:3] + [_GOOD[3][:-3]] + _GOOD[4:], "ids"),
+    ("unknown command", [wire.PROTOCOL, bytes([200]), msgpack.packb({"rid": 2})], "command"),
+    ("header not msgpack", [wire.PROTOCOL, bytes([Cmd.REQUEST]), b"\xc1not msgpack"], "header"),
+    ("truncated buffer", _GOOD[:3] + [_GOOD[3][:-3]], "arrays"),
     ("a frame missing", _GOOD[:-1], "frames"),
-    ("counts that disagree", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "rows": 5})] + _GOOD[3:], "lengths"),
+    ("counts that disagree", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "rows": 5})] + _GOOD[3:], "arrays"),
     ("unknown mode", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "mode": "warp"})] + _GOOD[3:], "mode"),
     ("a worker command from a client", [_GOOD[0], bytes([Cmd.READY]), msgpack.packb({"rid": 3})], "command"),
     ("drain without the operator credential", [_GOOD[0], bytes([Cmd.DRAIN]),
@@ -406,7 +406,7 @@ BAD_REQUESTS = [
     ("question type 7", lambda: [_one([1, 2, 3], [0], 7)], {}, "types", 0, "question type"),
     ("over every worker's capacity", lambda: [_one(np.ones(600), [0])] * 30, {}, "ids", None, "capacity"),
     ("an unknown worker", lambda: make_rows(7), {"worker": "nope"}, "worker", None, "no worker"),
-    ("a frame over the broker's limit", lambda: [_one(np.ones(5 << 20), [0])], {}, "ids", None, "too-large"),
+    ("a frame over the broker's limit", lambda: [_one(np.ones(5 << 20), [0])], {}, "arrays", None, "too-large"),
 ]
 
 

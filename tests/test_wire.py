@@ -30,16 +30,16 @@ def _raises(frames, field: str, parse=wire.parse_request):
 
 def test_request_round_trip():
     frames = _request(worker="1", mode="eager", taps=True)
-    assert frames[0] == b"LAYA1" and frames[1] == bytes([Cmd.REQUEST])
-    assert len(frames) == 8      # protocol, command, header, 5 buffers
+    assert frames[0] == wire.PROTOCOL and frames[1] == bytes([Cmd.REQUEST])
+    assert len(frames) == 4      # protocol, command, header, the arrays' one buffer
     req = wire.parse_request(wire.decode(frames), need_cid=True)
     assert (req.rid, req.cid, req.worker, req.mode, req.taps) == (7, "c1", "1", "eager", True)
     assert req.ids.tolist() == [1, 5, 9, 2, 7, 8, 9]
     assert req.lengths.tolist() == [4, 3] and req.types.tolist() == [0, 2]
     assert req.marker_counts.tolist() == [2, 1] and req.markers.tolist() == [1, 3, 0]
     assert all(a.dtype == np.dtype("<i4") for a in req.arrays().values())
-    # the buffers are raw little-endian int32, not msgpack
-    assert frames[3] == np.array([1, 5, 9, 2, 7, 8, 9], "<i4").tobytes()
+    # the buffer is raw little-endian int32 (not msgpack): ids, lengths, types, marker counts, markers
+    assert frames[3] == np.array([1, 5, 9, 2, 7, 8, 9, 4, 3, 0, 2, 2, 1, 1, 3, 0], "<i4").tobytes()
 
 
 def test_reply_round_trip_with_taps():
@@ -120,18 +120,18 @@ def test_body_round_trip():
 @pytest.mark.parametrize("frames, field", [
     ([b"garbage"], "version"),
     ([b"LAYA0", bytes([2]), msgpack.packb({})], "version"),
-    ([b"LAYA2", bytes([2]), msgpack.packb({})], "version"),
-    ([b"LAYA1", bytes([2])], "frames"),
-    ([b"LAYA1", bytes([99]), msgpack.packb({})], "command"),
-    ([b"LAYA1", b"\x02\x02", msgpack.packb({})], "command"),
-    ([b"LAYA1", bytes([2]), b"\xc1\xc1"], "header"),
-    ([b"LAYA1", bytes([2]), msgpack.packb([1, 2])], "header"),
-    ([b"LAYA1", bytes([2]), msgpack.packb({1: 2})], "header"),
-    ([b"LAYA1", bytes([2]), msgpack.packb(msgpack.ExtType(3, b"x"))], "header"),
-    ([b"LAYA1", bytes([2]), msgpack.packb({"a": 1}) + b"junk"], "header"),
-    ([b"LAYA1", bytes([2]), b""], "header"),
-    ([b"LAYA1", bytes([2]), msgpack.packb({"s": "x" * (wire.MAX_HEADER_BYTES + 1)})], "header"),
-    ([b"LAYA1", bytes([2]), msgpack.packb({})] + [b""] * 300, "frames"),
+    ([b"LAYA1", bytes([2]), msgpack.packb({})], "version"),     # the version before this one
+    ([wire.PROTOCOL, bytes([2])], "frames"),
+    ([wire.PROTOCOL, bytes([99]), msgpack.packb({})], "command"),
+    ([wire.PROTOCOL, b"\x02\x02", msgpack.packb({})], "command"),
+    ([wire.PROTOCOL, bytes([2]), b"\xc1\xc1"], "header"),
+    ([wire.PROTOCOL, bytes([2]), msgpack.packb([1, 2])], "header"),
+    ([wire.PROTOCOL, bytes([2]), msgpack.packb({1: 2})], "header"),
+    ([wire.PROTOCOL, bytes([2]), msgpack.packb(msgpack.ExtType(3, b"x"))], "header"),
+    ([wire.PROTOCOL, bytes([2]), msgpack.packb({"a": 1}) + b"junk"], "header"),
+    ([wire.PROTOCOL, bytes([2]), b""], "header"),
+    ([wire.PROTOCOL, bytes([2]), msgpack.packb({"s": "x" * (wire.MAX_HEADER_BYTES + 1)})], "header"),
+    ([wire.PROTOCOL, bytes([2]), msgpack.packb({})] + [b""] * 300, "frames"),
 ])
 def test_envelope_refused(frames, field):
     with pytest.raises(ProtocolError) as e:
@@ -142,15 +142,16 @@ def test_envelope_refused(frames, field):
 def test_request_buffers_must_match_the_header():
     good = _request()
     short = list(good)
-    short[3] = short[3][:-2]                                   # truncated ids
-    e = _raises(short, "ids")
-    assert "holds 26 bytes" in str(e) and "28" in str(e)
+    short[3] = short[3][:-2]                                   # truncated
+    e = _raises(short, "arrays")
+    assert "holds 62 bytes" in str(e) and "need 64" in str(e)
     odd = list(good)
-    odd[7] = odd[7] + b"\0\0\0\0"                             # one marker too many
-    _raises(odd, "markers")
-    _raises(good[:-1], "frames")                               # a buffer missing
+    odd[3] = odd[3] + b"\0\0\0\0"                             # one marker too many
+    _raises(odd, "arrays")
+    _raises(good[:-1], "frames")                               # the buffer missing
     _raises(good + [b""], "frames")                            # a buffer too many
-    for key, value, field in [("rows", 3, "lengths"), ("rows", -1, "rows"), ("tokens", True, "tokens"),
+    _raises(good[:3] + [good[3][:28], good[3][28:]], "frames")  # LAYA1's five buffers
+    for key, value, field in [("rows", 3, "arrays"), ("rows", -1, "rows"), ("tokens", True, "tokens"),
                               ("markers", "3", "markers"), ("rows", wire.MAX_COUNT + 1, "rows"),
                               ("rid", None, "rid"), ("rid", 1.5, "rid"), ("mode", "turbo", "mode"),
                               ("taps", 1, "taps"), ("worker", 3, "worker"), ("cid", 5, "cid")]:
@@ -217,7 +218,7 @@ def test_loopback():
 @given(st.lists(st.binary(max_size=64), max_size=10))
 def test_fuzz_only_protocol_errors(frames):
     """Whatever arrives, decoding either succeeds or raises ProtocolError: never another exception."""
-    for prefix in ([], [b"LAYA1", bytes([2])], [b"LAYA1", bytes([3])]):
+    for prefix in ([], [wire.PROTOCOL, bytes([2])], [wire.PROTOCOL, bytes([3])]):
         try:
             msg = wire.decode(prefix + frames)
             if msg.cmd == Cmd.REQUEST:
@@ -235,7 +236,7 @@ def test_fuzz_only_protocol_errors(frames):
        st.lists(st.binary(max_size=40), min_size=0, max_size=6))
 def test_fuzz_request_headers(header, buffers):
     try:
-        wire.parse_request(wire.decode([b"LAYA1", bytes([2]), msgpack.packb(header)] + buffers))
+        wire.parse_request(wire.decode([wire.PROTOCOL, bytes([2]), msgpack.packb(header)] + buffers))
     except ProtocolError:
         pass
 
@@ -279,10 +280,10 @@ def _request_outcome(frames: list, head: bool) -> tuple:
                                         "budget_ms", "req"]),
                        st.one_of(st.integers(-5, 12), st.integers(1 << 30, 1 << 40), st.text(max_size=5),
                                  st.booleans(), st.none(), st.sampled_from(wire.MODES))),
-       st.lists(st.binary(max_size=24).filter(lambda b: len(b) % 4 == 0), min_size=4, max_size=6))
+       st.lists(st.binary(max_size=48).filter(lambda b: len(b) % 4 == 0), min_size=1, max_size=2))
 def test_the_brokers_request_head_checks_what_parse_request_checks(header, buffers):
     """The broker parses a request without its arrays (`parse_request_head`): same refusals, same fields."""
-    frames = [b"LAYA1", bytes([2]), msgpack.packb(header), *buffers]
+    frames = [wire.PROTOCOL, bytes([2]), msgpack.packb(header), *buffers]
     assert _request_outcome(frames, head=True) == _request_outcome(frames, head=False)
 
 
@@ -322,7 +323,7 @@ def test_get_takes_exact_types_and_refuses_the_rest(header, kind, want):
 
 def test_every_command_byte_decodes_to_its_command_and_no_other():
     for b in range(256):
-        frames = [b"LAYA1", bytes([b]), msgpack.packb({})]
+        frames = [wire.PROTOCOL, bytes([b]), msgpack.packb({})]
         if b in {int(c) for c in Cmd}:
             assert wire.decode(frames).cmd is Cmd(b)
         else:
