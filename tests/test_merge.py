@@ -140,3 +140,28 @@ def test_a_groups_values_are_checked_once_and_a_bad_member_is_refused_as_alone(t
             assert reply.status == "ok", (i, reply.error)
             np.testing.assert_allclose(reply.logits, good[i].logits, atol=1e-4)
     assert d.counts["request_errors"] == len(bad) and d.counts["internal_errors"] == 0
+
+
+def test_a_host_error_in_a_groups_check_refuses_only_its_owner(tiny_ckpt):
+    """Whatever the group's value check raises is host work: it is found member by member and refused as that
+    request's internal error; the rest of the group is answered and the worker goes on (never a device fault)."""
+    from compute_driver import Driven, queued, rows
+
+    rt = Runtime(load_checkpoint(tiny_ckpt))
+    rng = np.random.default_rng(6)
+    batches = [rows(rng, 2, 30, 2) for _ in range(8)]
+    owner = batches[3]
+    check_values = rt.check_values
+
+    def check(batch: Batch) -> None:
+        if np.isin(owner.ids, batch.ids).all() and batch.tokens >= owner.tokens:
+            raise RuntimeError("planted host fault")
+        check_values(batch)
+    rt.check_values = check
+    d = Driven(rt, max_group=8)
+    answers = d.run([queued(i, b) for i, b in enumerate(batches)])
+    assert answers[3].status == "final" and "planted host fault" in answers[3].message
+    assert all(answers[i].status == "ok" for i in range(8) if i != 3)
+    # the others still share one forward (a failing run would have sent each alone: `_recover`)
+    assert {answers[i].metrics["batched"] for i in range(8) if i != 3} == {7}
+    assert d.counts["internal_errors"] == 1 and d.compute.fatal is None

@@ -427,11 +427,12 @@ class Compute:
 
         `admit` checked each request's structure, so the merged rows line up with the members' and one check of the
         group's values passes exactly when every member's would (worker/batch.py `validate_structure`): ~30 numpy
-        and list passes a group instead of a member. Only a group that fails is checked member by member."""
+        and list passes a group instead of a member. Only a group that fails is checked member by member. Host work
+        alone, so anything it raises is one request's refusal (as in `admit`), never a device failure."""
         try:
             self.rt.check_values(group.merged())
             return members, group
-        except RequestError:
+        except Exception:  # noqa: BLE001 - whose rows they are is found member by member
             pass
         kept: list[Queued] = []
         batches = []
@@ -441,6 +442,11 @@ class Compute:
             except RequestError as e:
                 self.counts["request_errors"] += 1
                 self.reply(self._refusal(q.req, e), q.to)
+                continue
+            except Exception as e:  # noqa: BLE001 - host-side only: refuse this one request
+                self.counts["internal_errors"] += 1
+                log.exception("worker %s: could not check request %s", self.id, q.req.tag, extra={"request": q.req.tag})
+                self.reply(self._internal(q.req, e), q.to)
                 continue
             kept.append(q)
             batches.append(batch)
