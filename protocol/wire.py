@@ -96,10 +96,13 @@ def pack(obj: Any) -> bytes:
     except AttributeError:
         packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
     try:
-        return packer.pack(obj)
+        out = packer.pack(obj)
     except (TypeError, ValueError, OverflowError) as e:
         _PACKERS.packer = msgpack.Packer(use_bin_type=True)    # nothing half-packed carries over
         raise ProtocolError("header", f"cannot encode {type(obj).__name__}: {e}") from e
+    if len(out) > MAX_HEADER_BYTES:
+        del _PACKERS.packer        # a body (a model card: MBs): its buffer is not kept for the thread's headers
+    return out
 
 
 def unpack(data: Any, limit: int, what: str = "header") -> Any:
@@ -369,8 +372,11 @@ def encode_request(rid: int | str, arrays: dict[str, Any], *, cid: str | None = 
                    mode: str | None = None, taps: bool = False, extra: dict | None = None) -> list[Any]:
     """A REQUEST message. `arrays` holds the five int32 arrays (see `pack_rows`), sent back to back in one frame."""
     a = [_i32(arrays[k], k) for k in REQUEST_ARRAYS]
-    header: dict[str, Any] = {"rid": rid, "rows": int(a[1].shape[0]), "tokens": int(a[0].shape[0]),
-                              "markers": int(a[4].shape[0])}
+    rows = int(a[1].shape[0])
+    for name, x in (("types", a[2]), ("marker_counts", a[3])):
+        if x.shape[0] != rows:      # one buffer: its split comes from the counts, so they must agree here
+            raise ProtocolError(name, f"has {x.shape[0]} entries for {rows} rows")
+    header: dict[str, Any] = {"rid": rid, "rows": rows, "tokens": int(a[0].shape[0]), "markers": int(a[4].shape[0])}
     if cid is not None:
         header["cid"] = cid
     if worker is not None:
@@ -553,13 +559,14 @@ class Replies:
                 specs.append([str(name), [int(s) for s in a.shape]])
                 frames.append(a.data)
             own["taps"] = specs
-        if not metrics:
+        mine = _plain(metrics) if metrics else {}      # (keys as they go out: what the count and overlap are of)
+        if not mine:
             tail = self._metrics_alone
-        elif len(metrics) < 16 and self._metrics.keys().isdisjoint(metrics):
-            tail = (_METRICS_KEY + _map_head(len(self._metrics) + len(metrics)) + self._metric_pairs
-                    + pack(_plain(metrics))[1:])
+        elif (len(mine) < 16 and len(self._metrics) + len(mine) <= MAX_METRIC_ITEMS
+              and self._metrics.keys().isdisjoint(mine)):
+            tail = _METRICS_KEY + _map_head(len(self._metrics) + len(mine)) + self._metric_pairs + pack(mine)[1:]
         else:
-            tail = _METRICS_KEY + pack(_plain({**self._metrics, **metrics}))
+            tail = _METRICS_KEY + pack(_plain({**self._metrics, **mine}))
         n = len(own) + self._n_shared + (len(tail) > 0)      # at most 9 keys: a fixmap
         return _framed(Cmd.REPLY, bytes((0x80 | n,)) + pack(own)[1:] + self._shared + tail, frames)
 

@@ -56,15 +56,16 @@ def test_reply_round_trip_with_taps():
     np.testing.assert_array_equal(rep.taps["final_norm"], taps["final_norm"])
 
 
-@pytest.mark.parametrize("n_group_metrics", [0, 3, 20])
+@pytest.mark.parametrize("n_group_metrics", [0, 3, 20, 250])
 def test_a_groups_replies_decode_to_the_header_packed_whole(n_group_metrics):
     """`Replies` joins bytes packed apart: each reply's header must decode to exactly the map one `pack` of the
-    whole makes, whatever the maps' sizes (fixmap and map16 headers) and when a reply repeats a shared key."""
+    whole makes, whatever the maps' sizes (fixmap and map16 headers, past the 256 metrics a reply carries), when a
+    reply repeats a shared key, and when two of its keys become one string."""
     shared = {f"m{i}": (i * 0.5 if i % 2 else np.int32(i)) for i in range(n_group_metrics)}
     replies = wire.Replies(worker="w3", fingerprint="f" * 64, metrics=shared)
     act = np.zeros((2, 3), np.float32)
     for rid, own in [(7, {"queue_ms": 1.5, "received_at": 12.25}), ("x", None), (8, {"m1": "mine", "q": 1}),
-                     (9, {f"o{i}": i for i in range(17)})]:
+                     (9, {f"o{i}": i for i in range(17)}), (10, {1: "a", "1": "b"}), (11, {"m2": 5, 2: 6})]:
         frames = [bytes(f) for f in replies.encode(rid, np.arange(5, dtype=np.float32), act, own)]
         header = msgpack.unpackb(frames[2], strict_map_key=False)
         metrics = wire.plain({**shared, **(own or {})})
@@ -328,3 +329,13 @@ def test_every_command_byte_decodes_to_its_command_and_no_other():
             assert wire.decode(frames).cmd is Cmd(b)
         else:
             _raises(frames, "command", parse=lambda m: m)
+
+
+def test_a_request_whose_per_row_arrays_disagree_is_not_sent():
+    """One buffer is split by the header's counts, so arrays that disagree on the row count would be split wrong
+    rather than refused: `encode_request` refuses them, naming the array."""
+    arrays = wire.pack_rows(ROWS)
+    for name in ("types", "marker_counts"):
+        with pytest.raises(ProtocolError) as e:
+            wire.encode_request(1, {**arrays, name: arrays[name][:1]})
+        assert e.value.field == name

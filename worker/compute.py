@@ -363,10 +363,11 @@ class Compute:
             for q in members:
                 self.reply(self._handed_back(q), q.to)
             return None
+        # Outside the guard below: a refusal sent here is not the run's failure (its member would be answered twice).
+        members, group = self._valid(members, group)
+        if not members:
+            return None
         try:
-            members, group = self._valid(members, group)
-            if not members:
-                return None
             return self._launch(members, group)
         except UploadError as e:
             if e.sticky:

@@ -446,16 +446,16 @@ class Runtime:
         return self.exact(batch), None, {"graph": "deferred" if cacheable else "fallback"}
 
     def check(self, batch: Batch, mode: str | None = None, taps: bool = False) -> str:
-        """Raise `RequestError` if this worker cannot run `batch` as asked; return the mode it would use."""
-        validate_structure(batch, self.limits)
+        """Raise `RequestError` if this worker cannot run `batch` as asked; return the mode it would use. In the
+        worker's order: the request (`check_request`), then its rows' values (`check_values`)."""
+        mode = self.check_request(batch, mode, taps)
         self.check_values(batch)
-        return self.check_request(batch, mode, taps, structure=False)
+        return mode
 
-    def check_request(self, batch: Batch, mode: str | None = None, taps: bool = False, structure: bool = True) -> str:
+    def check_request(self, batch: Batch, mode: str | None = None, taps: bool = False) -> str:
         """`check` but for the values of rows and tokens (`check_values`): a worker checks those once for a merged
         group (worker/batch.py `validate_structure` says why that is the same)."""
-        if structure:
-            validate_structure(batch, self.limits)
+        validate_structure(batch, self.limits)
         mode = mode or self.config.mode
         if mode not in MODES:
             raise RequestError("mode", f"must be one of {MODES}, got {mode!r}")
