@@ -495,7 +495,7 @@ class _Base:
 
     def _request_frames(self, arrays: dict[str, Any], worker: str | None, mode: str | None,
                         taps: bool) -> Callable[[int, str], list[Any]]:
-        n = 4 * sum(int(np.asarray(arrays[name]).size) for name in wire.REQUEST_ARRAYS)
+        n = wire.request_bytes(*(int(np.asarray(arrays[name]).size) for name in ("lengths", "ids", "markers")))
         if n > self.max_frame_bytes:
             # The broker's MAXMSGSIZE would drop the connection without a word: refuse it here instead.
             raise RequestFailed(f"{wire.ARRAYS}: {n} bytes exceed the {self.max_frame_bytes}-byte frame limit",

@@ -539,7 +539,6 @@ class Replies:
         self._shared, self._n_shared = pack(shared)[1:], len(shared)     # (a fixmap: one header byte)
         self._metrics = _plain(metrics) if metrics else {}
         self._metric_pairs = _pairs(self._metrics)
-        self._metrics_alone = _METRICS_KEY + _map_head(len(self._metrics)) + self._metric_pairs if metrics else b""
 
     def encode(self, rid: Any, logits: np.ndarray, act: np.ndarray, metrics: dict | None = None,
                taps: dict[str, np.ndarray] | None = None) -> list[Any]:
@@ -560,14 +559,14 @@ class Replies:
                 frames.append(a.data)
             own["taps"] = specs
         mine = _plain(metrics) if metrics else {}      # (keys as they go out: what the count and overlap are of)
-        if not mine:
-            tail = self._metrics_alone
+        if not (self._metrics or mine):
+            tail = b""
         elif (len(mine) < 16 and len(self._metrics) + len(mine) <= MAX_METRIC_ITEMS
               and self._metrics.keys().isdisjoint(mine)):
             tail = _METRICS_KEY + _map_head(len(self._metrics) + len(mine)) + self._metric_pairs + pack(mine)[1:]
         else:
             tail = _METRICS_KEY + pack(_plain({**self._metrics, **mine}))
-        n = len(own) + self._n_shared + (len(tail) > 0)      # at most 9 keys: a fixmap
+        n = len(own) + self._n_shared + bool(tail)      # at most 9 keys: a fixmap
         return _framed(Cmd.REPLY, bytes((0x80 | n,)) + pack(own)[1:] + self._shared + tail, frames)
 
 

@@ -101,12 +101,20 @@ def validate_structure(batch: Batch, limits: Limits) -> None:
     for name in ("types", "marker_counts"):
         if getattr(batch, name).shape[0] != r:
             raise RequestError(name, f"has {getattr(batch, name).shape[0]} entries for {r} rows")
-    total = sum(batch.lengths.tolist())
+    _check_tokens(batch, limits, sum(batch.lengths.tolist()))
+    _check_markers(batch, limits, sum(batch.marker_counts.tolist()))
+
+
+def _check_tokens(batch: Batch, limits: Limits, total: int) -> None:
+    """`total`, the lengths' sum, against the ids and the capacity."""
     if total != batch.tokens:
         raise RequestError("ids", f"has {batch.tokens} tokens but the lengths add up to {total}")
     if total > limits.max_tokens:
         raise RequestError("ids", f"{total} tokens exceed this worker's capacity of {limits.max_tokens}")
-    m = sum(batch.marker_counts.tolist())
+
+
+def _check_markers(batch: Batch, limits: Limits, m: int) -> None:
+    """`m`, the marker counts' sum, against the markers and the capacity."""
     if m != batch.n_markers:
         raise RequestError("markers", f"has {batch.n_markers} entries but the marker counts add up to {m}")
     if m > limits.max_markers:
@@ -164,11 +172,7 @@ def check_values(batch: Batch, limits: Limits) -> None:
     if bad.any():
         i = _first_bad_row(bad)
         raise RequestError("lengths", f"length {int(lengths[i])} is outside 1..{limits.max_len}", i)
-    total = int(lengths.astype(np.int64).sum())
-    if total != batch.tokens:
-        raise RequestError("ids", f"has {batch.tokens} tokens but the lengths add up to {total}")
-    if total > limits.max_tokens:
-        raise RequestError("ids", f"{total} tokens exceed this worker's capacity of {limits.max_tokens}")
+    _check_tokens(batch, limits, int(lengths.astype(np.int64).sum()))
     bad = (batch.ids < 0) | (batch.ids >= limits.vocab_size)
     if bad.any():
         pos = int(np.flatnonzero(bad)[0])
@@ -184,10 +188,7 @@ def check_values(batch: Batch, limits: Limits) -> None:
     if bad.any():
         raise RequestError("marker_counts", "every row needs at least one marker", _first_bad_row(bad))
     m = int(counts.astype(np.int64).sum())
-    if m != batch.n_markers:
-        raise RequestError("markers", f"has {batch.n_markers} entries but the marker counts add up to {m}")
-    if m > limits.max_markers:
-        raise RequestError("markers", f"{m} markers exceed this worker's capacity of {limits.max_markers}")
+    _check_markers(batch, limits, m)
     row_of = np.repeat(np.arange(r), counts)
     mk = batch.markers
     bad = (mk < 0) | (mk >= lengths[row_of])

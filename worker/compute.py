@@ -308,15 +308,20 @@ class Compute:
             batch = Batch(**req.arrays())
             self.rt.check_request(batch, mode=req.mode, taps=req.taps)     # its values: with its group's (`_valid`)
             return batch
-        except RequestError as e:
-            self.counts["request_errors"] += 1
-            self.reply(self._refusal(req, e), q.to)
-            return None
         except Exception as e:  # noqa: BLE001 - host-side only (no device work yet): refuse this one request
-            self.counts["internal_errors"] += 1
-            log.exception("worker %s: could not read request %s", self.id, req.tag, extra={"request": req.tag})
-            self.reply(self._internal(req, e), q.to)
+            self._refuse(q, e, "read")
             return None
+
+    def _refuse(self, q: Queued, e: Exception, doing: str) -> None:
+        """Answer `q`, whose host-side check raised `e`: a `RequestError` names its field and row; anything else is
+        an internal error of this request alone (no device work was done for it)."""
+        if isinstance(e, RequestError):
+            self.counts["request_errors"] += 1
+            self.reply(self._refusal(q.req, e), q.to)
+            return
+        self.counts["internal_errors"] += 1
+        log.exception("worker %s: could not %s request %s", self.id, doing, q.req.tag, extra={"request": q.req.tag})
+        self.reply(self._internal(q.req, e), q.to)
 
     def take_group(self, first: Queued) -> tuple[list[Queued], Group, Queued | None, bool]:
         """`first` and the queued requests that can share its forward: (the members, their rows as a Group in
@@ -440,14 +445,8 @@ class Compute:
         for q, batch in zip(members, group.batches):
             try:
                 self.rt.check_values(batch)
-            except RequestError as e:
-                self.counts["request_errors"] += 1
-                self.reply(self._refusal(q.req, e), q.to)
-                continue
             except Exception as e:  # noqa: BLE001 - host-side only: refuse this one request
-                self.counts["internal_errors"] += 1
-                log.exception("worker %s: could not check request %s", self.id, q.req.tag, extra={"request": q.req.tag})
-                self.reply(self._internal(q.req, e), q.to)
+                self._refuse(q, e, "check")
                 continue
             kept.append(q)
             batches.append(batch)

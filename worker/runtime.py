@@ -474,8 +474,8 @@ class Runtime:
                                                 f"{self.capacity.row_markers} per row", i)
 
     def run(self, batch: Batch, mode: str | None = None, taps: bool = False, checked: bool = False) -> RunResult:
-        """`checked=True`: the caller already ran `check` on these rows (the worker does, request by request,
-        before merging them; a merged group within the capacity passes whenever its members do)."""
+        """`checked=True`: the caller already checked these rows (the worker: each request's `check_request` on
+        arrival, the merged group's `check_values` before it runs; worker/compute.py `_valid`)."""
         return self.finish(self.launch(batch, mode, taps, checked))
 
     def launch(self, batch: Batch, mode: str | None = None, taps: bool = False, checked: bool = False) -> Launched:
