@@ -26,7 +26,7 @@ from . import rows as rk
 from .arch import Arch
 from .attention import Rows, attention_sdpa
 from .attention import attention as banded
-from .gemm import SPLIT_MAX_M, Act, Epi, gemm, k_chunk, residual, rope_pairs
+from .gemm import SPLIT_MAX_M, Act, Epi, geglu_pairs, gemm, k_chunk, residual, rope_pairs
 from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
 __all__ = ["ATTENTION", "FastModel", "supports"]
@@ -95,8 +95,13 @@ class FastModel:
         # cuBLAS's products where proven to give our bits (kernels/cublas.py); its QKV product needs the checkpoint's
         # row order, kept beside the paired one (6 MB a layer of the large preset).
         self.products = cublas.Products(self.device) if self.device.type == "cuda" else None
+        # The GeGLU GEMM: one accumulator over Wi's input and gate rows interleaved (GEGLU_PAIRS), or two accumulators
+        # over Wi as the checkpoint holds it (LAYA_GEGLU=two); the same bits (kernels/gemm.py).
+        self.geglu = Epi.GEGLU if os.environ.get("LAYA_GEGLU") == "two" else Epi.GEGLU_PAIRS
         for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
             lay["Wqkv_pairs"] = rope_pairs(lay["Wqkv"], a.head_dim)
+            if self.geglu == Epi.GEGLU_PAIRS:
+                lay["Wi"] = geglu_pairs(lay["Wi"])
             if self.products is None:
                 del lay["Wqkv"]
         # Whether any residual GEMM has K chunks (kernels/gemm.py), which a chunk-sum workspace then holds.
@@ -164,7 +169,7 @@ class FastModel:
             pending = self._residual(att, lay["Wo"], h, parts, product, lay["mlp_norm"])
             rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)
             inner = mid[:, : a.intermediate]
-            gemm(x, lay["Wi"], inner, epi=Epi.GEGLU)
+            gemm(x, lay["Wi"], inner, epi=self.geglu)
             # The last layer's is ours: the head's entry kernel, not a proven LayerNorm, adds what it leaves.
             last = i == len(self.layers) - 1
             pending = self._residual(inner, lay["Wo_mlp"], h, parts, None if last else product, lay["mlp_norm"])

@@ -70,6 +70,7 @@ class Epi(enum.IntEnum):
     RESIDUAL = 1
     GEGLU = 2
     ROPE = 3
+    GEGLU_PAIRS = 4
 
 
 class Act(enum.IntEnum):
@@ -94,6 +95,10 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
     and deep K tiles keep enough bytes in flight. Large M is compute bound: 128-wide tiles. `n_out` counts
     the programs' output columns (paired epilogues compute two columns per output column).
     """
+    if epi == Epi.GEGLU_PAIRS:
+        # one accumulator over interleaved (input, gate) rows: the two accumulators' tile side by side
+        t = pick_tiles(m, n_out, k, Epi.GEGLU, sms)
+        return Tiles(t.bm, 2 * t.bn, t.bk, t.warps, t.stages)
     paired = epi == Epi.GEGLU
     if m <= 64:
         bm, warps = 64, 4
@@ -283,6 +288,15 @@ if triton is not None:
             gate = acc2.to(CD).to(tl.float32)
             g = _gelu(inp, table_ptr, GELU_TABLE).to(CD).to(tl.float32)
             tl.store(out_ptrs, (g * gate).to(out_ptr.dtype.element_ty), mask=ok)
+        elif EPI == 4:
+            # w in `geglu_pairs` order: columns 2p and 2p + 1 are output column p's input and gate, one thread's
+            # neighbours in the accumulator (as ROPE's pairs), so one product and one weight tile serve both.
+            inp, gate = tl.split(tl.reshape(acc.to(CD).to(tl.float32), (BM, BN // 2, 2)))
+            pair = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+            pair_ok = row_ok[:, None] & (pair < N_OUT // 2)[None, :]
+            g = _gelu(inp, table_ptr, GELU_TABLE).to(CD).to(tl.float32)
+            tl.store(out_ptr + rm[:, None] * som + pair[None, :], (g * gate).to(out_ptr.dtype.element_ty),
+                     mask=pair_ok)
         else:
             # w in `rope_pairs` order: columns 2p and 2p + 1 are pair p's (x1, x2), one thread's neighbours in the
             # accumulator, so the split moves no data; pair p is column j = p % HALF of head p // HALF and its
@@ -328,6 +342,13 @@ def rope_pairs(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     n, k = w.shape
     half = head_dim // 2
     return w.view(n // head_dim, 2, half, k).transpose(1, 2).reshape(n, k).contiguous()
+
+
+def geglu_pairs(w: torch.Tensor) -> torch.Tensor:
+    """Wi's rows [input; gate] (2F, K) interleaved for the GEGLU_PAIRS epilogue: input row f, then gate row f.
+    Reordering rows moves whole dot products, never their K order: the same bits as GEGLU on the rows as they were."""
+    n, k = w.shape
+    return w.view(2, n // 2, k).transpose(0, 1).reshape(n, k).contiguous()
 
 
 @dataclass
@@ -424,7 +445,7 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     m, k = a.shape
     n = w.shape[0]
     assert a.stride(1) == 1 and w.is_contiguous() and out.stride(-1) == 1 and w.shape[1] == k
-    n_out = n // 2 if epi == Epi.GEGLU else n
+    n_out = n // 2 if epi in (Epi.GEGLU, Epi.GEGLU_PAIRS) else n
     if epi == Epi.RESIDUAL:
         assert out.dtype == torch.float32
     chunk = (k_chunk(k) if chunk is None else chunk) if epi == Epi.RESIDUAL else 0
@@ -436,6 +457,9 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     if epi == Epi.GEGLU:
         partner = n_out
         programs_n = triton.cdiv(n_out, t.bn)
+    elif epi == Epi.GEGLU_PAIRS:
+        assert t.bn % 2 == 0, t
+        programs_n = triton.cdiv(n, t.bn)
     elif epi == Epi.ROPE:
         d, rope_heads = rope[3:]
         half = d // 2
@@ -453,12 +477,14 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
         tma = use_tma(m, a, w)
     blocks = ([t.bm, t.bk], [t.bn, t.bk]) if tma else None
     out_rows = out.stride(-2) if out.dim() == 3 else out.stride(0)
-    gelu = epi == Epi.GEGLU or act == Act.GELU
+    gelu = epi in (Epi.GEGLU, Epi.GEGLU_PAIRS) or act == Act.GELU
     table = gelu_table(a.device) if gelu else None
     options = launch(a.device, grid[0] * grid[1] * grid[2])
     ahead = prefetching(options) and not tma and w.data_ptr() % 16 == 0 and (k * w.element_size()) % 16 == 0
     args = _pointers(a, w, out, bias, rope, blocks, table)
-    ints = (m, n_out, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks, split_stride or 0)
+    # the kernel's N_OUT: its weight rows where the epilogue pairs columns (ROPE, GEGLU_PAIRS), else output columns
+    n_kernel = n if epi in (Epi.ROPE, Epi.GEGLU_PAIRS) else n_out
+    ints = (m, n_kernel, k, a.stride(0), w.stride(0), out_rows, partner, rope_heads, chunks, split_stride or 0)
     kwargs = dict(EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                   HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
                   GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from laya_pool.kernels.arch import parse_arch
-from laya_pool.kernels.gemm import Epi, Tiles, early_epilogue, fill_tiles, pick_tiles
+from laya_pool.kernels.gemm import Epi, Tiles, early_epilogue, fill_tiles, geglu_pairs, pick_tiles
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.worker.checkpoint import load_checkpoint
 
@@ -36,8 +36,9 @@ PRESET_SHAPES = {"tiny": (128, 192), "large": (1024, 2624), "multilingual": (768
 
 
 def _gemms(d: int, ff: int) -> list[tuple[int, int, Epi]]:
-    return [(3 * d, d, Epi.ROPE), (d, d, Epi.RESIDUAL), (ff, d, Epi.GEGLU), (d, ff, Epi.RESIDUAL),
-            (4 * d, d, Epi.PLAIN), (d, 4 * d, Epi.RESIDUAL), (1, d, Epi.PLAIN), (256, d + 4, Epi.PLAIN)]
+    return [(3 * d, d, Epi.ROPE), (d, d, Epi.RESIDUAL), (ff, d, Epi.GEGLU), (ff, d, Epi.GEGLU_PAIRS),
+            (d, ff, Epi.RESIDUAL), (4 * d, d, Epi.PLAIN), (d, 4 * d, Epi.RESIDUAL), (1, d, Epi.PLAIN),
+            (256, d + 4, Epi.PLAIN)]
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_SHAPES))
@@ -63,6 +64,23 @@ def test_epilogue_operands_come_early_only_at_small_m(monkeypatch):
     assert not early_epilogue(48, Epi.RESIDUAL)
     monkeypatch.setenv("LAYA_EARLY_EPI", "rope")
     assert early_epilogue(8192, Epi.ROPE) and not early_epilogue(8192, Epi.RESIDUAL)
+
+
+def test_geglu_pairs_interleave_input_and_gate_rows():
+    """Output column f's input row and gate row side by side (rows 2f and 2f + 1), each row whole: the GEGLU_PAIRS
+    epilogue reads a pair from one thread's neighbouring accumulator columns, and no dot product changes."""
+    ff, k = 6, 4
+    w = torch.arange(2 * ff * k, dtype=torch.float32).view(2 * ff, k)
+    p = geglu_pairs(w)
+    assert p.is_contiguous() and p.shape == w.shape
+    for f in range(ff):
+        assert torch.equal(p[2 * f], w[f]) and torch.equal(p[2 * f + 1], w[ff + f])
+
+
+def test_pairs_tiles_are_the_two_accumulators_side_by_side():
+    for m in (1, 48, 64, 128, 512, 1536, 8192):
+        two, pairs = pick_tiles(m, 2624, 1024, Epi.GEGLU), pick_tiles(m, 2624, 1024, Epi.GEGLU_PAIRS)
+        assert pairs == Tiles(two.bm, 2 * two.bn, two.bk, two.warps, two.stages), m
 
 
 def test_small_m_gets_enough_programs_to_stream_weights():
