@@ -24,6 +24,10 @@ Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
 - RESIDUAL: h += fp32(y) on an fp32 residual stream, in place (each element has one writer).
 - GEGLU: the program computes the input column n and its gate column n + N/2 together and writes
   bf16(bf16(gelu(bf16(inp))) * bf16(gate)), so the [T, 2F] product never reaches memory.
+- GEGLU_PAIRS (the forward's): GEGLU on w in `geglu_pairs` order (input row f, gate row f, ...), so one accumulator
+  and one weight tile hold both columns of a pair, one thread's neighbours (as ROPE's pairs): the same bits, 7% less
+  time at M = 8,192 and at M = 48 (docs/PERF.md, twenty-fourth session). GEGLU stays as the form whose bits it matches
+  (tests/test_gemm_gpu.py) and for LAYA_GEGLU=two.
 - ROPE: w's rows in `rope_pairs` order, so each column c < D/2 of a head and its partner c + D/2 are neighbours
   in one tile and in one thread's accumulator: a plain one-accumulator GEMM (any tile) whose epilogue rotates query
   and key heads by their row-relative position (cos/sin tables in fp32, the rotate-half layout) and writes both
@@ -96,9 +100,14 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
     the programs' output columns (paired epilogues compute two columns per output column).
     """
     if epi == Epi.GEGLU_PAIRS:
-        # one accumulator over interleaved (input, gate) rows: the two accumulators' tile side by side
-        t = pick_tiles(m, n_out, k, Epi.GEGLU, sms)
-        return Tiles(t.bm, 2 * t.bn, t.bk, t.warps, t.stages)
+        # One accumulator over interleaved (input, gate) rows; BN counts both. Device sweep (probe_geglu.py, H100,
+        # twenty-fourth session), us a GEMM with its weights cold: M = 48 7.36 against 7.88 for two accumulators,
+        # M = 128 8.99 / 9.71, M = 1,536 30.3 / 31.3, M = 8,192 159.5 / 171.3.
+        if m <= 64:
+            return Tiles(64, 64, 128 if k >= 128 else 64, 4, 4)
+        if m <= 512:
+            return Tiles(64, 32, 64, 4, 4)
+        return Tiles(128, 128, 64, 8, 3)
     paired = epi == Epi.GEGLU
     if m <= 64:
         bm, warps = 64, 4
