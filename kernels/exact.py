@@ -10,19 +10,19 @@ A 28-layer model carries a one-ulp difference anywhere to the whole fp32-vs-bf16
 - `gelu`: torch's erf-GELU. The libdevice Triton ships and the CUDA toolkit's (whose erff torch's kernels were
   compiled with) differ in the last bit of erff for 12% of fp32 arguments in [-6, 6]; on bf16 inputs that changed 11
   of 65,280 GELU outputs, all in [-5.4, -3.1]. Triton linked against the toolkit's own libdevice gives torch's bits
-  on all of them (device probe, scripts/probe_rowexact.py, 2026-12-04), so `prepare` points Triton there and then
-  checks every bf16 input against F.gelu on the device; only where some differ (another toolkit than torch's, or
+  on all of them (device probe, scripts/probe_rowexact.py, 2026-12-04), so Triton is pointed there before any kernel
+  of ours compiles (kernels/launch.py `link_libdevice`) and `prepare` checks every bf16 input against F.gelu on the
+  device; only where some differ (another toolkit than torch's, or
   none) does the GELU take its [-16, -1) tail from a 512-entry table of torch's own outputs (`gelu_table`), which
   costs 15% of GEMM time. LAYA_GELU_TABLE=1 forces the table.
 """
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from .launch import env, forget, settle_keys
+from .launch import env, forget, link_libdevice, settle_keys
 
 try:
     import triton
@@ -83,14 +83,6 @@ def gelu_table(device: torch.device) -> torch.Tensor:
     return _TABLES[device]
 
 
-def toolkit_libdevice() -> str | None:
-    """The CUDA toolkit's libdevice (CUDA_HOME, CUDA_PATH, /usr/local/cuda), or None."""
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (Path(root) / "nvvm/libdevice/libdevice.10.bc").is_file():
-            return str(Path(root) / "nvvm/libdevice/libdevice.10.bc")
-    return None
-
-
 _DIFFER: dict[torch.device, int] = {}         # per device, by `prepare`: bf16 inputs whose GELU differs from torch's
 
 
@@ -100,18 +92,14 @@ def needs_table(device: torch.device) -> bool:
 
 
 def prepare(device: torch.device) -> dict:
-    """At model load, before any of our kernels compiles: link Triton against the toolkit's libdevice unless told
-    otherwise (TRITON_LIBDEVICE_PATH), make the table, and check every finite bf16 GELU input against F.gelu on
-    the device; the table is used only if some differ. Returns what it found (FastModel keeps it as `exactness`)."""
+    """At model load: make the table and check every finite bf16 GELU input against F.gelu on the device (with the
+    libdevice `link_libdevice` chose); the table is used only if some differ. Returns what it found (FastModel keeps
+    it as `exactness`)."""
     device = torch.device(device)
     found: dict = {"libdevice": None, "gelu_differ": None}
     if device.type != "cuda" or triton is None:
         return found
-    if not os.environ.get("TRITON_LIBDEVICE_PATH") and not triton.knobs.nvidia.libdevice_path:
-        path = toolkit_libdevice()
-        if path:
-            triton.knobs.nvidia.libdevice_path = path
-    found["libdevice"] = triton.knobs.nvidia.libdevice_path or "triton's own"
+    found["libdevice"] = link_libdevice()      # linked at import already (kernels/launch.py says why)
     gelu_table(device)
     if device not in _DIFFER:
         _DIFFER[device] = gelu_differs(device, table=False)

@@ -37,6 +37,35 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
     triton = None
 
 
+def toolkit_libdevice() -> str | None:
+    """The CUDA toolkit's libdevice (CUDA_HOME, CUDA_PATH, /usr/local/cuda), or None."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "nvvm/libdevice/libdevice.10.bc")):
+            return os.path.join(root, "nvvm/libdevice/libdevice.10.bc")
+    return None
+
+
+def link_libdevice() -> str:
+    """Point Triton at the toolkit's libdevice, whose erff gives torch's GELU bits (kernels/exact.py), unless told
+    otherwise (TRITON_LIBDEVICE_PATH, or a path set already); returns the libdevice our kernels link.
+
+    Called when this module is imported, before any kernel of ours can compile: Triton's in-memory kernel cache is
+    keyed by the launch's own options, not by this knob, so a kernel compiled against Triton's own libdevice is
+    reused after the knob changes. On the device (twenty-fourth session, call 3) a process whose first GEMMs ran before
+    any model was loaded kept GEGLU kernels with Triton's erff, and two 1x64 requests alone differed from the same
+    requests merged (GELU outputs in [-5.4, -3.1])."""
+    if triton is None:
+        return "none"
+    if not os.environ.get("TRITON_LIBDEVICE_PATH") and not triton.knobs.nvidia.libdevice_path:
+        path = toolkit_libdevice()
+        if path:
+            triton.knobs.nvidia.libdevice_path = path
+    return triton.knobs.nvidia.libdevice_path or "triton's own"
+
+
+link_libdevice()
+
+
 # CPython's bytes dict behind os.environ (POSIX): `os.environ.get` encodes and decodes on every call (0.7 us here,
 # several a launch); `env` reads the same variables without that. Elsewhere (Windows: str keys), os.environ itself.
 _RAW = getattr(os.environ, "_data", None) if os.name == "posix" else None

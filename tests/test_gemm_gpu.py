@@ -73,3 +73,49 @@ def test_a_forward_is_the_same_in_either_form(tiny_ckpt, monkeypatch):
                markers=torch.stack([torch.arange(5, 17, 3, dtype=torch.int32)] * rows).cuda(), max_row_len=length)
     for x, y in zip(two(**inp), pairs(**inp)):
         assert torch.equal(x, y)
+
+
+_FIRST_GEMM = """
+import torch
+from laya_pool.kernels.exact import bf16_values
+from laya_pool.kernels.gemm import Epi, gemm
+v = bf16_values("cuda")
+a = torch.zeros(v.numel(), 64, device="cuda", dtype=torch.bfloat16)
+a[:, 0], a[:, 1] = v, 1.0
+w = torch.zeros(32, 64, device="cuda", dtype=torch.bfloat16)    # geglu_pairs order: input rows e0, gate rows e1
+w[0::2, 0], w[1::2, 1] = 1.0, 1.0
+out = torch.empty(v.numel(), 16, device="cuda", dtype=torch.bfloat16)
+gemm(a, w, out, epi=Epi.GEGLU_PAIRS)
+print(int((out[:, 0] != torch.nn.functional.gelu(v)).sum()))
+"""
+
+
+def _first_gemm_differs(env: dict | None = None) -> int:
+    import os
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _FIRST_GEMM], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+def test_a_gemm_compiled_before_any_model_gives_torchs_gelu():
+    """A process whose first GEMM runs before any model is loaded (a probe, a test) compiles its GELU against the
+    toolkit's libdevice too: Triton's in-memory kernel cache ignores the libdevice knob, so a kernel compiled before
+    the knob was set stayed (kernels/launch.py `link_libdevice`). A fresh process: each GeGLU output's GELU of every
+    finite bf16 value (input v, gate 1) must be torch's; planted, Triton's own libdevice must show a difference."""
+    from pathlib import Path
+
+    import triton
+    from laya_pool.kernels.launch import toolkit_libdevice
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if toolkit_libdevice() is None:
+        pytest.skip("no CUDA toolkit libdevice here: GELUs take torch's bits from a table after a model's check")
+    assert _first_gemm_differs() == 0
+    own = Path(triton.__file__).parent / "backends/nvidia/lib/libdevice.10.bc"
+    planted = _first_gemm_differs({"TRITON_LIBDEVICE_PATH": str(own)})
+    print(f"\nGELU outputs unlike torch's with Triton's own libdevice: {planted}")
+    if planted == 0:
+        pytest.skip("Triton's own libdevice gives torch's bits here: nothing to plant")
