@@ -39,6 +39,7 @@ ALT = [Tiles(64, 16, 64, 4, 4), Tiles(64, 32, 128, 4, 4), Tiles(64, 64, 64, 4, 3
        Tiles(128, 64, 64, 8, 3), Tiles(128, 128, 64, 8, 3), Tiles(128, 128, 128, 8, 2), Tiles(128, 256, 64, 8, 3)]
 MS = (48, 64, 128, 256, 512, 1024, 1536, 2048, 4096, 8192)
 TIMED_MS = (48, 1536, 8192)
+GEGLUS = (Epi.GEGLU, Epi.GEGLU_PAIRS)      # [input; gate] in two accumulators, or interleaved in one
 
 
 def capture(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
@@ -81,7 +82,7 @@ def graph_time(fn, reps: int = 20, samples: int = 30) -> tuple[float, float]:
 def gemm_cases(arch):
     d, ff = arch.hidden, arch.intermediate
     return {"qkv+rope": (3 * d, d, Epi.ROPE, {}), "wo+res": (d, d, Epi.RESIDUAL, {}),
-            "wi+geglu": (2 * ff, d, Epi.GEGLU, {}), "wo_mlp+res": (d, ff, Epi.RESIDUAL, {}),
+            "wi+geglu": (2 * ff, d, Epi.GEGLU_PAIRS, {}), "wo_mlp+res": (d, ff, Epi.RESIDUAL, {}),
             "head.in+bias": (3 * d, d, Epi.PLAIN, {"bias": True, "bias_apart": True}),
             "head.l1+relu": (4 * d, d, Epi.PLAIN, {"bias": True, "act": Act.RELU}),
             "head.l2+res": (d, 4 * d, Epi.RESIDUAL, {"bias": True})}
@@ -104,7 +105,7 @@ def _gemm_case(name, n, k, epi, kw, arch, pos, cos, sin):
     a = torch.randn(8192, k, device=dev).bfloat16()
     w = (torch.randn(n, k, device=dev) / k ** 0.5).bfloat16()
     bias = torch.randn(n, device=dev).bfloat16() if kw.get("bias") else None
-    n_out = n // 2 if epi == Epi.GEGLU else n
+    n_out = n // 2 if epi in GEGLUS else n
     h0 = torch.randn(8192, n_out, device=dev)
     rope = (pos, cos, sin, D, 2 * arch.heads) if epi == Epi.ROPE else None
 
@@ -175,12 +176,12 @@ def _sweep_configs(m: int, epi: Epi) -> list[Tiles]:
             out = [Tiles(bm, bn, 128, w, 4) for bm in (16, 32) for bn in (16, 32) for w in (1, 2, 4)
                    if not (bm == 32 and w == 1)] + [Tiles(16, 16, 256, 2, 3), Tiles(16, 16, 64, 2, 6)]
     else:
-        bns = (32, 64, 128) if epi == Epi.GEGLU else (64, 128, 256)
+        bns = (32, 64, 128) if epi == Epi.GEGLU else (64, 128, 256)      # (GEGLU_PAIRS: both columns in BN)
         out = [Tiles(128, bn, 64, 8, st) for bn in bns for st in (2, 3, 4)] + [Tiles(64, bns[1], 64, 4, 4)]
         # deeper K tiles and two warpgroups along M: fewer loop trips, fewer programs per wave
         out += [Tiles(128, bns[1], 128, 8, 2), Tiles(256, bns[0], 64, 8, 3), Tiles(128, bns[1], 64, 4, 4)]
-    if epi == Epi.GEGLU and m <= 64:
-        out = [t for t in out if t.bn <= 32]
+    if epi in GEGLUS and m <= 64:
+        out = [t for t in out if t.bn <= (32 if epi == Epi.GEGLU else 64)]
     return out
 
 
@@ -202,7 +203,7 @@ def _tile_case(name, n, k, epi, rope):
     dev = "cuda"
     a = torch.randn(8192, k, device=dev).bfloat16()
     w = (torch.randn(n, k, device=dev) / k ** 0.5).bfloat16()
-    n_out = n // 2 if epi == Epi.GEGLU else n
+    n_out = n // 2 if epi in GEGLUS else n
     h0 = torch.randn(8192, n_out, device=dev)
     parts = torch.empty(2, 2048, n_out, device=dev)
     ones = torch.ones(n_out, device=dev)
@@ -415,6 +416,8 @@ def _small_m_patches():
         # narrows them back to 128x64; at M = 1,024 QKV becomes one wave, launched early: `fill_tiles`' warning)
         def pick(m, n_out, k, epi, sms=132):
             if 512 < m <= 2048:
+                if epi == Epi.GEGLU_PAIRS:       # both columns of a pair in BN
+                    return Tiles(paired.bm, 2 * paired.bn, paired.bk, paired.warps, paired.stages)
                 return paired if epi == Epi.GEGLU else plain
             return base(m, n_out, k, epi, sms)
         return pick

@@ -129,9 +129,10 @@ def ops(ck, fast, n=512):
     # GeGLU
     x2 = F.layer_norm(h_sdk, (d,), lay["mlp_norm"], None, a.norm_eps).bfloat16()
     inner = torch.empty(n, a.intermediate, device="cuda", dtype=torch.bfloat16)
-    gemm(x2, lay["Wi"], inner, epi=Epi.GEGLU)
-    u, gt = F.linear(x2, lay["Wi"]).chunk(2, -1)
-    u32, g32 = F.linear(x2.float(), lay["Wi"].float()).chunk(2, -1)
+    gemm(x2, lay["Wi"], inner, epi=fast.geglu)         # the fast model's Wi: in `geglu_pairs` order by default
+    wi = ref.layers[i]["Wi"]                             # the checkpoint's order: [input; gate]
+    u, gt = F.linear(x2, wi).chunk(2, -1)
+    u32, g32 = F.linear(x2.float(), wi.float()).chunk(2, -1)
     res["gemm_geglu"] = differ(inner, F.gelu(u) * gt, F.gelu(u32) * g32)
     res["layer"] = {"local": i, "global": g}
     return res
@@ -219,7 +220,7 @@ def bisect(ck, fast, lens, layer: int) -> dict:
     x2_sdk = F.layer_norm(h_sdk, (d,), ref["mlp_norm"], None, a.norm_eps).bfloat16()
     res["mlp_norm"] = differ(x2, x2_sdk)
     inner = torch.empty(T, a.intermediate, device="cuda", dtype=torch.bfloat16)
-    gemm(x2_sdk, lay["Wi"], inner, epi=Epi.GEGLU)
+    gemm(x2_sdk, lay["Wi"], inner, epi=fast.geglu)     # the fast model's Wi: in `geglu_pairs` order by default
     u, gt = F.linear(x2_sdk, ref["Wi"]).chunk(2, dim=-1)
     inner_sdk = F.gelu(u) * gt
     res["geglu"] = differ(inner, inner_sdk)
