@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from .launch import env, forget, link_libdevice, settle_keys
+from .launch import env, forget, settle_keys
 
 try:
     import triton
@@ -99,7 +99,7 @@ def prepare(device: torch.device) -> dict:
     found: dict = {"libdevice": None, "gelu_differ": None}
     if device.type != "cuda" or triton is None:
         return found
-    found["libdevice"] = link_libdevice()      # linked at import already (kernels/launch.py says why)
+    found["libdevice"] = triton.knobs.nvidia.libdevice_path or "triton's own"    # set at import (launch.py: why)
     gelu_table(device)
     if device not in _DIFFER:
         _DIFFER[device] = gelu_differs(device, table=False)

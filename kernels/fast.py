@@ -97,7 +97,10 @@ class FastModel:
         self.products = cublas.Products(self.device) if self.device.type == "cuda" else None
         # The GeGLU GEMM: one accumulator over Wi's input and gate rows interleaved (GEGLU_PAIRS), or two accumulators
         # over Wi as the checkpoint holds it (LAYA_GEGLU=two); the same bits (kernels/gemm.py).
-        self.geglu = Epi.GEGLU if os.environ.get("LAYA_GEGLU") == "two" else Epi.GEGLU_PAIRS
+        geglu = os.environ.get("LAYA_GEGLU") or "pairs"
+        if geglu not in ("pairs", "two"):
+            raise ValueError(f"LAYA_GEGLU must be 'pairs' or 'two', got {geglu!r}")
+        self.geglu = Epi.GEGLU if geglu == "two" else Epi.GEGLU_PAIRS
         for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
             lay["Wqkv_pairs"] = rope_pairs(lay["Wqkv"], a.head_dim)
             if self.geglu == Epi.GEGLU_PAIRS:

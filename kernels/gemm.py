@@ -336,10 +336,10 @@ def gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, epi: Epi = Epi.
     """out <- epilogue(a @ w.T). a [M, K] bf16 (row stride free, unit column stride), w [N, K] contiguous.
 
     PLAIN: out [M, N] bf16. RESIDUAL: out [M, N] fp32, added to. GEGLU: w holds [inp; gate] (N = 2F),
-    out [M, F]. ROPE: w in `rope_pairs(w, D)` order; `rope=(pos [M] int32, cos [P, D/2] fp32, sin, D, rope_heads)`:
-    out [M, N] in w's own column order (before `rope_pairs`); the first
-    `rope_heads` heads of D columns are rotated (query and key), the rest pass through. `chunk`: K per chunk
-    (default `k_chunk`; 0 for one chain), residual GEMMs only.
+    out [M, F]; GEGLU_PAIRS: the same with w in `geglu_pairs` order. ROPE: w in `rope_pairs(w, D)` order;
+    `rope=(pos [M] int32, cos [P, D/2] fp32, sin, D, rope_heads)`: out [M, N] in w's own column order (before
+    `rope_pairs`); the first `rope_heads` heads of D columns are rotated (query and key), the rest pass through.
+    `chunk`: K per chunk (default `k_chunk`; 0 for one chain), residual GEMMs only.
     """
     _launch(a, w, out, epi, bias, bias_apart, act, rope, tiles, tma, chunk, None)
     return out
@@ -457,6 +457,7 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     n_out = n // 2 if epi in (Epi.GEGLU, Epi.GEGLU_PAIRS) else n
     if epi == Epi.RESIDUAL:
         assert out.dtype == torch.float32
+    assert epi not in (Epi.GEGLU, Epi.GEGLU_PAIRS) or (bias is None and act == Act.NONE), "GeGLU: no bias, no act"
     chunk = (k_chunk(k) if chunk is None else chunk) if epi == Epi.RESIDUAL else 0
     chunks = 2 if chunk else 1
     assert not chunk or chunk < k <= 2 * chunk, (chunk, k)

@@ -53,14 +53,16 @@ def link_libdevice() -> str:
     keyed by the launch's own options, not by this knob, so a kernel compiled against Triton's own libdevice is
     reused after the knob changes. On the device (twenty-fourth session, call 3) a process whose first GEMMs ran before
     any model was loaded kept GEGLU kernels with Triton's erff, and two 1x64 requests alone differed from the same
-    requests merged (GELU outputs in [-5.4, -3.1])."""
-    if triton is None:
-        return "none"
-    if not os.environ.get("TRITON_LIBDEVICE_PATH") and not triton.knobs.nvidia.libdevice_path:
+    requests merged (GELU outputs in [-5.4, -3.1]). The knob is the process's: any other Triton user in a process that
+    imports our kernels links the toolkit's libdevice too (torch's inductor sets the same knob the same way)."""
+    knobs = getattr(triton, "knobs", None)      # (Triton before 3.4 has none: its own libdevice, and the table)
+    if knobs is None:
+        return "none" if triton is None else "triton's own"
+    if not os.environ.get("TRITON_LIBDEVICE_PATH") and not knobs.nvidia.libdevice_path:
         path = toolkit_libdevice()
         if path:
-            triton.knobs.nvidia.libdevice_path = path
-    return triton.knobs.nvidia.libdevice_path or "triton's own"
+            knobs.nvidia.libdevice_path = path
+    return knobs.nvidia.libdevice_path or "triton's own"
 
 
 link_libdevice()

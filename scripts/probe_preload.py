@@ -235,7 +235,8 @@ class Shape:
 
 
 HIDDEN, FF, LAYERS = 1024, 2624, 28
-GEGLU_GRID = Tiles(64, 64, 128, 4, 3)      # a GEGLU program's grid and weight bytes (module docstring)
+GEGLU_GRID = Tiles(64, 64, 128, 4, 3)      # a GEGLU program's grid and weight bytes (module docstring; the
+#                                           forward's GEGLU_PAIRS at M <= 64: the same grid, 4 stages)
 
 
 def shapes(wi_tiles: str) -> list[Shape]:
