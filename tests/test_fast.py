@@ -285,6 +285,28 @@ def test_rope_epilogue_tiles_within_and_across_heads(bn):
 
 
 @interpreted
+@pytest.mark.parametrize("bn", [16, 32, 64])
+def test_geglu_pairs_epilogue_writes_each_column_once(bn):
+    """The GeGLU GEMM on `geglu_pairs` weights with F = 37 (no tile divides 2F, so the last program's tile runs past
+    the last weight row) into a slice of a wider output: column f is gelu(input f) * gate f, as the two-accumulator
+    form and torch compute it; the columns past F stay untouched."""
+    from laya_pool.kernels.gemm import Tiles, geglu_pairs, gemm
+    g = torch.Generator().manual_seed(6)
+    ff, m, k = 37, 70, 64
+    a = torch.randn(m, k, generator=g).half()
+    w = (torch.randn(2 * ff, k, generator=g) / 8).half()
+    wide = torch.full((m, ff + 5), 7.0).half()
+    gemm(a, geglu_pairs(w), wide[:, :ff], epi=Epi.GEGLU_PAIRS, tiles=Tiles(64, bn, 64, 4, 2))
+    two = torch.empty(m, ff).half()
+    gemm(a, w, two, epi=Epi.GEGLU, tiles=Tiles(64, bn, 64, 4, 2))
+    y = (a.float() @ w.float().T).half().float()
+    want = torch.nn.functional.gelu(y[:, :ff]).half().float() * y[:, ff:]
+    assert torch.allclose(wide[:, :ff].float(), want, atol=2e-3, rtol=2e-3)
+    assert torch.allclose(wide[:, :ff].float(), two.float(), atol=2e-3, rtol=2e-3)
+    assert bool((wide[:, ff:] == 7.0).all())
+
+
+@interpreted
 @pytest.mark.parametrize("window", [8, None])
 def test_packed_attention_is_softmax_attention_row_by_row(window):
     """kernels/attention.py over three packed rows (one longer than a key block, so the online softmax rescales and
