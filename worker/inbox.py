@@ -123,6 +123,8 @@ class SocketInbox:
         self.via_control = 0          # request messages the I/O thread handed over (the rest came to the data socket)
         self.awake_until = 0.0
         self.lanes_first = False      # `_receive`: the lanes are read before the sockets on every other call
+        self.hot: zmq.Socket | None = None    # `_receive_sockets`: the socket the last read found a request on
+        self.hot_reads = 0                    # ... and how many reads in a row it has had without a poll
 
     # -- the I/O thread ------------------------------------------------------------------------------------------
     def put(self, item: Any) -> None:
@@ -270,17 +272,38 @@ class SocketInbox:
     def _receive_sockets(self) -> Any:
         """The next request read from the data socket, then from the direct one, or NOTHING. One poll asks both
         sockets first: a receive that finds nothing raises, 3.6 us a socket on the development CPU, where the poll
-        takes 1.4 us for all (and a polling data thread asks thousands of times a forward)."""
+        takes 1.4 us for all (and a polling data thread asks thousands of times a forward).
+
+        While a group computes (so the host's time is not what the device waits for), the socket that just gave a
+        request most likely holds the next one too: it is read again without a poll, up to HOT_READS times in a row
+        (then a poll, which gives the other socket its turn), and the first read that finds nothing (2.7 us, where a
+        poll takes 0.7) goes back to polling. A lone request never pays for that read: nothing is computing when it
+        arrives."""
+        hot = self.hot
+        if hot is not None and self.hot_reads < HOT_READS and self.oldest() is not None:
+            self.hot_reads += 1
+            item = self._receive_from(hot, direct=hot is self.direct)
+            if item is not NOTHING:
+                return item
+            self.hot = None
+        item = self._poll_sockets()
+        if item is not NOTHING:
+            self.hot_reads = 0
+        return item
+
+    def _poll_sockets(self) -> Any:
         ready = self.poller.poll(0)
         if ready:
             socks = dict(ready)
             if socks.get(self.sock):
                 item = self._receive_from(self.sock, direct=False)
                 if item is not NOTHING:
+                    self.hot = self.sock
                     return item
             if self.direct is not None and socks.get(self.direct):
                 item = self._receive_from(self.direct, direct=True)
                 if item is not NOTHING:
+                    self.hot = self.direct
                     return item
         return NOTHING
 
@@ -404,6 +427,7 @@ class SocketInbox:
             self.direct_auth = None
 
 
+HOT_READS = 16      # `_receive_sockets`: reads of the socket that last gave a request before the next poll
 DIRECT_HWM = 64     # requests a client may have queued at the direct socket before its sends are refused
 
 
