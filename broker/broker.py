@@ -327,7 +327,7 @@ class Broker:
         if handler == self.on_frontend:
             cut = 2 if len(frames) > 1 and frames[1] == b"" else 1
             with contextlib.suppress(Exception):
-                self._client_error(frames[:cut], wire.rid_of(frames[cut:]) if len(frames) > cut + 2 else None,
+                self._client_error(frames[:cut], wire.rid_of(frames[cut:]) if len(frames) > cut else None,
                                    wire.STATUS_RETRYABLE, "internal broker error", reason=Reason.INTERNAL)
 
     def shutdown(self) -> None:
@@ -429,7 +429,7 @@ class Broker:
             msg = wire.decode(body)
         except wire.ProtocolError as e:
             self.counters["malformed"] += 1
-            self._client_error(envelope, wire.rid_of(body) if len(body) >= 3 else None, wire.STATUS_FINAL,
+            self._client_error(envelope, wire.rid_of(body) if body else None, wire.STATUS_FINAL,
                                str(e), field=e.field)
             return
         try:

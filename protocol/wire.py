@@ -2,7 +2,7 @@
 
 A message is a list of ZeroMQ frames (after the ROUTER envelope, which this module never sees):
 
-    [b"LAYA2", command (1 byte), msgpack header (a map), payload frames ...]
+    [b"LAYA3" + command (1 byte) + msgpack header (a map), payload frames ...]
 
 Payload frames are raw little-endian int32 / float32 buffers (request arrays, reply logits) or one
 msgpack "body" frame (status tables, the model card). Nothing is ever pickled. Decoding is strict:
@@ -30,8 +30,10 @@ import numpy as np
 
 from .contract import MODES
 
-# LAYA2: a REQUEST's five arrays travel in one frame (LAYA1: five), four frames fewer for every hop to read and write.
-PROTOCOL = b"LAYA2"
+# LAYA3: the version, the command and the header in one frame (LAYA2: three), two frames fewer for every hop to read
+# and write; LAYA2: a REQUEST's five arrays travel in one frame (LAYA1: five).
+PROTOCOL = b"LAYA3"
+HEAD = len(PROTOCOL) + 1        # the bytes before the header in a message's first frame: version, command
 
 # Limits. The header is small by construction; bodies carry a model card (tokenizer.json, a few MB).
 MAX_HEADER_BYTES = 64 * 1024
@@ -73,8 +75,8 @@ class Cmd(enum.IntEnum):
 _CMD_OF_BYTE: tuple[Cmd | None, ...] = tuple({int(c): c for c in Cmd}.get(b) for b in range(256))
 
 
-# Each command's frame, built once (`encode` runs for every message the broker sends).
-_CMD_FRAMES: tuple[bytes, ...] = tuple(bytes((b,)) for b in range(256))
+# Each command's first bytes (version and command), built once (`encode` runs for every message the broker sends).
+_HEADS: tuple[bytes, ...] = tuple(PROTOCOL + bytes((b,)) for b in range(256))
 
 
 class ProtocolError(ValueError):
@@ -123,7 +125,7 @@ def unpack(data: Any, limit: int, what: str = "header") -> Any:
 
 
 def _bytes(frame: Any) -> bytes | memoryview:
-    if isinstance(frame, (bytes, bytearray)):
+    if isinstance(frame, (bytes, bytearray, memoryview)):
         return frame
     if hasattr(frame, "buffer"):   # zmq.Frame
         return frame.buffer
@@ -182,32 +184,31 @@ def encode(cmd: Cmd, header: dict[str, Any], *frames: Any) -> list[Any]:
 def _framed(cmd: Cmd, header: bytes, frames: Sequence[Any]) -> list[Any]:
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError("header", f"{len(header)} bytes exceed the limit of {MAX_HEADER_BYTES}")
-    return [PROTOCOL, _CMD_FRAMES[cmd], header, *frames]
+    return [_HEADS[cmd] + header, *frames]
 
 
-def decode(frames: Sequence[Any], max_frames: int = 8 + MAX_TAPS) -> Message:
-    """Parse the protocol frame, the command and the header; payload frames are checked by the caller."""
+def decode(frames: Sequence[Any], max_frames: int = 6 + MAX_TAPS) -> Message:
+    """Parse the first frame (version, command, header); payload frames are checked by the caller."""
     n = len(frames)
-    if n < 3:
-        if frames and bytes(_bytes(frames[0])[:4]) != PROTOCOL[:4]:
-            raise ProtocolError("version", f"not a laya-pool message (first frame {_show(frames[0])})")
-        raise ProtocolError("frames", f"a message has at least 3 frames (protocol, command, header), got {n}")
+    if n < 1:
+        raise ProtocolError("frames", "an empty message")
     if n > max_frames:
         raise ProtocolError("frames", f"{n} frames exceed the limit of {max_frames}")
-    proto = frames[0]
-    # A bytes frame (what the broker receives) compares as it is; a zmq.Frame or a memoryview through its bytes.
-    if proto != PROTOCOL and bytes(_bytes(proto)[:32]) != PROTOCOL:
-        raise ProtocolError("version", f"expected protocol {PROTOCOL.decode()}, got {_show(proto)}")
-    c = _bytes(frames[1])
-    if len(c) != 1:
-        raise ProtocolError("command", f"the command frame is one byte, got {len(c)} bytes")
-    cmd = _CMD_OF_BYTE[c[0]]
+    first = _bytes(frames[0])
+    # A bytes frame (what the broker receives) compares as it is; a zmq.Frame's buffer through its first bytes.
+    if not (first.startswith(PROTOCOL) if isinstance(first, bytes) else bytes(first[:HEAD - 1]) == PROTOCOL):
+        if bytes(first[:4]) == PROTOCOL[:4]:
+            raise ProtocolError("version", f"expected protocol {PROTOCOL.decode()}, got {_show(frames[0])}")
+        raise ProtocolError("version", f"not a laya-pool message (first frame {_show(frames[0])})")
+    if len(first) <= HEAD:
+        raise ProtocolError("header", f"the first frame ends after {len(first)} bytes: no command or no header")
+    cmd = _CMD_OF_BYTE[first[HEAD - 1]]
     if cmd is None:
-        raise ProtocolError("command", f"unknown command {c[0]}")
-    header = unpack(frames[2], MAX_HEADER_BYTES)
+        raise ProtocolError("command", f"unknown command {first[HEAD - 1]}")
+    header = unpack(first[HEAD:], MAX_HEADER_BYTES)      # (bytes: a short copy; a frame's buffer: a view)
     if not isinstance(header, dict):
         raise ProtocolError("header", f"must be a msgpack map, got {type(header).__name__}")
-    return Message(cmd, header, list(frames[3:]))
+    return Message(cmd, header, list(frames[1:]))
 
 
 def _show(frame: Any) -> str:
@@ -291,7 +292,10 @@ def _rid(header: dict) -> int | str:
 def rid_of(frames: Sequence[Any]) -> Any:
     """Best effort: the request id of a message we otherwise refuse, so the error reply can name it."""
     try:
-        h = unpack(frames[2], MAX_HEADER_BYTES)
+        first = memoryview(_bytes(frames[0]))
+        if bytes(first[:HEAD - 1]) != PROTOCOL:
+            return None
+        h = unpack(first[HEAD:], MAX_HEADER_BYTES)
         rid = h.get("rid") if isinstance(h, dict) else None
         return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
     except Exception:
@@ -487,14 +491,15 @@ def with_budget(frames: Sequence[Any], budget_ms: int) -> list[Any]:
     the client builds) gets the key appended to its bytes, a microsecond instead of a decode and an encode.
     Were the key there already, the decoder keeps the last one: this one."""
     budget = max(0, min(int(budget_ms), MAX_BUDGET_MS))
-    h = bytes(_bytes(frames[2]))
+    first = bytes(_bytes(frames[0]))
+    h = first[HEAD:]
     if h and 0x80 <= h[0] < 0x8f:
         header = bytes((h[0] + 1,)) + h[1:] + _BUDGET_KEY + msgpack.packb(budget)
     else:
         d = unpack(h, MAX_HEADER_BYTES)
         d["budget_ms"] = budget
         header = pack(d)
-    return [*frames[:2], header, *frames[3:]]
+    return [first[:HEAD] + header, *frames[1:]]
 
 
 def retry_after_of(error: dict | None) -> float | None:

@@ -24,8 +24,8 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from laya_pool.protocol.lane import Lane  # noqa: E402
 
-REQUEST = [b"LAYA2", b"\x02", b"h" * 120, b"r" * 220]       # ~ a 1x48 request's frames
-REPLY = [b"LAYA2", b"\x03", b"h" * 200, b"l" * 64, b"a" * 16]
+REQUEST = [b"LAYA3\x02" + b"h" * 120, b"r" * 220]       # ~ a 1x48 request's frames
+REPLY = [b"LAYA3\x03" + b"h" * 200, b"l" * 64, b"a" * 16]
 
 
 def _socket_end(endpoint: str, spin: bool) -> None:

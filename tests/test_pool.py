@@ -353,20 +353,27 @@ def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):
 # ------------------------------------------------------------------------------------------------ bad input
 
 _GOOD = [bytes(f) for f in wire.encode_request(1, wire.pack_rows(make_rows(4)), cid="bad-client")]
-_H = msgpack.unpackb(_GOOD[2])
+_H = msgpack.unpackb(_GOOD[0][wire.HEAD:])
+
+
+def _msg(cmd: int, header: bytes, *payload) -> list:
+    """A message as LAYA3 frames it: version, command and header in the first frame."""
+    return [wire.PROTOCOL + bytes([cmd]) + header, *payload]
+
+
 # (what, frames, the field the final reply names)
 MALFORMED = [
     ("not the protocol", [b"garbage"], "version"),
-    ("another version", [b"LAYA0", bytes([Cmd.REQUEST]), msgpack.packb({"rid": 1})], "version"),
-    ("unknown command", [wire.PROTOCOL, bytes([200]), msgpack.packb({"rid": 2})], "command"),
-    ("header not msgpack", [wire.PROTOCOL, bytes([Cmd.REQUEST]), b"\xc1not msgpack"], "header"),
-    ("truncated buffer", _GOOD[:3] + [_GOOD[3][:-3]], "arrays"),
+    ("another version", [b"LAYA0" + bytes([Cmd.REQUEST]) + msgpack.packb({"rid": 1})], "version"),
+    ("the version before this one", [b"LAYA2", bytes([Cmd.REQUEST]), msgpack.packb({"rid": 1})], "version"),
+    ("unknown command", _msg(200, msgpack.packb({"rid": 2})), "command"),
+    ("header not msgpack", _msg(Cmd.REQUEST, b"\xc1not msgpack"), "header"),
+    ("truncated buffer", [_GOOD[0], _GOOD[1][:-3]], "arrays"),
     ("a frame missing", _GOOD[:-1], "frames"),
-    ("counts that disagree", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "rows": 5})] + _GOOD[3:], "arrays"),
-    ("unknown mode", [_GOOD[0], _GOOD[1], msgpack.packb({**_H, "mode": "warp"})] + _GOOD[3:], "mode"),
-    ("a worker command from a client", [_GOOD[0], bytes([Cmd.READY]), msgpack.packb({"rid": 3})], "command"),
-    ("drain without the operator credential", [_GOOD[0], bytes([Cmd.DRAIN]),
-                                               msgpack.packb({"rid": 4, "worker": "nope"})], "op"),
+    ("counts that disagree", _msg(Cmd.REQUEST, msgpack.packb({**_H, "rows": 5}), *_GOOD[1:]), "arrays"),
+    ("unknown mode", _msg(Cmd.REQUEST, msgpack.packb({**_H, "mode": "warp"}), *_GOOD[1:]), "mode"),
+    ("a worker command from a client", _msg(Cmd.READY, msgpack.packb({"rid": 3})), "command"),
+    ("drain without the operator credential", _msg(Cmd.DRAIN, msgpack.packb({"rid": 4, "worker": "nope"})), "op"),
 ]
 
 

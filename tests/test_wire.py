@@ -20,6 +20,20 @@ def _request(**kw) -> list:
     return [bytes(f) for f in wire.encode_request(7, wire.pack_rows(ROWS), cid="c1", **kw)]
 
 
+def _msg(cmd: int, header: bytes, *payload) -> list:
+    """A message as LAYA3 frames it: version, command and header in the first frame, then the payload frames."""
+    return [wire.PROTOCOL + bytes([cmd]) + header, *payload]
+
+
+def _header(frames: list) -> dict:
+    return msgpack.unpackb(frames[0][wire.HEAD:], strict_map_key=False)
+
+
+def _with_header(frames: list, header: dict) -> list:
+    """`frames` with its header replaced (version, command and payload kept)."""
+    return [frames[0][:wire.HEAD] + msgpack.packb(header), *frames[1:]]
+
+
 def _raises(frames, field: str, parse=wire.parse_request):
     with pytest.raises(ProtocolError) as e:
         parse(wire.decode(frames))
@@ -30,8 +44,8 @@ def _raises(frames, field: str, parse=wire.parse_request):
 
 def test_request_round_trip():
     frames = _request(worker="1", mode="eager", taps=True)
-    assert frames[0] == wire.PROTOCOL and frames[1] == bytes([Cmd.REQUEST])
-    assert len(frames) == 4      # protocol, command, header, the arrays' one buffer
+    assert frames[0][:wire.HEAD] == wire.PROTOCOL + bytes([Cmd.REQUEST])
+    assert len(frames) == 2      # version, command and header; the arrays' one buffer
     req = wire.parse_request(wire.decode(frames), need_cid=True)
     assert (req.rid, req.cid, req.worker, req.mode, req.taps) == (7, "c1", "1", "eager", True)
     assert req.ids.tolist() == [1, 5, 9, 2, 7, 8, 9]
@@ -39,7 +53,7 @@ def test_request_round_trip():
     assert req.marker_counts.tolist() == [2, 1] and req.markers.tolist() == [1, 3, 0]
     assert all(a.dtype == np.dtype("<i4") for a in req.arrays().values())
     # the buffer is raw little-endian int32 (not msgpack): ids, lengths, types, marker counts, markers
-    assert frames[3] == np.array([1, 5, 9, 2, 7, 8, 9, 4, 3, 0, 2, 2, 1, 1, 3, 0], "<i4").tobytes()
+    assert frames[1] == np.array([1, 5, 9, 2, 7, 8, 9, 4, 3, 0, 2, 2, 1, 1, 3, 0], "<i4").tobytes()
 
 
 def test_reply_round_trip_with_taps():
@@ -67,7 +81,7 @@ def test_a_groups_replies_decode_to_the_header_packed_whole(n_group_metrics):
     for rid, own in [(7, {"queue_ms": 1.5, "received_at": 12.25}), ("x", None), (8, {"m1": "mine", "q": 1}),
                      (9, {f"o{i}": i for i in range(17)}), (10, {1: "a", "1": "b"}), (11, {"m2": 5, 2: 6})]:
         frames = [bytes(f) for f in replies.encode(rid, np.arange(5, dtype=np.float32), act, own)]
-        header = msgpack.unpackb(frames[2], strict_map_key=False)
+        header = _header(frames)
         metrics = wire.plain({**shared, **(own or {})})
         whole = {"rid": rid, "markers": 5, "rows": 2, "n_act": 3, "status": "ok", "worker": "w3", "fp": "f" * 64,
                  **({"metrics": metrics} if metrics else {})}
@@ -100,9 +114,9 @@ def test_a_budget_travels_in_the_header_and_is_checked():
     assert wire.request_header_for_worker(req, 42, 300)["budget_ms"] == 300
     assert "budget_ms" not in wire.request_header_for_worker(req, 42)
     for bad, field in ((-1, "budget_ms"), (wire.MAX_BUDGET_MS + 1, "budget_ms"), ("soon", "budget_ms")):
-        header = msgpack.unpackb(frames[2])
+        header = _header(frames)
         header["budget_ms"] = bad
-        _raises([*frames[:2], msgpack.packb(header), *frames[3:]], field)
+        _raises(_with_header(frames, header), field)
 
 
 def test_retry_after_travels_in_the_error_in_milliseconds():
@@ -120,19 +134,20 @@ def test_body_round_trip():
 
 @pytest.mark.parametrize("frames, field", [
     ([b"garbage"], "version"),
-    ([b"LAYA0", bytes([2]), msgpack.packb({})], "version"),
-    ([b"LAYA1", bytes([2]), msgpack.packb({})], "version"),     # the version before this one
-    ([wire.PROTOCOL, bytes([2])], "frames"),
-    ([wire.PROTOCOL, bytes([99]), msgpack.packb({})], "command"),
-    ([wire.PROTOCOL, b"\x02\x02", msgpack.packb({})], "command"),
-    ([wire.PROTOCOL, bytes([2]), b"\xc1\xc1"], "header"),
-    ([wire.PROTOCOL, bytes([2]), msgpack.packb([1, 2])], "header"),
-    ([wire.PROTOCOL, bytes([2]), msgpack.packb({1: 2})], "header"),
-    ([wire.PROTOCOL, bytes([2]), msgpack.packb(msgpack.ExtType(3, b"x"))], "header"),
-    ([wire.PROTOCOL, bytes([2]), msgpack.packb({"a": 1}) + b"junk"], "header"),
-    ([wire.PROTOCOL, bytes([2]), b""], "header"),
-    ([wire.PROTOCOL, bytes([2]), msgpack.packb({"s": "x" * (wire.MAX_HEADER_BYTES + 1)})], "header"),
-    ([wire.PROTOCOL, bytes([2]), msgpack.packb({})] + [b""] * 300, "frames"),
+    ([], "frames"),
+    ([b"LAYA0" + bytes([2]) + msgpack.packb({})], "version"),
+    ([b"LAYA2", bytes([2]), msgpack.packb({})], "version"),     # the version before this one: three frames
+    ([b"LAYA1", bytes([2]), msgpack.packb({})], "version"),
+    ([wire.PROTOCOL], "header"),
+    (_msg(2, b""), "header"),
+    (_msg(99, msgpack.packb({})), "command"),
+    (_msg(2, b"\xc1\xc1"), "header"),
+    (_msg(2, msgpack.packb([1, 2])), "header"),
+    (_msg(2, msgpack.packb({1: 2})), "header"),
+    (_msg(2, msgpack.packb(msgpack.ExtType(3, b"x"))), "header"),
+    (_msg(2, msgpack.packb({"a": 1}) + b"junk"), "header"),
+    (_msg(2, msgpack.packb({"s": "x" * (wire.MAX_HEADER_BYTES + 1)})), "header"),
+    (_msg(2, msgpack.packb({}), *[b""] * 300), "frames"),
 ])
 def test_envelope_refused(frames, field):
     with pytest.raises(ProtocolError) as e:
@@ -143,47 +158,47 @@ def test_envelope_refused(frames, field):
 def test_request_buffers_must_match_the_header():
     good = _request()
     short = list(good)
-    short[3] = short[3][:-2]                                   # truncated
+    short[1] = short[1][:-2]                                   # truncated
     e = _raises(short, "arrays")
     assert "holds 62 bytes" in str(e) and "need 64" in str(e)
     odd = list(good)
-    odd[3] = odd[3] + b"\0\0\0\0"                             # one marker too many
+    odd[1] = odd[1] + b"\0\0\0\0"                             # one marker too many
     _raises(odd, "arrays")
     _raises(good[:-1], "frames")                               # the buffer missing
     _raises(good + [b""], "frames")                            # a buffer too many
-    _raises(good[:3] + [good[3][:28], good[3][28:]], "frames")  # LAYA1's five buffers
+    _raises(good[:1] + [good[1][:28], good[1][28:]], "frames")  # LAYA1's five buffers
     for key, value, field in [("rows", 3, "arrays"), ("rows", -1, "rows"), ("tokens", True, "tokens"),
                               ("markers", "3", "markers"), ("rows", wire.MAX_COUNT + 1, "rows"),
                               ("rid", None, "rid"), ("rid", 1.5, "rid"), ("mode", "turbo", "mode"),
                               ("taps", 1, "taps"), ("worker", 3, "worker"), ("cid", 5, "cid")]:
-        h = msgpack.unpackb(good[2])
+        h = _header(good)
         h[key] = value
-        _raises(good[:2] + [msgpack.packb(h)] + good[3:], field)
-    h = msgpack.unpackb(good[2])
+        _raises(_with_header(good, h), field)
+    h = _header(good)
     del h["cid"]
     with pytest.raises(ProtocolError) as e:
-        wire.parse_request(wire.decode(good[:2] + [msgpack.packb(h)] + good[3:]), need_cid=True)
+        wire.parse_request(wire.decode(_with_header(good, h)), need_cid=True)
     assert e.value.field == "cid"
 
 
 def test_reply_buffers_must_match_the_header():
     frames = [bytes(f) for f in wire.encode_reply(1, np.ones(3, np.float32), np.ones((2, 2), np.float32))]
     bad = list(frames)
-    bad[3] = bad[3][:8]
+    bad[1] = bad[1][:8]
     _raises(bad, "logits", wire.parse_reply)
     bad = list(frames)
-    bad[4] = bad[4] + b"\0" * 4
+    bad[2] = bad[2] + b"\0" * 4
     _raises(bad, "act", wire.parse_reply)
-    h = msgpack.unpackb(frames[2])
+    h = _header(frames)
     h["status"] = "maybe"
-    _raises(frames[:2] + [msgpack.packb(h)] + frames[3:], "status", wire.parse_reply)
-    h = msgpack.unpackb(frames[2])
+    _raises(_with_header(frames, h), "status", wire.parse_reply)
+    h = _header(frames)
     h["taps"] = [["x", [2, 2]]]
-    _raises(frames[:2] + [msgpack.packb(h)] + frames[3:], "frames", wire.parse_reply)
+    _raises(_with_header(frames, h), "frames", wire.parse_reply)
     err = [bytes(f) for f in wire.encode_error(1, "final", "no")]
-    h = msgpack.unpackb(err[2])
+    h = _header(err)
     del h["error"]
-    _raises(err[:2] + [msgpack.packb(h)], "error", wire.parse_reply)
+    _raises(_with_header(err, h), "error", wire.parse_reply)
 
 
 def test_pack_rows_is_strict():
@@ -219,9 +234,9 @@ def test_loopback():
 @given(st.lists(st.binary(max_size=64), max_size=10))
 def test_fuzz_only_protocol_errors(frames):
     """Whatever arrives, decoding either succeeds or raises ProtocolError: never another exception."""
-    for prefix in ([], [wire.PROTOCOL, bytes([2])], [wire.PROTOCOL, bytes([3])]):
+    for prefix in (b"", wire.PROTOCOL + bytes([2]), wire.PROTOCOL + bytes([3])):
         try:
-            msg = wire.decode(prefix + frames)
+            msg = wire.decode([prefix + frames[0], *frames[1:]] if frames else [prefix])
             if msg.cmd == Cmd.REQUEST:
                 wire.parse_request(msg)
             elif msg.cmd == Cmd.REPLY:
@@ -237,7 +252,7 @@ def test_fuzz_only_protocol_errors(frames):
        st.lists(st.binary(max_size=40), min_size=0, max_size=6))
 def test_fuzz_request_headers(header, buffers):
     try:
-        wire.parse_request(wire.decode([wire.PROTOCOL, bytes([2]), msgpack.packb(header)] + buffers))
+        wire.parse_request(wire.decode(_msg(2, msgpack.packb(header), *buffers)))
     except ProtocolError:
         pass
 
@@ -284,7 +299,7 @@ def _request_outcome(frames: list, head: bool) -> tuple:
        st.lists(st.binary(max_size=48).filter(lambda b: len(b) % 4 == 0), min_size=1, max_size=2))
 def test_the_brokers_request_head_checks_what_parse_request_checks(header, buffers):
     """The broker parses a request without its arrays (`parse_request_head`): same refusals, same fields."""
-    frames = [wire.PROTOCOL, bytes([2]), msgpack.packb(header), *buffers]
+    frames = _msg(2, msgpack.packb(header), *buffers)
     assert _request_outcome(frames, head=True) == _request_outcome(frames, head=False)
 
 
@@ -294,7 +309,7 @@ def test_the_brokers_request_head_on_a_good_request():
     assert _request_outcome(frames, head=True)[:6] == ("ok", 7, "c1", 2, 7, 3)
 
 
-@pytest.mark.parametrize("cut,field", [(3, "logits"), (4, "act")])
+@pytest.mark.parametrize("cut,field", [(1, "logits"), (2, "act")])
 def test_a_reply_checked_without_arrays_refuses_the_same_sizes(cut, field):
     frames = [bytes(f) for f in wire.encode_reply(1, np.ones(3, np.float32), np.ones((2, 2), np.float32))]
     assert wire.parse_reply(wire.decode(frames), arrays=False).logits is None
@@ -324,7 +339,7 @@ def test_get_takes_exact_types_and_refuses_the_rest(header, kind, want):
 
 def test_every_command_byte_decodes_to_its_command_and_no_other():
     for b in range(256):
-        frames = [wire.PROTOCOL, bytes([b]), msgpack.packb({})]
+        frames = _msg(b, msgpack.packb({}))
         if b in {int(c) for c in Cmd}:
             assert wire.decode(frames).cmd is Cmd(b)
         else:

@@ -80,7 +80,7 @@ def _load(endpoint: str, kind: str, window: int, warmup: float, seconds: float, 
             except zmq.Again:
                 break
             got += 1
-            ok += ok_status in frames[2]
+            ok += ok_status in frames[0]                # (the first frame holds the header)
         now = time.monotonic()
         if t0 <= now < t1:
             counted += ok

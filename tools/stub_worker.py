@@ -40,7 +40,7 @@ def reply_frames(rid: int, rows: int, markers: int, wid: str, fp: str, metrics: 
     """An ok reply to job `rid`: zeros of the sizes its header promises."""
     header = {"rid": rid, "status": wire.STATUS_OK, "markers": markers, "rows": rows, "n_act": N_ACT,
               "worker": wid, "fp": fp, "metrics": metrics}
-    return [wire.PROTOCOL, bytes((Cmd.REPLY,)), msgpack.packb(header), bytes(4 * markers), bytes(4 * rows * N_ACT)]
+    return [wire.PROTOCOL + bytes((Cmd.REPLY,)) + msgpack.packb(header), bytes(4 * markers), bytes(4 * rows * N_ACT)]
 
 
 def serve(backend: str, wid: str, credit: int, fp: str, heartbeat_s: float = 1.0) -> int:
@@ -71,12 +71,12 @@ def serve(backend: str, wid: str, credit: int, fp: str, heartbeat_s: float = 1.0
 
 
 def _answer(s: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict, ready: dict) -> None:
-    cmd = frames[1][0]
+    cmd = frames[0][wire.HEAD - 1]
     if cmd == Cmd.REQUEST:
-        h = msgpack.unpackb(frames[2])
+        h = msgpack.unpackb(frames[0][wire.HEAD:])
         s.send_multipart(reply_frames(h["rid"], h["rows"], h["markers"], wid, fp, metrics), copy=False)
     elif cmd == Cmd.DESCRIBE:
-        h = msgpack.unpackb(frames[2])
+        h = msgpack.unpackb(frames[0][wire.HEAD:])
         s.send_multipart(wire.encode_body_reply(Cmd.DESCRIBE, h["rid"], {"fingerprint": fp}))
     elif cmd == Cmd.DISCONNECT:
         s.send_multipart(wire.encode(Cmd.READY, ready))

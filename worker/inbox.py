@@ -323,7 +323,7 @@ class SocketInbox:
             except wire.ProtocolError as e:
                 self.malformed += 1
                 log.warning("worker %s: malformed message on lane %s (%s)", self.identity, lane.name, e)
-                rid = wire.rid_of(frames) if isinstance(frames, list) and len(frames) >= 3 else None
+                rid = wire.rid_of(frames) if isinstance(frames, list) and frames else None
                 self._answer_lane(lane, wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field))
                 continue
             q = self.intake(msg, now, lane)
@@ -345,7 +345,7 @@ class SocketInbox:
                 log.warning("worker %s: malformed message on the %s socket (%s)", self.identity,
                             "direct" if direct else "data", e)
                 if direct:      # a client waits for it: say what is wrong (the broker's messages are well-formed)
-                    self.send(wire.encode_error(wire.rid_of(frames) if len(frames) >= 3 else None, wire.STATUS_FINAL,
+                    self.send(wire.encode_error(wire.rid_of(frames) if frames else None, wire.STATUS_FINAL,
                                                 str(e), field=e.field), to)
                 continue
             if direct and msg.cmd == wire.Cmd.LANE:

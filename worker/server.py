@@ -205,7 +205,8 @@ class Worker:
             wire.send_frames(self.dealer, frames, copy=False)
             self.last_sent = time.monotonic()
         except zmq.Again:
-            log.warning("worker %s: the broker's queue is full; dropped a %r message", self.id, bytes(frames[1]))
+            log.warning("worker %s: the broker's queue is full; dropped a %r message", self.id,
+                        bytes(frames[0][:wire.HEAD]))
 
     def _ready(self) -> None:
         cap = self.rt.capacity
