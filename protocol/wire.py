@@ -448,9 +448,9 @@ def parse_request(msg: Message, need_cid: bool = False) -> Request:
     head = parse_request_head(msg, need_cid)
     t, r = head.tokens, head.rows
     flat = np.frombuffer(_bytes(msg.frames[0]), dtype=I32)
-    return Request(rid=head.rid, cid=head.cid, worker=head.worker, mode=head.mode, taps=head.taps,
-                   budget_ms=head.budget_ms, header=head.header, ids=flat[:t], lengths=flat[t:t + r],
-                   types=flat[t + r:t + 2 * r], marker_counts=flat[t + 2 * r:t + 3 * r], markers=flat[t + 3 * r:])
+    # positional, in the dataclass's field order (Rows' five arrays, then Request's own): 0.4 us less than by name
+    return Request(flat[:t], flat[t:t + r], flat[t + r:t + 2 * r], flat[t + 2 * r:t + 3 * r], flat[t + 3 * r:],
+                   head.rid, head.cid, head.worker, head.mode, head.taps, head.budget_ms, head.header)
 
 
 def request_header_for_worker(req: Request | RequestHead, job: int, budget_ms: int | None = None) -> dict[str, Any]:

@@ -305,7 +305,7 @@ class Compute:
                                    "before compute started", reason=Reason.EXPIRED), q.to)
             return None
         try:
-            batch = Batch(**req.arrays())
+            batch = Batch(req.ids, req.lengths, req.types, req.marker_counts, req.markers)    # (0.2 us; by names 0.7)
             self.rt.check_request(batch, mode=req.mode, taps=req.taps)     # its values: with its group's (`_valid`)
             return batch
         except Exception as e:  # noqa: BLE001 - host-side only (no device work yet): refuse this one request
