@@ -262,12 +262,14 @@ class Broker:
 
     def _client_error(self, envelope: list[bytes], rid: Any, status: str, message: str, *, field: str | None = None,
                       row: int | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None,
-                      retry_after: float | None = None) -> None:
+                      retry_after: float | None = None, like: list[Any] | None = None) -> None:
+        """`like`: the undecodable message this answers (a LAYA2 peer's gets its answer in LAYA2's layout)."""
         self.counters["errors_" + status] += 1
         if cmd == Cmd.REPLY:
             self.meter.refused(status, reason)
-        self._to_client(envelope, wire.encode_error(rid, status, message, field=field, row=row, cmd=cmd,
-                                                    reason=reason, retry_after=retry_after))
+        reply = wire.encode_error(rid, status, message, field=field, row=row, cmd=cmd, reason=reason,
+                                  retry_after=retry_after)
+        self._to_client(envelope, reply if like is None else wire.in_kind(like, reply))
 
     def _to_worker(self, w: WorkerInfo, cmd: Cmd, header: dict, *frames: Any) -> bool:
         ok = self._send(self.backend, [w.identity, *wire.encode(cmd, header, *frames)])
@@ -430,7 +432,7 @@ class Broker:
         except wire.ProtocolError as e:
             self.counters["malformed"] += 1
             self._client_error(envelope, wire.rid_of(body) if body else None, wire.STATUS_FINAL,
-                               str(e), field=e.field)
+                               str(e), field=e.field, like=body)
             return
         try:
             if msg.cmd == Cmd.REQUEST:

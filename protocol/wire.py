@@ -34,6 +34,7 @@ from .contract import MODES
 # and write; LAYA2: a REQUEST's five arrays travel in one frame (LAYA1: five).
 PROTOCOL = b"LAYA3"
 HEAD = len(PROTOCOL) + 1        # the bytes before the header in a message's first frame: version, command
+LAYA2 = b"LAYA2"                # the version before: its peers' refusals go out in its layout (`in_kind`)
 
 # Limits. The header is small by construction; bodies carry a model card (tokenizer.json, a few MB).
 MAX_HEADER_BYTES = 64 * 1024
@@ -202,6 +203,8 @@ def decode(frames: Sequence[Any], max_frames: int = 6 + MAX_TAPS) -> Message:
         raise ProtocolError("version", f"not a laya-pool message (first frame {_show(frames[0])})")
     if len(first) <= HEAD:
         raise ProtocolError("header", f"the first frame ends after {len(first)} bytes: no command or no header")
+    if len(first) - HEAD > MAX_HEADER_BYTES:      # before the slice below copies it
+        raise ProtocolError("header", f"{len(first) - HEAD} bytes exceed the limit of {MAX_HEADER_BYTES}")
     cmd = _CMD_OF_BYTE[first[HEAD - 1]]
     if cmd is None:
         raise ProtocolError("command", f"unknown command {first[HEAD - 1]}")
@@ -209,6 +212,16 @@ def decode(frames: Sequence[Any], max_frames: int = 6 + MAX_TAPS) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError("header", f"must be a msgpack map, got {type(header).__name__}")
     return Message(cmd, header, list(frames[1:]))
+
+
+def in_kind(incoming: Sequence[Any], reply: list[Any]) -> list[Any]:
+    """`reply` (a refusal) to the message `incoming`, which did not decode: in LAYA2's layout (version, command and
+    header as three frames) when a LAYA2 peer sent it, so that the peer reads the `version` error instead of failing
+    on the framing (or dropping the reply); otherwise as it is."""
+    if len(incoming) >= 3 and bytes(_bytes(incoming[0])) == LAYA2:
+        head = bytes(_bytes(reply[0]))
+        return [LAYA2, head[HEAD - 1:HEAD], head[HEAD:], *reply[1:]]
+    return reply
 
 
 def _show(frame: Any) -> str:
@@ -293,9 +306,12 @@ def rid_of(frames: Sequence[Any]) -> Any:
     """Best effort: the request id of a message we otherwise refuse, so the error reply can name it."""
     try:
         first = memoryview(_bytes(frames[0]))
-        if bytes(first[:HEAD - 1]) != PROTOCOL:
+        if bytes(first) == LAYA2 and len(frames) >= 3:
+            h = unpack(frames[2], MAX_HEADER_BYTES)         # LAYA2's header frame
+        elif bytes(first[:HEAD - 1]) == PROTOCOL:
+            h = unpack(first[HEAD:], MAX_HEADER_BYTES)
+        else:
             return None
-        h = unpack(first[HEAD:], MAX_HEADER_BYTES)
         rid = h.get("rid") if isinstance(h, dict) else None
         return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
     except Exception:

@@ -201,6 +201,32 @@ def test_reply_buffers_must_match_the_header():
     _raises(_with_header(err, h), "error", wire.parse_reply)
 
 
+def test_a_laya2_peer_is_refused_in_its_own_layout():
+    """LAYA2 framed version, command and header as three frames: its peer cannot read a LAYA3 reply, so a refusal to
+    it goes out in LAYA2's layout, naming `version` and its request id; any other refusal goes out as it is."""
+    old = [wire.LAYA2, bytes([Cmd.REQUEST]), msgpack.packb({"rid": 9, "rows": 1}), b"\0" * 16]
+    with pytest.raises(ProtocolError) as e:
+        wire.decode(old)
+    assert e.value.field == "version" and "LAYA3" in str(e.value)
+    assert wire.rid_of(old) == 9
+    reply = wire.in_kind(old, wire.encode_error(wire.rid_of(old), "final", str(e.value), field=e.value.field))
+    assert reply[:2] == [wire.LAYA2, bytes([Cmd.REPLY])] and len(reply) == 3
+    assert msgpack.unpackb(reply[2])["error"]["field"] == "version" and msgpack.unpackb(reply[2])["rid"] == 9
+    refusal = wire.encode_error(None, "final", "x", field="version")
+    assert wire.in_kind([b"garbage"], refusal) is refusal and wire.in_kind(_request(), refusal) is refusal
+
+
+def test_the_positional_constructors_follow_the_field_order():
+    """parse_request and the worker's admit build Request and Batch by position, for speed: their fields must stay in
+    this order (a field added in between would shift every argument after it)."""
+    from dataclasses import fields
+
+    from laya_pool.worker.batch import Batch
+    assert [f.name for f in fields(wire.Request)] == [*wire.REQUEST_ARRAYS, "rid", "cid", "worker", "mode", "taps",
+                                                       "budget_ms", "header"]
+    assert [f.name for f in fields(Batch)] == list(wire.REQUEST_ARRAYS)
+
+
 def test_pack_rows_is_strict():
     with pytest.raises(ProtocolError):
         wire.pack_rows([(np.array([1.5, 2.0]), np.array([0]), 0)])          # float ids

@@ -324,7 +324,8 @@ class SocketInbox:
                 self.malformed += 1
                 log.warning("worker %s: malformed message on lane %s (%s)", self.identity, lane.name, e)
                 rid = wire.rid_of(frames) if isinstance(frames, list) and frames else None
-                self._answer_lane(lane, wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field))
+                refusal = wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field)
+                self._answer_lane(lane, wire.in_kind(frames, refusal) if isinstance(frames, list) else refusal)
                 continue
             q = self.intake(msg, now, lane)
             if q is not None:
@@ -345,8 +346,8 @@ class SocketInbox:
                 log.warning("worker %s: malformed message on the %s socket (%s)", self.identity,
                             "direct" if direct else "data", e)
                 if direct:      # a client waits for it: say what is wrong (the broker's messages are well-formed)
-                    self.send(wire.encode_error(wire.rid_of(frames) if frames else None, wire.STATUS_FINAL,
-                                                str(e), field=e.field), to)
+                    self.send(wire.in_kind(frames, wire.encode_error(wire.rid_of(frames) if frames else None,
+                                                                     wire.STATUS_FINAL, str(e), field=e.field)), to)
                 continue
             if direct and msg.cmd == wire.Cmd.LANE:
                 self._open_lane(msg, to)

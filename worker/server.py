@@ -205,8 +205,8 @@ class Worker:
             wire.send_frames(self.dealer, frames, copy=False)
             self.last_sent = time.monotonic()
         except zmq.Again:
-            log.warning("worker %s: the broker's queue is full; dropped a %r message", self.id,
-                        bytes(frames[0][:wire.HEAD]))
+            log.warning("worker %s: the broker's queue is full; dropped a %s message", self.id,
+                        wire.decode(frames).cmd.name)
 
     def _ready(self) -> None:
         cap = self.rt.capacity
