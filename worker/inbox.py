@@ -276,9 +276,9 @@ class SocketInbox:
 
         While a group computes (so the host's time is not what the device waits for), the socket that just gave a
         request most likely holds the next one too: it is read again without a poll, up to HOT_READS times in a row
-        (then a poll, which gives the other socket its turn), and the first read that finds nothing (2.7 us, where a
-        poll takes 0.7) goes back to polling. A lone request never pays for that read: nothing is computing when it
-        arrives."""
+        (then a poll, which reads the data socket first, as always), and the first read that finds nothing (2.7 us,
+        where a poll takes 0.7) goes back to polling. A lone request's launch never waits for that read: nothing
+        computes when it arrives (its group pays it once, while the device runs)."""
         hot = self.hot
         if hot is not None and self.hot_reads < HOT_READS and self.oldest() is not None:
             self.hot_reads += 1
