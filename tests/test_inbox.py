@@ -1,0 +1,95 @@
+"""The data thread's inbox (worker/inbox.py `SocketInbox`) on real sockets: with a group computing it reads the
+socket that last gave a request again without a poll (hot reads); every request is still taken exactly once from
+either socket, a landed group is still seen, and with nothing computing it never reads without a poll."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from laya_pool.protocol import contract, wire
+from laya_pool.worker import inbox as inbox_module
+from laya_pool.worker.inbox import NOTHING, SocketInbox
+
+
+class _Flight:
+    """A launched group whose `job.done()` the test sets."""
+
+    def __init__(self):
+        self.landed = False
+        self.job = self
+
+    def done(self) -> bool:
+        return self.landed
+
+
+def _request(rid: int) -> list[bytes]:
+    arrays = wire.pack_rows([(np.arange(5, 21, dtype=np.int32), np.array([2, 7], np.int32), 0)])
+    return [bytes(f) for f in wire.encode_request(rid, arrays, cid="c")]
+
+
+@pytest.fixture
+def sockets():
+    """(inbox, the broker's ROUTER, a client's DEALER on the direct socket, the launched group or None)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    inbox = SocketInbox(ctx, f"tcp://127.0.0.1:{port}", "w0/data", max_message_bytes=contract.MAX_BACKEND_BYTES,
+                        direct="tcp://127.0.0.1:*")
+    inbox.intake = lambda msg, received, to=None: wire.parse_request(msg).rid
+    inbox.open()
+    client = ctx.socket(zmq.DEALER)
+    client.connect(inbox.direct_endpoint)
+    held: dict[str, _Flight | None] = {"flight": None}
+    inbox.oldest = lambda: held["flight"]
+    yield inbox, router, client, held
+    for s in (router, client, inbox.sock, inbox.direct, inbox.wake_in, inbox.wake_out):
+        s.close(0)
+    ctx.term()
+
+
+def _send_all(router, client, n: int) -> None:
+    for rid in range(n):
+        while True:      # the data socket's connection is made in the background: wait until the ROUTER knows it
+            try:
+                wire.send_frames(router, [b"w0/data", *_request(rid)], wait=True)
+                break
+            except zmq.ZMQError:
+                time.sleep(0.01)
+        wire.send_frames(client, _request(1000 + rid), wait=True)
+    time.sleep(0.3)      # all of them in the worker's pipes
+
+
+def _take(inbox, n: int) -> list:
+    got, deadline = [], time.monotonic() + 10
+    while len(got) < n and time.monotonic() < deadline:
+        item = inbox.get(0.0)
+        if item is not NOTHING:
+            got.append(item)
+    return got
+
+
+def test_with_a_group_computing_every_request_is_taken_once_and_the_landing_after(sockets):
+    inbox, router, client, held = sockets
+    flight = held["flight"] = _Flight()
+    _send_all(router, client, 40)
+    got = _take(inbox, 80)
+    assert sorted(got) == list(range(40)) + list(range(1000, 1040))
+    assert inbox.hot_reads > 0, "no hot read: the test would not show them"
+    assert inbox.get(0.0) is NOTHING             # drained: the read that found nothing went back to polling
+    assert inbox.hot is None
+    flight.landed = True
+    assert isinstance(inbox.get(0.0), inbox_module.Landed)
+
+
+def test_with_nothing_computing_every_read_follows_a_poll(sockets, monkeypatch):
+    inbox, router, client, _ = sockets
+    polls = []
+    poll = inbox._poll_sockets
+    monkeypatch.setattr(inbox, "_poll_sockets", lambda: polls.append(1) or poll())
+    _send_all(router, client, 10)
+    got = _take(inbox, 20)
+    assert sorted(got) == list(range(10)) + list(range(1000, 1010))
+    assert inbox.hot_reads == 0 and len(polls) >= 20
