@@ -50,7 +50,8 @@ def step_gemm(ff: int, d: int) -> None:
                 Tiles(picked.bm, max(16, picked.bn // 2), picked.bk, picked.warps, picked.stages),
                 Tiles(picked.bm, picked.bn, picked.bk, picked.warps, picked.stages + 1)]
         if m > 512:
-            alts += [Tiles(128, 256, 64, 8, 3), Tiles(128, 128, 64, 8, 4), Tiles(64, 128, 64, 4, 4)]
+            alts += [Tiles(128, 256, 64, 8, 3), Tiles(128, 128, 64, 8, 4), Tiles(64, 128, 64, 4, 4),
+                     Tiles(128, 128, 128, 8, 2), Tiles(256, 128, 64, 8, 3), Tiles(128, 128, 64, 4, 3)]
         row = []
         for t in alts:
             try:
