@@ -25,9 +25,9 @@ Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
 - GEGLU: the program computes the input column n and its gate column n + N/2 together and writes
   bf16(bf16(gelu(bf16(inp))) * bf16(gate)), so the [T, 2F] product never reaches memory.
 - GEGLU_PAIRS (the forward's): GEGLU on w in `geglu_pairs` order (input row f, gate row f, ...), so one accumulator
-  and one weight tile hold both columns of a pair, one thread's neighbours (as ROPE's pairs): the same bits, 7% less
-  time at M = 8,192 and at M = 48 (docs/PERF.md, twenty-fourth session). GEGLU stays as the form whose bits it matches
-  (tests/test_gemm_gpu.py) and for LAYA_GEGLU=two.
+  and one weight tile hold both columns of a pair, one thread's neighbours (as ROPE's pairs): the same bits, 7-9% less
+  time at M = 8,192 and 3-7% at M = 48 (H200, H100; docs/PERF.md, twenty-fourth session). GEGLU stays as the form
+  whose bits it matches (tests/test_gemm_gpu.py) and for LAYA_GEGLU=two.
 - ROPE: w's rows in `rope_pairs` order, so each column c < D/2 of a head and its partner c + D/2 are neighbours
   in one tile and in one thread's accumulator: a plain one-accumulator GEMM (any tile) whose epilogue rotates query
   and key heads by their row-relative position (cos/sin tables in fp32, the rotate-half layout) and writes both

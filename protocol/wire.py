@@ -218,10 +218,16 @@ def in_kind(incoming: Sequence[Any], reply: list[Any]) -> list[Any]:
     """`reply` (a refusal) to the message `incoming`, which did not decode: in LAYA2's layout (version, command and
     header as three frames) when a LAYA2 peer sent it, so that the peer reads the `version` error instead of failing
     on the framing (or dropping the reply); otherwise as it is."""
-    if len(incoming) >= 3 and bytes(_bytes(incoming[0])) == LAYA2:
+    if len(incoming) >= 3 and _is_laya2(incoming[0]):
         head = bytes(_bytes(reply[0]))
         return [LAYA2, head[HEAD - 1:HEAD], head[HEAD:], *reply[1:]]
     return reply
+
+
+def _is_laya2(frame: Any) -> bool:
+    """Whether `frame` is LAYA2's version frame (compared without copying a frame of any other size)."""
+    b = _bytes(frame)
+    return len(b) == len(LAYA2) and bytes(b) == LAYA2
 
 
 def _show(frame: Any) -> str:
@@ -306,7 +312,7 @@ def rid_of(frames: Sequence[Any]) -> Any:
     """Best effort: the request id of a message we otherwise refuse, so the error reply can name it."""
     try:
         first = memoryview(_bytes(frames[0]))
-        if bytes(first) == LAYA2 and len(frames) >= 3:
+        if len(frames) >= 3 and _is_laya2(first):
             h = unpack(frames[2], MAX_HEADER_BYTES)         # LAYA2's header frame
         elif bytes(first[:HEAD - 1]) == PROTOCOL:
             h = unpack(first[HEAD:], MAX_HEADER_BYTES)
