@@ -105,6 +105,36 @@ def test_launches_without_tritons_dispatch_give_its_bits(ckpt, tiny_ckpt, monkey
           f"{len(batches)} batches")
 
 
+def test_graphs_launched_directly_give_torchs_replay_bits(ckpt, tiny_ckpt, monkeypatch):
+    """LAYA_GRAPH_LAUNCH=direct launches each captured graph with cudaGraphLaunch on the worker's stream (no torch
+    stream context, no CUDAGraph.replay): the same answers as torch's replay on every frozen batch, in graph-cached
+    and graph-fixed mode, and the direct path is the one taken. The batches alternate shapes and contents, so a launch
+    that ran nothing, or ran on another stream than the readback's, would return the batch before's answers."""
+    batches = frozen_batches(tiny_ckpt)
+    for mode in ("graph-cached", "graph-fixed"):
+        monkeypatch.setenv("LAYA_GRAPH_LAUNCH", "torch")
+        ref_rt = runtime(ckpt, mode)
+        monkeypatch.setenv("LAYA_GRAPH_LAUNCH", "direct")
+        rt = runtime(ckpt, mode)
+        try:
+            ref = [ref_rt.run(b) for b in batches]
+            for _ in range(2):
+                for i, b in enumerate(batches):
+                    o = rt.run(b)
+                    assert np.array_equal(o.logits, ref[i].logits) and np.array_equal(o.act, ref[i].act), (mode, i)
+            graphed = sum(r.metrics.get("graph") in ("hit", "miss", "covered", "fixed") for r in ref)
+            assert graphed > 0 and rt.direct_launches == 2 * graphed, (mode, graphed, rt.direct_launches)
+            assert ref_rt.direct_launches == 0
+        finally:
+            rt.close()
+            ref_rt.close()
+        print(f"\ndirect graph launches ({mode}): {2 * graphed} launches, bits = torch's replay on {len(batches)} "
+              "batches")
+    monkeypatch.setenv("LAYA_GRAPH_LAUNCH", "replay")
+    with pytest.raises(ValueError, match="LAYA_GRAPH_LAUNCH"):
+        Runtime(ckpt, device="cuda", config=RuntimeConfig(mode="eager", capacity=CAP))
+
+
 def test_merged_requests_answer_byte_identically(ckpt, tiny_ckpt):
     """What makes a worker's dynamic batching safe on CUDA: a request merged with others answers exactly
     what it answers alone, in every mode (worker/merge.py)."""

@@ -75,6 +75,16 @@ def memcpy_async(dst: int, src: int, nbytes: int, to_device: bool, stream: int) 
     check("cudaMemcpyAsync", _rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream))
 
 
+def graph_exec(raw: int) -> object:
+    """A captured graph's cudaGraphExec_t (torch's `CUDAGraph.raw_cuda_graph_exec()`), wrapped once for
+    `graph_launch`; it lives as long as the torch graph that owns it."""
+    return _rt.cudaGraphExec_t(init_value=raw)
+
+
+def graph_launch(exec_: object, stream: int) -> None:
+    check("cudaGraphLaunch", _rt.cudaGraphLaunch(exec_, stream))
+
+
 def stream_synchronize(stream: int) -> None:
     check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(stream))
 
