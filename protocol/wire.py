@@ -438,11 +438,40 @@ class RequestHead:
         return _tag(self.header, self.cid, self.rid)
 
 
-def parse_request_head(msg: Message, need_cid: bool = False) -> RequestHead:
-    """Check a REQUEST's header, and its buffer's size against the header's counts."""
-    if msg.cmd != Cmd.REQUEST:
-        raise ProtocolError("command", f"expected REQUEST, got {msg.cmd.name}")
-    h = msg.header
+def _plain_head(h: dict, need_cid: bool) -> tuple | None:
+    """A request header's fields when each is of exactly its type and within its bounds (every header a client of
+    ours sends), read without a `get` call per field: 1 us a request less for the broker and the worker alike. None
+    for anything else, which `_checked_head` then refuses with the field's name, or accepts as this would have
+    (tests/test_wire.py holds the two to each other)."""
+    g = h.get
+    rid, cid, rows, tokens, markers = g("rid"), g("cid"), g("rows"), g("tokens"), g("markers")
+    worker, mode, taps, budget_ms = g("worker"), g("mode"), g("taps"), g("budget_ms")
+    t = type(rid)
+    if not ((t is int and rid >= 0) or (t is str and len(rid) <= MAX_STR)):
+        return None
+    if cid is None:
+        if need_cid:
+            return None
+    elif type(cid) is not str or len(cid) > MAX_STR or (need_cid and not cid):
+        return None
+    if not (type(rows) is int and type(tokens) is int and type(markers) is int
+            and 0 <= rows <= MAX_COUNT and 0 <= tokens <= MAX_COUNT and 0 <= markers <= MAX_COUNT):
+        return None
+    if worker is not None and (type(worker) is not str or len(worker) > MAX_STR):
+        return None
+    if mode is not None and (type(mode) is not str or mode not in MODES):
+        return None
+    if taps is None:
+        taps = False
+    elif type(taps) is not bool:
+        return None
+    if budget_ms is not None and (type(budget_ms) is not int or not 0 <= budget_ms <= MAX_BUDGET_MS):
+        return None
+    return rid, cid, rows, tokens, markers, worker, mode, taps, budget_ms
+
+
+def _checked_head(h: dict, need_cid: bool) -> tuple:
+    """`_plain_head`'s fields, each checked on its own: the first one wrong raises, naming it."""
     rid = _rid(h)
     cid = get(h, "cid", str, default=None)
     if need_cid and not cid:
@@ -453,7 +482,16 @@ def parse_request_head(msg: Message, need_cid: bool = False) -> RequestHead:
     if mode is not None and mode not in MODES:
         raise ProtocolError("mode", f"must be one of {MODES}, got {mode!r}")
     taps = get(h, "taps", bool, default=False)
-    budget_ms = budget_of(h)
+    return rid, cid, rows, tokens, markers, worker, mode, taps, budget_of(h)
+
+
+def parse_request_head(msg: Message, need_cid: bool = False) -> RequestHead:
+    """Check a REQUEST's header, and its buffer's size against the header's counts."""
+    if msg.cmd != Cmd.REQUEST:
+        raise ProtocolError("command", f"expected REQUEST, got {msg.cmd.name}")
+    h = msg.header
+    fields = _plain_head(h, need_cid) or _checked_head(h, need_cid)
+    rid, cid, rows, tokens, markers, worker, mode, taps, budget_ms = fields
     frames = msg.frames
     if len(frames) != 1:
         raise ProtocolError("frames", f"a request carries one buffer ({', '.join(REQUEST_ARRAYS)} back to back), "

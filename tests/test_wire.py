@@ -329,6 +329,63 @@ def test_the_brokers_request_head_checks_what_parse_request_checks(header, buffe
     assert _request_outcome(frames, head=True) == _request_outcome(frames, head=False)
 
 
+_HEAD_VALUES = st.one_of(st.integers(-3, 12), st.sampled_from([wire.MAX_COUNT, wire.MAX_COUNT + 1,
+                                                               wire.MAX_BUDGET_MS, wire.MAX_BUDGET_MS + 1]),
+                         st.text(max_size=4), st.sampled_from(["x" * wire.MAX_STR, "x" * (wire.MAX_STR + 1), ""]),
+                         st.booleans(), st.none(), st.floats(allow_nan=False), st.sampled_from(wire.MODES),
+                         st.lists(st.integers(0, 3), max_size=2))
+
+
+_HEAD_KEYS = ["rid", "rows", "tokens", "markers", "mode", "taps", "cid", "worker", "budget_ms", "req", "x"]
+_GOOD_HEAD = {"rid": 7, "cid": "c1", "rows": 2, "tokens": 7, "markers": 3, "worker": "0", "mode": "eager",
+              "taps": False, "budget_ms": 100}
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.dictionaries(st.sampled_from(_HEAD_KEYS), _HEAD_VALUES, max_size=3),
+       st.lists(st.sampled_from(_HEAD_KEYS), max_size=2), st.booleans())
+def test_the_plain_request_head_reads_what_the_checked_one_accepts(changes, dropped, need_cid):
+    """`_plain_head` (the fast path every well-formed header takes) returns exactly the checked path's fields, and
+    None wherever the checked path refuses: it never accepts what the checks refuse, nor reads a field otherwise.
+    Headers are a good one with a few fields changed or dropped, so each rule meets values on both of its sides."""
+    _same_head({k: v for k, v in {**_GOOD_HEAD, **changes}.items() if k not in dropped}, need_cid)
+
+
+_HEAD_EDGES = [-1, 0, 1, wire.MAX_COUNT, wire.MAX_COUNT + 1, wire.MAX_BUDGET_MS, wire.MAX_BUDGET_MS + 1, "",
+               "x" * wire.MAX_STR, "x" * (wire.MAX_STR + 1), True, False, 1.0, None, "eager", "bogus", [1], {}]
+
+
+def test_the_plain_request_head_on_every_edge_of_every_field():
+    """Each field of a good header set to each edge value (and dropped), alone: `_same_head` on every one."""
+    for key in _HEAD_KEYS:
+        for need_cid in (False, True):
+            _same_head({k: v for k, v in _GOOD_HEAD.items() if k != key}, need_cid)
+            for value in _HEAD_EDGES:
+                _same_head({**_GOOD_HEAD, key: value}, need_cid)
+
+
+def _same_head(header: dict, need_cid: bool) -> None:
+    try:
+        checked = wire._checked_head(header, need_cid)
+    except ProtocolError:
+        checked = None
+    plain = wire._plain_head(header, need_cid)
+    if checked is None:
+        assert plain is None, (header, plain)
+    else:
+        assert plain is None or plain == checked, (header, plain, checked)
+        assert plain is None or [type(v) for v in plain] == [type(v) for v in checked]
+
+
+def test_every_header_a_client_sends_takes_the_plain_path():
+    """The fast path is the one taken: the headers encode_request and with_budget build read plainly."""
+    for frames in (_request(), _request(worker="0", mode="eager"), wire.with_budget(_request(), 0),
+                   wire.with_budget(_request(taps=True), wire.MAX_BUDGET_MS)):
+        h = wire.decode(frames).header
+        plain = wire._plain_head(h, need_cid=True)
+        assert plain is not None and plain == wire._checked_head(h, need_cid=True), h
+
+
 def test_the_brokers_request_head_on_a_good_request():
     frames = wire.with_budget(_request(worker="0", mode="eager"), 1234)
     assert _request_outcome(frames, head=True) == _request_outcome(frames, head=False)
