@@ -1065,15 +1065,18 @@ class AsyncClient(_Base):
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True,
-                 lanes: bool = True):
+                 lanes: bool = True, bundles: bool = True):
         """As `Client`'s. `direct` on by default since the fifteenth session's device run: 64 requests of 1x48 in flight
         from 8 processes, 5,436 req/s direct (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine
         (docs/PERF.md, fifteenth session, call 1). `lanes`: a first attempt to a worker on this host goes through
         shared memory when its lane is free and the worker polls (protocol/lane.py), if other calls of this client
         are out (a lone call goes on the socket); the event loop never polls or sleeps on a lane, so the worker also
-        rings each answer on the route's socket, which the loop reads."""
+        rings each answer on the route's socket, which the loop reads. `bundles`: a worker may answer several of this
+        client's direct requests of one forward in one message (a BUNDLE, docs/protocol.md), which costs it and this
+        client a third to a half less host time a reply; off, every reply comes alone (for A/B runs)."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
+        self.bundles = bundles
         self._set_decoding(lang_temperatures, calibration)
         import zmq.asyncio
 
@@ -1219,6 +1222,15 @@ class AsyncClient(_Base):
             self._deliver(msg)
 
     def _deliver(self, msg: wire.Message) -> None:
+        if msg.cmd == Cmd.BUNDLE:
+            try:
+                replies = wire.unbundle(msg)
+            except wire.ProtocolError as e:      # as an undecodable message: each call waits for its own reply
+                log.warning("dropped a bundle that does not add up (%s)", e)
+                return
+            for reply in replies:
+                self._deliver(reply)
+            return
         rid = msg.header.get("rid")
         if self._routes is not None:
             self._routes.replied(msg.header)
@@ -1292,7 +1304,10 @@ class AsyncClient(_Base):
             if took:
                 return True
         try:
-            await view.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
+            # This client reads BUNDLEs (`_deliver`): the worker may answer this request with the others of ours it
+            # runs in the same forward, in one message.
+            await view.send_multipart(wire.with_bundles(framed) if self.bundles else framed, flags=zmq.NOBLOCK,
+                                      copy=False)
         except zmq.Again:           # its queue is full
             return False
         self._routes.took(r, rid)

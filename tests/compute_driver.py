@@ -20,7 +20,7 @@ from laya_pool.worker.compute import Compute, FaultHooks, Queued
 from laya_pool.worker.inbox import SocketInbox
 
 COUNTS = ("received", "ok", "request_errors", "internal_errors", "upload_errors", "dropped", "protocol_errors",
-          "handed_back", "registrations", "merged_runs", "merged_requests")
+          "handed_back", "registrations", "merged_runs", "merged_requests", "bundles", "bundled")
 
 
 def queued(rid: int, batch: Batch, session: int = 0) -> Queued:

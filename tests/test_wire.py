@@ -437,3 +437,62 @@ def test_a_request_whose_per_row_arrays_disagree_is_not_sent():
         with pytest.raises(ProtocolError) as e:
             wire.encode_request(1, {**arrays, name: arrays[name][:1]})
         assert e.value.field == name
+
+
+def _bundle_items(n: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        m, r = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+        items.append((100 + i if i % 3 else f"s{i}", rng.standard_normal(m).astype(np.float32),
+                      rng.random((r, 2), dtype=np.float32), {"queue_ms": 0.5 * i, "worker_ms": 1.0 + i}))
+    return items
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 32])
+def test_a_bundle_holds_exactly_the_replies_it_was_made_of(n):
+    """`unbundle` gives, reply for reply, the header and the bytes `Replies.encode` would have sent alone."""
+    metrics = {"mode": "graph-cached", "batched": 32, "queue_ms": 9.0, "shape": [32, 48, 4]}
+    replies = wire.Replies(worker="w0", fingerprint="f" * 64, metrics=metrics)
+    items = _bundle_items(n)
+    frames = [bytes(f) for f in replies.bundle(items)]
+    got = wire.unbundle(wire.decode(frames))
+    assert len(got) == n
+    for (rid, lg, ac, own), msg in zip(items, got):
+        alone = wire.decode([bytes(f) for f in replies.encode(rid, lg, ac, own)])
+        assert msg.cmd == alone.cmd == Cmd.REPLY and msg.header == alone.header, (msg.header, alone.header)
+        assert [bytes(f) for f in msg.frames] == [bytes(f) for f in alone.frames]
+        parsed = wire.parse_reply(msg)
+        assert np.array_equal(parsed.logits, lg) and np.array_equal(parsed.act, ac)
+
+
+@pytest.mark.parametrize("cut", ["logits", "act", "entry", "status", "frames", "empty"])
+def test_a_bundle_that_does_not_add_up_is_refused_whole(cut):
+    replies = wire.Replies(worker="w0", fingerprint="f" * 64, metrics={"batched": 3})
+    frames = [bytes(f) for f in replies.bundle(_bundle_items(3))]
+    h = _header(frames)
+    if cut == "logits":
+        frames[1] = frames[1][:-4]
+    elif cut == "act":
+        frames[2] = frames[2] + bytes(4)
+    elif cut == "entry":
+        h["replies"][1] = [101, 2]
+    elif cut == "status":
+        h["status"] = "final"
+    elif cut == "frames":
+        frames = frames[:2]
+    else:
+        h["replies"] = []
+    if cut in ("entry", "status", "empty"):
+        frames[0] = frames[0][:wire.HEAD] + msgpack.packb(h)
+    field = {"logits": "logits", "act": "act", "entry": "replies", "status": "status", "frames": "frames",
+             "empty": "replies"}[cut]
+    _raises(frames, field, wire.unbundle)
+
+
+def test_with_bundles_marks_a_request_and_keeps_the_rest():
+    frames = wire.with_bundles(wire.with_budget(_request(), 250))
+    h = wire.decode(frames).header
+    assert wire.accepts_bundles(h) and h["budget_ms"] == 250 and h["rid"] == 7
+    assert not wire.accepts_bundles(wire.decode(_request()).header)
+    assert wire.parse_request(wire.decode(frames)).rows == wire.parse_request(wire.decode(_request())).rows

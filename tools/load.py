@@ -74,7 +74,8 @@ def parse_mix(text: str) -> list[Shape]:
 
 
 def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape], seed: int, out: mp.Queue,
-                 direct: bool = True, keys: str | None = None, lanes: bool = True) -> None:
+                 direct: bool = True, keys: str | None = None, lanes: bool = True,
+                 bundles: bool = True) -> None:
     import random
 
     async def main() -> dict:
@@ -84,7 +85,8 @@ def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape],
         lat: dict[str, list[float]] = {n: [] for n in names}
         failed: list[str] = []
         stop = time.monotonic() + seconds
-        async with AsyncClient(endpoint, timeout=10.0, retries=6, direct=direct, keys=keys, lanes=lanes) as c:
+        async with AsyncClient(endpoint, timeout=10.0, retries=6, direct=direct, keys=keys, lanes=lanes,
+                               bundles=bundles) as c:
             async def loop(k: int) -> None:
                 rng = random.Random(seed * 1000 + k)      # the same draw sequence run after run
                 while time.monotonic() < stop:
@@ -108,7 +110,7 @@ def _stats(seconds: list[float]) -> dict:
             "p95_ms": ms[int(0.95 * (len(ms) - 1))] if ms else None}
 
 
-COUNTS = ("ok", "merged_runs", "merged_requests")
+COUNTS = ("ok", "merged_runs", "merged_requests", "bundles", "bundled")
 # What reached the broker: every message from a client (asks for the route table included), and its REQUEST messages
 # (first attempts and retries: cache hits and refusals too).
 BROKER_COUNTS = ("frontend_messages", "requests")
@@ -132,9 +134,10 @@ def groups(before: dict, after: dict) -> dict | None:
     if set(before) != set(after):
         return None
     workers = [w for w in after if w != "broker"]
-    ok, runs, merged = (sum(after[w][i] - before[w][i] for w in workers) for i in range(len(COUNTS)))
+    ok, runs, merged, bundles, bundled = (sum(after[w][i] - before[w][i] for w in workers) for i in range(len(COUNTS)))
     forwards = runs + ok - merged
-    out = {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None}
+    out = {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None,
+           "bundles": bundles, "bundled": bundled}
     if "broker" in after:
         out["broker"] = {k: after["broker"][i] - before["broker"][i] for i, k in enumerate(BROKER_COUNTS)}
     return out
@@ -185,7 +188,7 @@ def _sample_cpu(pool_pids, children: list, seconds: float, out: list) -> None:
 
 def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, rows: int = 1, tokens: int = 48,
              kill_after: float | None = None, mix: list[Shape] | None = None, pool_pids=None,
-             direct: bool = True, keys: str | None = None, lanes: bool = True) -> dict:
+             direct: bool = True, keys: str | None = None, lanes: bool = True, bundles: bool = True) -> dict:
     """Drive `endpoint` for `seconds` with `concurrency` requests in flight (of `rows` x `tokens`, or drawn
     from `mix`); returns the measurements, with the CPU each process used (`pool_pids`: a callable giving the
     pool's pids and roles, for a pool on this host). `keys`: a pool with CURVE keys (`laya-pool keys`)."""
@@ -203,7 +206,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     q = ctx.Queue()
     procs = max(1, min(procs, concurrency))
     shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
-    children = [ctx.Process(target=_client_proc, args=(endpoint, n, seconds, mix, i, q, direct, keys, lanes))
+    children = [ctx.Process(target=_client_proc, args=(endpoint, n, seconds, mix, i, q, direct, keys, lanes, bundles))
                 for i, n in enumerate(shares) if n > 0]
     t0 = time.perf_counter()
     for p in children:
@@ -249,7 +252,7 @@ def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: floa
         return run_load(pool.endpoint, concurrency=concurrency, procs=args.procs, seconds=args.seconds,
                         rows=args.rows, tokens=args.tokens, kill_after=kill, mix=args.mix,
                         pool_pids=lambda: cpu.tree(pool.process.pid), direct=not args.via_broker,
-                        keys=args.keys, lanes=not args.no_lanes)
+                        keys=args.keys, lanes=not args.no_lanes, bundles=not args.no_bundles)
     with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600,
                     extra_args=shlex.split(extra), keys=args.keys) as pool:
         runs = [go(pool, n, None) for n in args.concurrency]
@@ -339,6 +342,8 @@ def main() -> int:
                          "first attempts go to the workers directly where the pool offers it, as AsyncClient's do")
     ap.add_argument("--no-lanes", action="store_true",
                     help="the clients send nothing through shared memory (AsyncClient(lanes=False)), for A/B runs")
+    ap.add_argument("--no-bundles", action="store_true",
+                    help="the clients take every reply alone (AsyncClient(bundles=False)), for A/B runs")
     ap.add_argument("--keys", help="a pool with CURVE keys: the `laya-pool keys` directory (the pools this starts "
                                    "use it too)")
     args = ap.parse_args()
@@ -357,7 +362,8 @@ def main() -> int:
     if args.frontend:
         runs = [run_load(args.frontend, concurrency=n, procs=args.procs, seconds=args.seconds, rows=args.rows,
                          tokens=args.tokens, kill_after=args.kill_after if n == args.concurrency[-1] else None,
-                         mix=args.mix, direct=not args.via_broker, keys=args.keys, lanes=not args.no_lanes)
+                         mix=args.mix, direct=not args.via_broker, keys=args.keys, lanes=not args.no_lanes,
+                         bundles=not args.no_bundles)
                 for n in args.concurrency]
         report["pool"] = dict(runs[-1], sweep=runs) if len(runs) > 1 else runs[0]
         for r in runs:

@@ -123,9 +123,10 @@ class Compute:
         answered = self.answered
         return self.taken - answered
 
-    def reply(self, frames: list[Any], to: Any = None) -> None:
-        """Send one reply: to the broker, or (`to`) to the client that sent the request here itself."""
-        self.answered += 1
+    def reply(self, frames: list[Any], to: Any = None, answers: int = 1) -> None:
+        """Send one reply (`answers`: the requests it answers, more than one for a BUNDLE): to the broker, or (`to`)
+        to the client that sent the request here itself."""
+        self.answered += answers
         self._send(frames, to)
 
     def intake(self, msg: wire.Message, received: float, to: Any = None) -> Queued | None:
@@ -413,8 +414,8 @@ class Compute:
             self.counts["merged_runs"] += 1
             self.counts["merged_requests"] += len(members)
         self.counts["ok"] += len(members)
-        for q, frames in zip(members, replies):
-            self.reply(frames, q.to)
+        for to, frames, answers in replies:
+            self.reply(frames, to, answers)
         now = time.monotonic()
         for q in members:
             self.answer_seconds.observe(now - q.received)
@@ -463,8 +464,14 @@ class Compute:
         job = self.rt.launch(group.merged(), mode=first.mode, taps=first.taps, checked=True)
         return Flight(members, group, job, started, time.monotonic())
 
-    def _answer(self, flight: Flight) -> list[list[Any]]:
-        """Wait for the group and build every member's reply (inside the caller's guard)."""
+    def _answer(self, flight: Flight) -> list[tuple[Any, list[Any], int]]:
+        """Wait for the group and build its replies (inside the caller's guard): (to, frames, requests answered).
+
+        A client that reads bundles (`wire.accepts_bundles`: the asyncio client, on the direct socket) gets the
+        replies to all its requests of this forward in one BUNDLE: at load a forward answers ~32 requests of a few
+        clients, and a reply alone costs the data thread 6 us to encode and send, one of 8 in a bundle 1.8
+        (docs/PERF.md, twenty-fifth session). Lanes carry one request at a time, the broker reads REPLYs: those go
+        alone."""
         res = self.rt.finish(flight.job)
         done = time.monotonic()
         members, t0 = flight.members, flight.started
@@ -474,11 +481,22 @@ class Compute:
         answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, metrics=dict(
             res.metrics, batched=len(members), started_at=t0, launched_at=flight.launched,
             landed_at=getattr(flight.job, "landed_at", None) or done, done_at=done))
-        replies = []
+        replies: list[tuple[Any, list[Any], int]] = []
+        bundles: dict[bytes, list[tuple[Any, Any, Any, dict]]] = {}
         for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
             own = {"queue_ms": (t0 - q.received) * 1e3, "worker_ms": (done - q.received) * 1e3,
                    "received_at": q.received}
-            replies.append(answers.encode(q.req.rid, logits, act, own, taps=res.taps))
+            if type(q.to) is bytes and res.taps is None and wire.accepts_bundles(q.req.header):
+                bundles.setdefault(q.to, []).append((q.req.rid, logits, act, own))
+            else:
+                replies.append((q.to, answers.encode(q.req.rid, logits, act, own, taps=res.taps), 1))
+        for to, items in bundles.items():
+            if len(items) == 1:
+                replies.append((to, answers.encode(*items[0]), 1))
+            else:
+                self.counts["bundles"] += 1
+                self.counts["bundled"] += len(items)
+                replies.append((to, answers.bundle(items), len(items)))
         return replies
 
     def fail(self, q: Queued, e: Exception) -> None:

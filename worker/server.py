@@ -159,7 +159,7 @@ class Worker:
         # Written by the data thread only; the I/O thread's own counts are apart (one writer per counter).
         self.counts = {"received": 0, "ok": 0, "request_errors": 0, "internal_errors": 0, "upload_errors": 0,
                        "dropped": 0, "expired": 0, "protocol_errors": 0, "handed_back": 0,
-                       "merged_runs": 0, "merged_requests": 0}
+                       "merged_runs": 0, "merged_requests": 0, "bundles": 0, "bundled": 0}
         self.io_counts = {"registrations": 0, "protocol_errors": 0}
         self.data_identity = f"{self.id}/data"
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,

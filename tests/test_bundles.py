@@ -1,0 +1,95 @@
+"""BUNDLEs through a live pool (real processes and sockets, the tiny model on the CPU): a worker answers an asyncio
+client's requests of one forward in one message, and every call still gets its own answer.
+
+The pool's one worker merges up to 8 requests a forward (a CPU worker merges only when asked) and takes requests on
+its direct socket, without lanes (a lane carries one request at a time, which a bundle never holds).
+"""
+import asyncio
+
+import numpy as np
+import pytest
+from conftest import make_rows, wait_until
+from laya_pool.client.pool import AsyncClient, local_pool
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_ckpt, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bundles") / "pool.log"
+    env = {"LAYA_DATA_REQUESTS": "on", "LAYA_DIRECT": "on", "LAYA_LANES": "off"}
+    with local_pool(tiny_ckpt, "cpu", startup_timeout=180, log=log, env=env,
+                    extra_args=["--max-batch", "8", "--credit", "64"]) as p:
+        yield p
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_ckpt):
+    import torch
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime
+    torch.set_num_threads(1)
+    return Runtime(load_checkpoint(tiny_ckpt), device="cpu")
+
+
+def _counts(pool, ok: int = 0) -> dict:
+    """The worker's counters once its heartbeat reports at least `ok` answered (stats travel with heartbeats)."""
+    def stats():
+        (w,) = pool.status()["workers"]
+        return w["stats"] if w["stats"].get("ok", -1) >= ok else None
+    return wait_until(stats, 30, "the worker's stats never caught up")
+
+
+def _calls(n: int) -> list:
+    """n different requests: 1-3 rows of differing lengths and marker counts, so that answers handed to the wrong
+    call could not pass for their own (other sizes, other values)."""
+    return [make_rows(100 + i, n=1 + i % 3, length=(20, 60)) for i in range(n)]
+
+
+def test_an_asyncio_clients_replies_come_bundled_and_each_call_gets_its_own(pool, runtime):
+    from laya_pool.worker.batch import Batch
+    calls = _calls(96)
+    before = _counts(pool)
+
+    async def go():
+        async with AsyncClient(pool.endpoint, timeout=60, direct=True) as c:
+            await c.forward(calls[0])               # the route table, and the connection to the worker
+            await asyncio.sleep(0.2)
+            return await asyncio.gather(*(c.forward(rows) for rows in calls)), c._routes.sent
+
+    results, sent_direct = asyncio.run(go())
+    after = _counts(pool, before["ok"] + len(calls) + 1)
+    bundles, bundled = after["bundles"] - before["bundles"], after["bundled"] - before["bundled"]
+    assert sent_direct >= len(calls) // 2, sent_direct
+    assert bundles >= 1 and bundled >= 2 * bundles, (bundles, bundled)
+    for rows, res in zip(calls, results):
+        want = runtime.run(Batch.from_rows(rows))
+        assert [len(x) for x in res.logits] == [len(r[1]) for r in rows]
+        # (merged on the CPU, answers move in the 6th decimal: CPU GEMMs are not batch-invariant)
+        np.testing.assert_allclose(np.concatenate(res.logits), want.logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(res.act, want.act, rtol=1e-4, atol=1e-5)
+        assert res.worker == "0" and res.metrics["batched"] >= 1 and "queue_ms" in res.metrics
+    print(f"\n{len(calls)} calls: {bundles} bundles held {bundled} replies")
+
+
+def test_a_client_that_does_not_ask_gets_no_bundle(pool):
+    """The synchronous client, the broker's path and an asyncio client with `bundles=False` never say they read
+    bundles: their replies come alone, as before bundles existed, even with calls out together."""
+    before = _counts(pool)
+    calls = _calls(48)
+    with pool.client(timeout=60, direct=False) as c:
+        for rows in calls[:12]:
+            c.forward(rows)
+
+    async def go():
+        async with AsyncClient(pool.endpoint, timeout=60, direct=True, bundles=False) as c:
+            await c.forward(calls[0])
+            await asyncio.sleep(0.2)
+            await asyncio.gather(*(c.forward(rows) for rows in calls))
+            return c._routes.sent
+
+    assert asyncio.run(go()) >= len(calls) // 2
+    after = _counts(pool, before["ok"] + 12 + len(calls) + 1)
+    assert after["merged_runs"] > before["merged_runs"]         # calls were out together, and ran together
+    assert (after["bundles"], after["bundled"]) == (before["bundles"], before["bundled"])
