@@ -299,8 +299,11 @@ def _line(name: str, r: dict) -> str:
     ms = "  ".join(f"{k} {r[k + '_ms']:7.2f} ms" if r[k + "_ms"] is not None else f"{k} -" for k in ("p50", "p95"))
     s = (f"{name:44s} {r['concurrency']:4d} in flight {r['throughput_rps']:8.1f} req/s  {ms}  "
          f"answered {r['answered']}  lost {r['lost']}")
-    if (r.get("groups") or {}).get("mean_group"):
-        s += f"  mean group {r['groups']['mean_group']}"
+    g = r.get("groups") or {}
+    if g.get("mean_group"):
+        s += f"  mean group {g['mean_group']}"
+    if g.get("bundles"):
+        s += f"  replies in bundles {g['bundled']} ({g['bundles']} bundles)"
     broker = (r.get("groups") or {}).get("broker")
     if r.get("paths") or broker:
         # where the attempts went: the clients' direct sends (on lanes among them), what the broker saw
