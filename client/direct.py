@@ -192,6 +192,13 @@ class Routes:
         self.by_rid[rid] = r
         self.sent += 1
 
+    def unsent(self, rid: int) -> None:
+        """Request `rid`, counted by `took`, did not leave after all (the socket's queue was full): it goes on
+        elsewhere, and the worker is not to blame."""
+        if self.by_rid.get(rid) is not None:
+            self.detach(rid)
+            self.sent -= 1
+
     def answered(self, rid: Any, status: Any = None, reason: Any = None) -> None:
         """A reply to `rid` came (from wherever): forget where it went. A worker that says it is stopping is not
         sent more until the table says it is back."""

@@ -83,6 +83,11 @@ log = logging.getLogger("laya-pool.client")
 # every worker busy, while a batch of thousands of states neither fills the broker's queue (shared by every
 # client; a full one answers "busy") nor waits so long behind itself that its own requests time out.
 BATCH_IN_FLIGHT = 16
+# An asyncio client's direct requests of one event-loop turn travel together (`_send_together`): at most this many in
+# one REQUESTS message, each at most TOGETHER_BYTES (a larger one goes alone), so a message stays far below a direct
+# socket's size limit.
+TOGETHER = 64
+TOGETHER_BYTES = 256 << 10
 ROUTES_TIMEOUT_S = 0.5     # how long a call waits for the broker's table of direct routes before going without
 T = TypeVar("T")
 
@@ -1089,6 +1094,8 @@ class AsyncClient(_Base):
                                keys=self.keys, key_role=self.key_role, lanes=lanes) if direct else None)
         self._route_tasks: dict[str, tuple[list[asyncio.Task], list[Any]]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
+        # Direct requests waiting for this turn's REQUESTS message, by worker (`_send_together`).
+        self._outbox: dict[str, list[tuple[int, list[Any], asyncio.Future]]] = {}
         self._reader: asyncio.Task | None = None
         self._card_lock: asyncio.Lock | None = None
         # The same watch as Client's (client/watch.py), read by a task of its own instead of a poller.
@@ -1303,15 +1310,51 @@ class AsyncClient(_Base):
                     await view.send_multipart(self._routes.ring(r), flags=zmq.NOBLOCK)
             if took:
                 return True
+        # This client reads BUNDLEs (`_deliver`): the worker may answer this request with the others of ours it runs in
+        # the same forward, in one message.
+        framed = wire.with_bundles(framed) if self.bundles else framed
+        if self.bundles and len(self._waiters) > 1 and len(framed) == 2 and len(framed[1]) <= TOGETHER_BYTES:
+            return await self._send_together(r, rid, framed)
         try:
-            # This client reads BUNDLEs (`_deliver`): the worker may answer this request with the others of ours it
-            # runs in the same forward, in one message.
-            await view.send_multipart(wire.with_bundles(framed) if self.bundles else framed, flags=zmq.NOBLOCK,
-                                      copy=False)
+            await view.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:           # its queue is full
             return False
         self._routes.took(r, rid)
         return True
+
+    async def _send_together(self, r: Any, rid: int, framed: list[Any]) -> bool:
+        """With other calls out, this turn's direct requests to one worker go in one REQUESTS message: a call that
+        resumes with a reply sends its next request, and the calls whose replies came in one bundle resume in one turn
+        of the event loop (`_flush`, started by the first of them, runs after the rest have queued theirs). The
+        request is counted as out now, so the next call's choice of worker sees it."""
+        fut = asyncio.get_running_loop().create_future()
+        queued = self._outbox.get(r.worker)
+        if queued is None:
+            queued = self._outbox[r.worker] = []
+            asyncio.ensure_future(self._flush(r))
+        queued.append((rid, framed, fut))
+        self._routes.took(r, rid)
+        return await fut
+
+    async def _flush(self, r: Any) -> None:
+        """Send what `_send_together` queued for `r`'s worker: one REQUESTS message per up to TOGETHER requests
+        (alone when there is one); each call learns whether its request left (if not, it goes through the broker)."""
+        queued = self._outbox.pop(r.worker, [])
+        tasks = self._route_tasks.get(r.worker)
+        for at in range(0, len(queued), TOGETHER):
+            part = queued[at:at + TOGETHER]
+            ok = tasks is not None
+            if ok:
+                frames = part[0][1] if len(part) == 1 else wire.requests_message([f for _, f, _ in part])
+                try:
+                    await tasks[1][0].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:       # its queue is full
+                    ok = False
+            for rid, _, fut in part:
+                if not ok:
+                    self._routes.unsent(rid)
+                if not fut.done():
+                    fut.set_result(ok)
 
     def _watch_route(self, r: Any) -> None:
         import zmq.asyncio

@@ -72,6 +72,7 @@ class Cmd(enum.IntEnum):
     RELOAD = 9       # operator -> broker: roll the pool onto another checkpoint (the supervisor carries it out)
     LANE = 10        # client -> worker's direct socket: take requests on a lane (protocol/lane.py); back: taken / ring
     BUNDLE = 11      # worker's direct socket -> client: the ok replies of one forward to that client's requests
+    REQUESTS = 12    # client -> worker's direct socket: several REQUESTs of one client in one message
 
 
 # The command of each byte value (None: unknown): a table lookup instead of `Cmd(byte)`, an enum call per message.
@@ -559,6 +560,61 @@ def with_bundles(frames: Sequence[Any]) -> list[Any]:
 
 def accepts_bundles(header: dict) -> bool:
     return header.get(BUNDLE) is True
+
+
+_REQUESTS_MAP = b"\x81" + msgpack.packb("requests")
+
+
+def requests_message(requests: Sequence[Sequence[Any]]) -> list[Any]:
+    """Several REQUEST messages (as `encode_request` and `with_budget` / `with_bundles` framed them: one header, one
+    buffer) as one REQUESTS message: their headers, as they are, in one msgpack array, their buffers back to back in
+    one frame. A client sends its direct requests of one event-loop turn so; the worker reads one message instead of
+    several (`split_requests`: a receive, a decode and the inbox's steps a request less)."""
+    if not 0 < len(requests) <= MAX_BUNDLE:
+        raise ProtocolError("requests", f"a REQUESTS message holds 1..{MAX_BUNDLE} requests, got {len(requests)}")
+    heads, buffers = [], []
+    for frames in requests:
+        first = bytes(_bytes(frames[0]))
+        if len(frames) != 2 or first[:HEAD] != _HEADS[Cmd.REQUEST]:
+            raise ProtocolError("requests", "each one is a REQUEST of one header and one buffer")
+        heads.append(first[HEAD:])
+        buffers.append(_bytes(frames[1]))
+    n = len(heads)
+    array = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+    return _framed(Cmd.REQUESTS, _REQUESTS_MAP + array + b"".join(heads), [b"".join(buffers)])
+
+
+def split_requests(msg: Message) -> list[Message]:
+    """A REQUESTS message as the REQUEST messages it holds, in order, each with a view of its part of the buffer.
+    Each request's own fields are checked when it is parsed (`parse_request`: a bad one is refused alone); here only
+    what splitting needs: the counts, and that they add up to the buffer (else the whole message is refused)."""
+    if msg.cmd != Cmd.REQUESTS:
+        raise ProtocolError("command", f"expected REQUESTS, got {msg.cmd.name}")
+    heads = get(msg.header, "requests", list)
+    if not 0 < len(heads) <= MAX_BUNDLE:
+        raise ProtocolError("requests", f"a REQUESTS message holds 1..{MAX_BUNDLE} requests, got {len(heads)}")
+    if len(msg.frames) != 1:
+        raise ProtocolError("frames", f"a REQUESTS message carries one buffer, got {len(msg.frames)}")
+    sizes = []
+    for h in heads:
+        if not isinstance(h, dict):
+            raise ProtocolError("requests", f"each request's header is a map, got {type(h).__name__}")
+        sizes.append(request_bytes(_count(h, "rows"), _count(h, "tokens"), _count(h, "markers")))
+    buf = memoryview(_bytes(msg.frames[0]))
+    if buf.nbytes != sum(sizes):
+        raise ProtocolError(ARRAYS, f"the buffer holds {buf.nbytes} bytes; the requests' counts need {sum(sizes)}")
+    out, at = [], 0
+    for h, n in zip(heads, sizes):
+        out.append(Message(Cmd.REQUEST, h, [buf[at:at + n]]))
+        at += n
+    return out
+
+
+def rids_of_requests(msg: Message) -> list[Any]:
+    """Best effort: the request ids of a REQUESTS message we refuse whole, so that each of its calls hears why."""
+    heads = msg.header.get("requests")
+    rids = [h.get("rid") for h in heads[:MAX_BUNDLE] if isinstance(h, dict)] if isinstance(heads, list) else []
+    return [r for r in rids if isinstance(r, (int, str)) and not isinstance(r, bool)]
 
 
 def _with_field(frames: Sequence[Any], key: str, value: Any) -> list[Any]:

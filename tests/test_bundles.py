@@ -1,5 +1,6 @@
-"""BUNDLEs through a live pool (real processes and sockets, the tiny model on the CPU): a worker answers an asyncio
-client's requests of one forward in one message, and every call still gets its own answer.
+"""BUNDLEs and REQUESTS through a live pool (real processes and sockets, the tiny model on the CPU): an asyncio
+client's direct requests of one event-loop turn travel in one message, a worker answers its requests of one forward in
+one message, and every call still gets its own answer.
 
 The pool's one worker merges up to 8 requests a forward (a CPU worker merges only when asked) and takes requests on
 its direct socket, without lanes (a lane carries one request at a time, which a bundle never holds).
@@ -61,8 +62,10 @@ def test_an_asyncio_clients_replies_come_bundled_and_each_call_gets_its_own(pool
     results, sent_direct = asyncio.run(go())
     after = _counts(pool, before["ok"] + len(calls) + 1)
     bundles, bundled = after["bundles"] - before["bundles"], after["bundled"] - before["bundled"]
+    together = after["requests_messages"] - before["requests_messages"]
     assert sent_direct >= len(calls) // 2, sent_direct
     assert bundles >= 1 and bundled >= 2 * bundles, (bundles, bundled)
+    assert 1 <= together and after["direct"] - before["direct"] >= 2 * together, (together, after["direct"])
     for rows, res in zip(calls, results):
         want = runtime.run(Batch.from_rows(rows))
         assert [len(x) for x in res.logits] == [len(r[1]) for r in rows]
@@ -70,7 +73,7 @@ def test_an_asyncio_clients_replies_come_bundled_and_each_call_gets_its_own(pool
         np.testing.assert_allclose(np.concatenate(res.logits), want.logits, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(res.act, want.act, rtol=1e-4, atol=1e-5)
         assert res.worker == "0" and res.metrics["batched"] >= 1 and "queue_ms" in res.metrics
-    print(f"\n{len(calls)} calls: {bundles} bundles held {bundled} replies")
+    print(f"\n{len(calls)} calls: {together} REQUESTS messages; {bundles} bundles held {bundled} replies")
 
 
 def test_a_client_that_does_not_ask_gets_no_bundle(pool):
@@ -93,3 +96,53 @@ def test_a_client_that_does_not_ask_gets_no_bundle(pool):
     after = _counts(pool, before["ok"] + 12 + len(calls) + 1)
     assert after["merged_runs"] > before["merged_runs"]         # calls were out together, and ran together
     assert (after["bundles"], after["bundled"]) == (before["bundles"], before["bundled"])
+    assert after["requests_messages"] == before["requests_messages"]
+
+
+def test_requests_together_are_answered_one_by_one_and_a_bad_one_alone(pool, runtime):
+    """What a client sends in one REQUESTS message the worker takes as if each had come alone: a request with a token
+    outside the vocabulary is refused naming `ids` and its row, the others answered (bundled: this raw client asks
+    for it); a REQUESTS whose buffer does not add up is refused, each of its requests told why; the worker serves on."""
+    import zmq
+    from laya_pool.protocol import wire
+    from laya_pool.protocol.wire import Cmd
+    from laya_pool.worker.batch import Batch
+
+    (w,) = pool.status()["workers"]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(w["direct"])
+
+    def replies(n: int) -> dict:
+        got = {}
+        while len(got) < n and sock.poll(30_000):
+            msg = wire.decode(sock.recv_multipart())
+            for m in (wire.unbundle(msg) if msg.cmd == Cmd.BUNDLE else [msg]):
+                got[m.header["rid"]] = m
+        return got
+
+    try:
+        calls = _calls(6)
+        bad = [(np.array([5, 10**7, 7], np.int32), np.array([1], np.int32), 0)]
+        frames = [wire.with_bundles(wire.encode_request(i, wire.pack_rows(rows), cid="raw"))
+                  for i, rows in enumerate(calls[:3] + [bad] + calls[3:])]
+        sock.send_multipart(wire.requests_message(frames))
+        got = replies(7)
+        assert sorted(got) == list(range(7)), sorted(got)
+        refused = got[3].header
+        assert refused["status"] == "final" and refused["error"]["field"] == "ids" and refused["error"]["row"] == 0
+        for i, rows in enumerate(calls[:3] + [None] + calls[3:]):
+            if rows is None:
+                continue
+            rep = wire.parse_reply(got[i])
+            np.testing.assert_allclose(rep.logits, runtime.run(Batch.from_rows(rows)).logits, rtol=1e-4, atol=1e-4)
+        broken = [bytes(f) for f in wire.requests_message(frames[:2])]
+        broken[1] = broken[1][:-4]
+        sock.send_multipart(broken)
+        told = replies(2)
+        assert {(m.header["rid"], m.header["status"], m.header["error"]["field"]) for m in told.values()} == \
+            {(0, "final", "arrays"), (1, "final", "arrays")}
+        sock.send_multipart(frames[0])
+        assert wire.parse_reply(replies(1)[0]).status == "ok"            # and it serves on
+    finally:
+        sock.close(0)

@@ -496,3 +496,61 @@ def test_with_bundles_marks_a_request_and_keeps_the_rest():
     assert wire.accepts_bundles(h) and h["budget_ms"] == 250 and h["rid"] == 7
     assert not wire.accepts_bundles(wire.decode(_request()).header)
     assert wire.parse_request(wire.decode(frames)).rows == wire.parse_request(wire.decode(_request())).rows
+
+
+def _requests(n: int) -> list:
+    rng = np.random.default_rng(n)
+    out = []
+    for i in range(n):
+        rows = [(rng.integers(5, 900, int(rng.integers(3, 30))).astype(np.int32), np.array([1, 2], np.int32), i % 3)
+                for _ in range(1 + i % 3)]
+        frames = wire.encode_request(10 + i, wire.pack_rows(rows), cid="c1", mode="eager" if i % 2 else None)
+        out.append(wire.with_bundles(wire.with_budget(frames, 100 + i)))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 64])
+def test_a_requests_message_splits_into_the_requests_it_was_made_of(n):
+    """Header for header and buffer for buffer, each part parses as the request sent alone would."""
+    requests = _requests(n)
+    got = wire.split_requests(wire.decode([bytes(f) for f in wire.requests_message(requests)]))
+    assert len(got) == n
+    for frames, msg in zip(requests, got):
+        alone = wire.decode([bytes(f) for f in frames])
+        assert msg.cmd == alone.cmd == Cmd.REQUEST and msg.header == alone.header
+        assert [bytes(f) for f in msg.frames] == [bytes(f) for f in alone.frames]
+        a, b = wire.parse_request(msg, need_cid=True), wire.parse_request(alone, need_cid=True)
+        assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in wire.REQUEST_ARRAYS) and a.rid == b.rid
+
+
+@pytest.mark.parametrize("cut", ["short", "long", "counts", "not a map", "frames", "empty"])
+def test_a_requests_message_that_does_not_split_is_refused_whole(cut):
+    frames = [bytes(f) for f in wire.requests_message(_requests(3))]
+    h = _header(frames)
+    if cut == "short":
+        frames[1] = frames[1][:-4]
+    elif cut == "long":
+        frames[1] = frames[1] + bytes(4)
+    elif cut == "counts":
+        h["requests"][1]["rows"] = -1
+    elif cut == "not a map":
+        h["requests"][2] = [1, 2]
+    elif cut == "frames":
+        frames = frames + [b""]
+    else:
+        h["requests"] = []
+    if cut in ("counts", "not a map", "empty"):
+        frames[0] = frames[0][:wire.HEAD] + msgpack.packb(h)
+    field = {"short": "arrays", "long": "arrays", "counts": "rows", "not a map": "requests", "frames": "frames",
+             "empty": "requests"}[cut]
+    e = _raises(frames, field, wire.split_requests)
+    rids = {"empty": [], "not a map": [10, 11]}.get(cut, [10, 11, 12])
+    assert wire.rids_of_requests(wire.decode(frames)) == rids      # each of them is told why
+    assert e.field == field
+
+
+def test_only_plain_requests_travel_together():
+    with pytest.raises(ProtocolError, match="requests"):
+        wire.requests_message([])
+    with pytest.raises(ProtocolError, match="requests"):
+        wire.requests_message([wire.encode(Cmd.HEARTBEAT, {"rid": 1})])

@@ -30,6 +30,7 @@ import logging
 import queue
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,8 @@ class SocketInbox:
                 self._stop_auth()     # its thread and sockets would keep the context from terminating
                 raise
             self.direct_endpoint = announced(self.direct.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.direct_taken = 0         # request messages clients sent here directly
+        self.direct_taken = 0         # requests clients sent here directly
+        self.requests_messages = 0    # ... of them in REQUESTS messages: how many such messages
         self.lanes = Lanes() if lanes and direct is not None else None
         self.unroutable = 0           # direct replies whose client had gone
         self.handed: queue.SimpleQueue = queue.SimpleQueue()     # from the I/O thread
@@ -123,6 +125,8 @@ class SocketInbox:
         self.via_control = 0          # request messages the I/O thread handed over (the rest came to the data socket)
         self.awake_until = 0.0
         self.lanes_first = False      # `_receive`: the lanes are read before the sockets on every other call
+        # The requests of a client's REQUESTS message not taken yet (each `(msg, received, to)`): read first.
+        self.pending: deque[tuple[wire.Message, float, Any]] = deque()
         self.hot: zmq.Socket | None = None    # `_receive_sockets`: the socket the last read found a request on
         self.hot_reads = 0                    # ... and how many reads in a row it has had without a poll
 
@@ -263,6 +267,10 @@ class SocketInbox:
         Sockets always first starved the lanes: while the sockets kept a request waiting (an asyncio client's other
         calls, the rest of a busy pool's clients) a request on a lane was read only when its attempt had timed out,
         1.4 s later, and its retry went through the broker. In turn neither side waits more than one read."""
+        while self.pending:
+            q = self.intake(*self.pending.popleft())
+            if q is not None:
+                return q
         self.lanes_first = not self.lanes_first and self.lanes is not None
         if self.lanes_first:
             item = self._receive_lanes()
@@ -355,6 +363,11 @@ class SocketInbox:
             if direct and msg.cmd == wire.Cmd.LANE:
                 self._open_lane(msg, to)
                 continue
+            if direct and msg.cmd == wire.Cmd.REQUESTS:
+                q = self._take_requests(msg, now, to)
+                if q is not None:
+                    return q
+                continue
             if msg.cmd != wire.Cmd.REQUEST:
                 # Control messages come on the control socket; a restarted broker's word reaches that one too. A
                 # client waits for an answer to anything it sends here: only requests are taken.
@@ -369,6 +382,26 @@ class SocketInbox:
             q = self.intake(msg, now, to)
             if q is not None:
                 return q
+
+    def _take_requests(self, msg: wire.Message, now: float, to: bytes) -> Any:
+        """A client's REQUESTS: its requests, taken one by one as if each had come alone (the first now, the rest
+        from `pending`); one that does not split is refused, each of its requests told why."""
+        try:
+            requests = wire.split_requests(msg)
+        except wire.ProtocolError as e:
+            self.malformed += 1
+            log.warning("worker %s: malformed REQUESTS on the direct socket (%s)", self.identity, e)
+            for rid in wire.rids_of_requests(msg) or [None]:
+                self.send(wire.encode_error(rid, wire.STATUS_FINAL, str(e), field=e.field), to)
+            return None
+        self.direct_taken += len(requests)
+        self.requests_messages += 1
+        self.pending.extend((m, now, to) for m in requests)
+        while self.pending:
+            q = self.intake(*self.pending.popleft())
+            if q is not None:
+                return q
+        return None
 
     def _open_lane(self, msg: wire.Message, to: bytes) -> None:
         """A client's LANE: open its lane and say so, or say why not (it goes on over the socket). A ring (a request

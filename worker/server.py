@@ -231,6 +231,7 @@ class Worker:
                 + self.inbox.malformed,
                 "outstanding": self.compute.outstanding(), "queued": self.inbox.qsize(),
                 "via_control": self.inbox.via_control, "direct": self.inbox.direct_taken,
+                "requests_messages": self.inbox.requests_messages,
                 "lanes": self.inbox.lanes.taken if self.inbox.lanes is not None else 0,
                 "unroutable": self.inbox.unroutable, "answer_seconds": self.compute.answer_seconds.snapshot(),
                 "runtime": self.compute.runtime_stats}
