@@ -1070,7 +1070,7 @@ class AsyncClient(_Base):
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True,
-                 lanes: bool = True, bundles: bool = True):
+                 lanes: bool = True, bundles: bool = True, together: bool = True):
         """As `Client`'s. `direct` on by default since the fifteenth session's device run: 64 requests of 1x48 in flight
         from 8 processes, 5,436 req/s direct (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine
         (docs/PERF.md, fifteenth session, call 1). `lanes`: a first attempt to a worker on this host goes through
@@ -1078,10 +1078,12 @@ class AsyncClient(_Base):
         are out (a lone call goes on the socket); the event loop never polls or sleeps on a lane, so the worker also
         rings each answer on the route's socket, which the loop reads. `bundles`: a worker may answer several of this
         client's direct requests of one forward in one message (a BUNDLE, docs/protocol.md), which costs it and this
-        client a third to a half less host time a reply; off, every reply comes alone (for A/B runs)."""
+        client a third to a half less host time a reply; off, every reply comes alone (for A/B runs). `together`: with
+        other calls out, the direct requests of one turn of the event loop go to their worker in one REQUESTS message
+        (`_send_together`); off, each goes alone (for A/B runs)."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
-        self.bundles = bundles
+        self.bundles, self.together = bundles, together
         self._set_decoding(lang_temperatures, calibration)
         import zmq.asyncio
 
@@ -1313,7 +1315,7 @@ class AsyncClient(_Base):
         # This client reads BUNDLEs (`_deliver`): the worker may answer this request with the others of ours it runs in
         # the same forward, in one message.
         framed = wire.with_bundles(framed) if self.bundles else framed
-        if self.bundles and len(self._waiters) > 1 and len(framed) == 2 and len(framed[1]) <= TOGETHER_BYTES:
+        if self.together and len(self._waiters) > 1 and len(framed) == 2 and len(framed[1]) <= TOGETHER_BYTES:
             return await self._send_together(r, rid, framed)
         try:
             await view.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
