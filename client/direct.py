@@ -65,6 +65,7 @@ class Route:
     lane_refused: bool = False    # the worker refused a lane (it takes none): this route asks for none again
     key: str = ""             # the worker's CURVE key (z85) in a pool with keys: the socket authenticates it
     local: bool = True        # the worker is on this host (only such a worker can take a lane)
+    together: bool = False    # a reply on this route said its worker takes REQUESTS messages (`wire.TOGETHER`)
 
 
 def pick(routes: Sequence[Route], turn: int) -> Route | None:

@@ -1228,6 +1228,8 @@ class AsyncClient(_Base):
                 # (or times out and retries with the same id, which the broker answers from its cache).
                 log.warning("dropped an undecodable message from %s (%s)", source, e)
                 continue
+            if route is not None and not route.together and msg.header.get(wire.TOGETHER) is True:
+                route.together = True         # its worker takes REQUESTS (`_send_together`)
             self._deliver(msg)
 
     def _deliver(self, msg: wire.Message) -> None:
@@ -1315,7 +1317,8 @@ class AsyncClient(_Base):
         # This client reads BUNDLEs (`_deliver`): the worker may answer this request with the others of ours it runs in
         # the same forward, in one message.
         framed = wire.with_bundles(framed) if self.bundles else framed
-        if self.together and len(self._waiters) > 1 and len(framed) == 2 and len(framed[1]) <= TOGETHER_BYTES:
+        if (self.together and r.together and len(self._waiters) > 1 and len(framed) == 2
+                and len(framed[1]) <= TOGETHER_BYTES):
             return await self._send_together(r, rid, framed)
         try:
             await view.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)

@@ -562,6 +562,7 @@ def accepts_bundles(header: dict) -> bool:
     return header.get(BUNDLE) is True
 
 
+TOGETHER = "together"    # an ok reply's flag: its worker takes REQUESTS messages (`Replies(together=True)`)
 _REQUESTS_MAP = b"\x81" + msgpack.packb("requests")
 
 
@@ -665,12 +666,17 @@ class Replies:
     metrics for each was a tenth of its data thread (py-spy at 256 in flight, docs/PERF.md). Each header decodes to
     the map one `pack` of the whole makes (tests/test_wire.py)."""
 
-    def __init__(self, *, worker: str | None = None, fingerprint: str | None = None, metrics: dict | None = None):
+    def __init__(self, *, worker: str | None = None, fingerprint: str | None = None, metrics: dict | None = None,
+                 together: bool = False):
+        """`together`: the worker takes REQUESTS messages on its direct socket, and says so in every ok reply (a
+        client sends a route REQUESTS only once a reply on it said so: a worker older than them would refuse one)."""
         shared: dict[str, Any] = {"status": STATUS_OK}
         if worker is not None:
             shared["worker"] = worker
         if fingerprint is not None:
             shared["fp"] = fingerprint
+        if together:
+            shared[TOGETHER] = True
         self._shared, self._n_shared = pack(shared)[1:], len(shared)     # (a fixmap: one header byte)
         self._metrics = _plain(metrics) if metrics else {}
         self._metric_pairs = _pairs(self._metrics)

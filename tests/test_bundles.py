@@ -57,10 +57,11 @@ def test_an_asyncio_clients_replies_come_bundled_and_each_call_gets_its_own(pool
         async with AsyncClient(pool.endpoint, timeout=60, direct=True) as c:
             await c.forward(calls[0])               # the route table, and the connection to the worker
             await asyncio.sleep(0.2)
+            await c.forward(calls[1])               # a reply on the route: its worker takes REQUESTS
             return await asyncio.gather(*(c.forward(rows) for rows in calls)), c._routes.sent
 
     results, sent_direct = asyncio.run(go())
-    after = _counts(pool, before["ok"] + len(calls) + 1)
+    after = _counts(pool, before["ok"] + len(calls) + 2)
     bundles, bundled = after["bundles"] - before["bundles"], after["bundled"] - before["bundled"]
     together = after["requests_messages"] - before["requests_messages"]
     assert sent_direct >= len(calls) // 2, sent_direct
@@ -90,17 +91,40 @@ def test_a_client_that_does_not_ask_gets_no_bundle(pool):
         async with AsyncClient(pool.endpoint, timeout=60, direct=True, bundles=False, together=together) as c:
             await c.forward(calls[0])
             await asyncio.sleep(0.2)
+            await c.forward(calls[1])
             await asyncio.gather(*(c.forward(rows) for rows in calls))
             return c._routes.sent
 
     assert asyncio.run(go(True)) >= len(calls) // 2
-    middle = _counts(pool, before["ok"] + 12 + len(calls) + 1)
+    middle = _counts(pool, before["ok"] + 12 + len(calls) + 2)
     assert middle["merged_runs"] > before["merged_runs"]         # calls were out together, and ran together
     assert (middle["bundles"], middle["bundled"]) == (before["bundles"], before["bundled"])
     assert middle["requests_messages"] > before["requests_messages"]
     assert asyncio.run(go(False)) >= len(calls) // 2
-    after = _counts(pool, middle["ok"] + len(calls) + 1)
+    after = _counts(pool, middle["ok"] + len(calls) + 2)
     assert (after["bundles"], after["requests_messages"]) == (middle["bundles"], middle["requests_messages"])
+
+
+def test_no_requests_go_together_to_a_worker_that_has_not_said_it_takes_them(pool, monkeypatch):
+    """A worker older than REQUESTS would refuse one, and its calls would wait out their timeouts: a client sends a
+    route REQUESTS only after a reply on it said `together`. Here the client looks for another flag, as if the worker
+    never said so: every request goes alone, and every call is answered."""
+    from laya_pool.protocol import wire
+    monkeypatch.setattr(wire, "TOGETHER", "together-from-a-later-release")
+    before = _counts(pool)
+    calls = _calls(32)
+
+    async def go():
+        async with AsyncClient(pool.endpoint, timeout=60, direct=True) as c:
+            await c.forward(calls[0])
+            await asyncio.sleep(0.2)
+            await c.forward(calls[1])
+            return await asyncio.gather(*(c.forward(rows) for rows in calls))
+
+    assert len(asyncio.run(go())) == len(calls)
+    after = _counts(pool, before["ok"] + len(calls) + 2)
+    assert after["requests_messages"] == before["requests_messages"]
+    assert after["bundles"] > before["bundles"]      # (replies still come bundled: that is the client's ask)
 
 
 def test_requests_together_are_answered_one_by_one_and_a_bad_one_alone(pool, runtime):

@@ -478,7 +478,7 @@ class Compute:
         # received_at ... done_at: this host's monotonic clock, so a client on the same host can place the worker's
         # part of a round trip, hand-offs included (scripts/overhead.py); meaningless across hosts. What the members
         # share is packed once (wire.Replies).
-        answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, metrics=dict(
+        answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, together=True, metrics=dict(
             res.metrics, batched=len(members), started_at=t0, launched_at=flight.launched,
             landed_at=getattr(flight.job, "landed_at", None) or done, done_at=done))
         replies: list[tuple[Any, list[Any], int]] = []
