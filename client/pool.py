@@ -1345,21 +1345,28 @@ class AsyncClient(_Base):
         """Send what `_send_together` queued for `r`'s worker: one REQUESTS message per up to TOGETHER requests
         (alone when there is one); each call learns whether its request left (if not, it goes through the broker)."""
         queued = self._outbox.pop(r.worker, [])
-        tasks = self._route_tasks.get(r.worker)
         for at in range(0, len(queued), TOGETHER):
-            part = queued[at:at + TOGETHER]
-            ok = tasks is not None
-            if ok:
-                frames = part[0][1] if len(part) == 1 else wire.requests_message([f for _, f, _ in part])
-                try:
+            # Only what is still this route's: a route closed (a new table, its connection dropped) since took those
+            # requests as lost, and their calls re-send them once (`_resend_lost`); sent here, they would go twice.
+            part = [item for item in queued[at:at + TOGETHER] if self._routes.by_rid.get(item[0]) is r]
+            ok = False
+            try:
+                tasks = self._route_tasks.get(r.worker)
+                if part and tasks is not None:
+                    frames = part[0][1] if len(part) == 1 else wire.requests_message([f for _, f, _ in part])
                     await tasks[1][0].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:       # its queue is full
-                    ok = False
-            for rid, _, fut in part:
-                if not ok:
-                    self._routes.unsent(rid)
-                if not fut.done():
-                    fut.set_result(ok)
+                    ok = True
+            except zmq.Again:       # its queue is full: these go through the broker
+                pass
+            except Exception:       # noqa: BLE001 - a call must never wait on a send that will not happen
+                log.exception("could not send %d requests to worker %s together", len(part), r.worker)
+            finally:
+                for rid, _, fut in queued[at:at + TOGETHER]:
+                    lost = self._routes.by_rid.get(rid) is not r
+                    if not ok and not lost:
+                        self._routes.unsent(rid)
+                    if not fut.done():
+                        fut.set_result(ok or lost)      # lost: its call waits for the re-send `_resend_lost` asks
 
     def _watch_route(self, r: Any) -> None:
         import zmq.asyncio

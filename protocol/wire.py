@@ -43,7 +43,8 @@ MAX_STR = 4096                  # a header string (ids, modes, messages)
 MAX_COUNT = 1 << 26             # any row / token / marker count on the wire (a sanity bound, not a capacity)
 MAX_TAPS = 256
 MAX_METRIC_ITEMS = 256
-MAX_BUNDLE = 1024               # replies in one BUNDLE (a worker merges at most --max-batch requests a forward)
+MAX_BUNDLE = 1024               # replies in one BUNDLE (a worker sends at most 64: worker/compute.py)
+MAX_TOGETHER = 256              # requests in one REQUESTS message (a client sends at most 64: client/pool.py)
 MAX_BUDGET_MS = 24 * 3600 * 1000   # a request's time budget (`budget_ms`): a day is more than any caller waits
 
 I32 = np.dtype("<i4")
@@ -571,8 +572,8 @@ def requests_message(requests: Sequence[Sequence[Any]]) -> list[Any]:
     buffer) as one REQUESTS message: their headers, as they are, in one msgpack array, their buffers back to back in
     one frame. A client sends its direct requests of one event-loop turn so; the worker reads one message instead of
     several (`split_requests`: a receive, a decode and the inbox's steps a request less)."""
-    if not 0 < len(requests) <= MAX_BUNDLE:
-        raise ProtocolError("requests", f"a REQUESTS message holds 1..{MAX_BUNDLE} requests, got {len(requests)}")
+    if not 0 < len(requests) <= MAX_TOGETHER:
+        raise ProtocolError("requests", f"a REQUESTS message holds 1..{MAX_TOGETHER} requests, got {len(requests)}")
     heads, buffers = [], []
     for frames in requests:
         first = bytes(_bytes(frames[0]))
@@ -592,8 +593,8 @@ def split_requests(msg: Message) -> list[Message]:
     if msg.cmd != Cmd.REQUESTS:
         raise ProtocolError("command", f"expected REQUESTS, got {msg.cmd.name}")
     heads = get(msg.header, "requests", list)
-    if not 0 < len(heads) <= MAX_BUNDLE:
-        raise ProtocolError("requests", f"a REQUESTS message holds 1..{MAX_BUNDLE} requests, got {len(heads)}")
+    if not 0 < len(heads) <= MAX_TOGETHER:
+        raise ProtocolError("requests", f"a REQUESTS message holds 1..{MAX_TOGETHER} requests, got {len(heads)}")
     if len(msg.frames) != 1:
         raise ProtocolError("frames", f"a REQUESTS message carries one buffer, got {len(msg.frames)}")
     sizes = []
@@ -614,7 +615,7 @@ def split_requests(msg: Message) -> list[Message]:
 def rids_of_requests(msg: Message) -> list[Any]:
     """Best effort: the request ids of a REQUESTS message we refuse whole, so that each of its calls hears why."""
     heads = msg.header.get("requests")
-    rids = [h.get("rid") for h in heads[:MAX_BUNDLE] if isinstance(h, dict)] if isinstance(heads, list) else []
+    rids = [h.get("rid") for h in heads[:MAX_TOGETHER] if isinstance(h, dict)] if isinstance(heads, list) else []
     return [r for r in rids if isinstance(r, (int, str)) and not isinstance(r, bool)]
 
 

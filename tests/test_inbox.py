@@ -93,3 +93,29 @@ def test_with_nothing_computing_every_read_follows_a_poll(sockets, monkeypatch):
     got = _take(inbox, 20)
     assert sorted(got) == list(range(10)) + list(range(1000, 1010))
     assert inbox.hot_reads == 0 and len(polls) >= 20
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_requests_message_does_not_keep_the_brokers_request_waiting(sockets, together):
+    """A client's requests, alone or in REQUESTS messages of 64, with a group computing and the direct socket hot:
+    the broker's request, waiting from the start, is taken after at most HOT_READS of them and a few (a REQUESTS'
+    requests are taken HOT_READS at a time, then the sockets get a read), and every request is taken once."""
+    inbox, router, client, held = sockets
+    held["flight"] = _Flight()
+    _send_all(router, client, 1)                      # the data socket connected; its request and the client's first
+    assert sorted(_take(inbox, 2)) == [0, 1000]
+    n = 1024 if together else 64
+    direct = [_request(2000 + i) for i in range(n)]
+    if together:
+        for at in range(0, n, 64):
+            wire.send_frames(client, wire.requests_message(direct[at:at + 64]), wait=True)
+    else:
+        for frames in direct:
+            wire.send_frames(client, frames, wait=True)
+    time.sleep(0.3)
+    assert inbox.get(0.0) == 2000                     # the direct socket is hot now
+    wire.send_frames(router, [b"w0/data", *_request(7)], wait=True)
+    time.sleep(0.3)
+    got = [2000] + _take(inbox, n)
+    assert sorted(got) == [7] + list(range(2000, 2000 + n))
+    assert got.index(7) <= inbox_module.HOT_READS + 2, got.index(7)

@@ -48,6 +48,7 @@ _DONE, _IDLE = object(), object()    # what `_next` returns besides a queued req
 # Nothing launched and nothing arriving for this long: idle enough to capture a missed bucket (a request that
 # arrives during the capture waits for it, tens of ms, once per bucket; a short gap in steady traffic does not count).
 IDLE_S = 0.005
+BUNDLE_MOST = 64        # replies in one BUNDLE (--max-batch has no bound; a bundle's header grows ~66 bytes a reply)
 
 
 @dataclass
@@ -493,10 +494,12 @@ class Compute:
         for to, items in bundles.items():
             if len(items) == 1:
                 replies.append((to, answers.encode(*items[0]), 1))
-            else:
+                continue
+            for at in range(0, len(items), BUNDLE_MOST):       # (a header stays far below the wire's 64 KiB)
+                part = items[at:at + BUNDLE_MOST]
                 self.counts["bundles"] += 1
-                self.counts["bundled"] += len(items)
-                replies.append((to, answers.bundle(items), len(items)))
+                self.counts["bundled"] += len(part)
+                replies.append((to, answers.bundle(part), len(part)))
         return replies
 
     def fail(self, q: Queued, e: Exception) -> None:

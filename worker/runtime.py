@@ -576,7 +576,8 @@ class Runtime:
         handle = s.cuda_stream
         out = self.workspace.slots[slot]
         direct = None if entry is None else entry.extra.get("direct")
-        if direct is not None:
+        # (cudaGraphLaunch takes no device: only with the runtime's device current, as a worker's one visible GPU is)
+        if direct is not None and torch.cuda.current_device() == self.device.index:
             return self._submit_direct(spans, entry, direct, handle, out, slot)
         with torch.cuda.stream(s):
             self.upload.submit(spans, slot)        # a failed upload drains before raising: the slot stays PACKING
