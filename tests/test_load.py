@@ -41,11 +41,12 @@ def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
 
 def test_groups_from_two_snapshots():
     from laya_pool.tools.load import groups
-    before = {("0", 11): (10, 2, 6, 1, 2), ("1", 12): (0, 0, 0, 0, 0)}
-    after = {("0", 11): (30, 5, 20, 3, 9), ("1", 12): (4, 0, 0, 0, 0)}
-    # 24 requests: 3 merged runs of 14 requests, 10 alone: 13 forwards; 2 bundles held 7 of their replies
-    assert groups(before, after) == {"requests": 24, "forwards": 13, "mean_group": 1.85, "bundles": 2, "bundled": 7}
-    assert groups(before, {("0", 99): (5, 0, 0, 0, 0), ("1", 12): (4, 0, 0, 0, 0)}) is None     # worker 0 restarted
+    before = {("0", 11): (10, 2, 6, 1, 2, 0), ("1", 12): (0, 0, 0, 0, 0, 0)}
+    after = {("0", 11): (30, 5, 20, 3, 9, 4), ("1", 12): (4, 0, 0, 0, 0, 1)}
+    # 24 requests: 3 merged runs of 14 requests, 10 alone: 13 forwards; 2 bundles held 7 of their replies; 5 REQUESTS
+    assert groups(before, after) == {"requests": 24, "forwards": 13, "mean_group": 1.85, "bundles": 2, "bundled": 7,
+                                     "requests_messages": 5}
+    assert groups(before, {("0", 99): (5, 0, 0, 0, 0, 0), ("1", 12): (4, 0, 0, 0, 0, 0)}) is None   # 0 restarted
     # the broker's counts beside the workers': what reached it between the snapshots
     with_broker = groups({**before, "broker": (7, 3)}, {**after, "broker": (19, 5)})
     assert with_broker["broker"] == {"frontend_messages": 12, "requests": 2} and with_broker["requests"] == 24

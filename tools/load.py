@@ -110,7 +110,7 @@ def _stats(seconds: list[float]) -> dict:
             "p95_ms": ms[int(0.95 * (len(ms) - 1))] if ms else None}
 
 
-COUNTS = ("ok", "merged_runs", "merged_requests", "bundles", "bundled")
+COUNTS = ("ok", "merged_runs", "merged_requests", "bundles", "bundled", "requests_messages")
 # What reached the broker: every message from a client (asks for the route table included), and its REQUEST messages
 # (first attempts and retries: cache hits and refusals too).
 BROKER_COUNTS = ("frontend_messages", "requests")
@@ -134,10 +134,11 @@ def groups(before: dict, after: dict) -> dict | None:
     if set(before) != set(after):
         return None
     workers = [w for w in after if w != "broker"]
-    ok, runs, merged, bundles, bundled = (sum(after[w][i] - before[w][i] for w in workers) for i in range(len(COUNTS)))
+    ok, runs, merged, bundles, bundled, together = (sum(after[w][i] - before[w][i] for w in workers)
+                                                    for i in range(len(COUNTS)))
     forwards = runs + ok - merged
     out = {"requests": ok, "forwards": forwards, "mean_group": round(ok / forwards, 2) if forwards else None,
-           "bundles": bundles, "bundled": bundled}
+           "bundles": bundles, "bundled": bundled, "requests_messages": together}
     if "broker" in after:
         out["broker"] = {k: after["broker"][i] - before["broker"][i] for i, k in enumerate(BROKER_COUNTS)}
     return out
@@ -305,8 +306,9 @@ def _line(name: str, r: dict) -> str:
     g = r.get("groups") or {}
     if g.get("mean_group"):
         s += f"  mean group {g['mean_group']}"
-    if g.get("bundles"):
-        s += f"  replies in bundles {g['bundled']} ({g['bundles']} bundles)"
+    if g.get("bundles") or g.get("requests_messages"):
+        s += (f"\n    replies in bundles {g['bundled']} ({g['bundles']} bundles), "
+              f"REQUESTS messages {g['requests_messages']}")
     broker = (r.get("groups") or {}).get("broker")
     if r.get("paths") or broker:
         # where the attempts went: the clients' direct sends (on lanes among them), what the broker saw
