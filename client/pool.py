@@ -1077,10 +1077,10 @@ class AsyncClient(_Base):
         shared memory when its lane is free and the worker polls (protocol/lane.py), if other calls of this client
         are out (a lone call goes on the socket); the event loop never polls or sleeps on a lane, so the worker also
         rings each answer on the route's socket, which the loop reads. `bundles`: a worker may answer several of this
-        client's direct requests of one forward in one message (a BUNDLE, docs/protocol.md), which costs it and this
-        client a third to a half less host time a reply; off, every reply comes alone (for A/B runs). `together`: with
-        other calls out, the direct requests of one turn of the event loop go to their worker in one REQUESTS message
-        (`_send_together`); off, each goes alone (for A/B runs)."""
+        client's direct requests of one forward in one message (a BUNDLE, docs/protocol.md), which halves the worker's
+        host time a reply and cuts this client's by a fifth; off, every reply comes alone (for A/B runs).
+        `together`: with other calls out, the direct requests of one turn of the event loop go to their worker in one
+        REQUESTS message (`_send_together`); off, each goes alone (for A/B runs)."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self.bundles, self.together = bundles, together
