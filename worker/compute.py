@@ -308,7 +308,8 @@ class Compute:
             return None
         try:
             batch = Batch(req.ids, req.lengths, req.types, req.marker_counts, req.markers)    # (0.2 us; by names 0.7)
-            self.rt.check_request(batch, mode=req.mode, taps=req.taps)     # its values: with its group's (`_valid`)
+            # (its arrays are parse_request's; its values are checked with its group's, `_valid`)
+            self.rt.check_request(batch, mode=req.mode, taps=req.taps, parsed=True)
             return batch
         except Exception as e:  # noqa: BLE001 - host-side only (no device work yet): refuse this one request
             self._refuse(q, e, "read")

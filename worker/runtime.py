@@ -469,10 +469,10 @@ class Runtime:
         self.check_values(batch)
         return mode
 
-    def check_request(self, batch: Batch, mode: str | None = None, taps: bool = False) -> str:
+    def check_request(self, batch: Batch, mode: str | None = None, taps: bool = False, parsed: bool = False) -> str:
         """`check` but for the values of rows and tokens (`check_values`): a worker checks those once for a merged
-        group (worker/batch.py `validate_structure` says why that is the same)."""
-        validate_structure(batch, self.limits)
+        group (worker/batch.py `validate_structure` says why that is the same, and what `parsed` skips)."""
+        validate_structure(batch, self.limits, parsed)
         mode = mode or self.config.mode
         if mode not in MODES:
             raise RequestError("mode", f"must be one of {MODES}, got {mode!r}")
