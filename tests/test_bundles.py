@@ -174,3 +174,41 @@ def test_requests_together_are_answered_one_by_one_and_a_bad_one_alone(pool, run
         assert wire.parse_reply(replies(1)[0]).status == "ok"            # and it serves on
     finally:
         sock.close(0)
+
+
+def test_kill_9_while_bundles_and_requests_are_out_loses_nothing(pool, runtime):
+    """kill -9 of the worker while an asyncio client's requests go to it together and come back bundled: what was on
+    its connection is sent again through the broker, which holds it until the supervisor's new worker is ready; every
+    call gets its own right answer, none is lost. (Runs last: the pool's worker is a new process after it.)"""
+    import os
+    import signal
+
+    from laya_pool.worker.batch import Batch
+    calls = _calls(24)
+    want = [runtime.run(Batch.from_rows(rows)) for rows in calls]
+    (w,) = pool.status()["workers"]
+    errors: list = []
+
+    async def go():
+        async with AsyncClient(pool.endpoint, timeout=90, retries=8, direct=True) as c:
+            await c.forward(calls[0])
+            await asyncio.sleep(0.2)
+            await c.forward(calls[1])
+
+            async def one(i):
+                try:
+                    res = await c.forward(calls[i % len(calls)])
+                    np.testing.assert_allclose(np.concatenate(res.logits), want[i % len(calls)].logits, rtol=1e-4,
+                                               atol=1e-4)
+                except Exception as e:  # noqa: BLE001 - every failure is a test failure
+                    errors.append(repr(e))
+            killer = asyncio.get_running_loop().call_later(0.05, os.kill, w["pid"], signal.SIGKILL)
+            await asyncio.gather(*(one(i) for i in range(192)))
+            killer.cancel()
+            return c._routes.dropped
+
+    dropped = asyncio.run(go())
+    assert not errors, errors[:3]
+    assert dropped >= 1, dropped
+    wait_until(lambda: [x for x in pool.status()["workers"] if x["state"] == "ready" and x["pid"] != w["pid"]], 120,
+               "the worker never came back")
