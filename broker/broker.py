@@ -687,7 +687,7 @@ class Broker:
         except wire.ProtocolError as e:
             self.counters["worker_malformed"] += 1
             log.warning("worker %r sent a malformed message (%s)", identity, e)
-            self._confused(identity, f"malformed message: {e}")
+            self._confused(identity, f"malformed message: {e}", like=body)
             return
         wid = self.by_identity.get(identity)
         w = self.workers.get(wid) if wid is not None else None
@@ -739,11 +739,14 @@ class Broker:
         else:
             raise wire.ProtocolError("command", f"{msg.cmd.name} is not a worker command")
 
-    def _confused(self, identity: bytes, why: str) -> None:
+    def _confused(self, identity: bytes, why: str, like: list[bytes] | None = None) -> None:
+        """`like`: the undecodable message this answers (a LAYA2 worker gets its DISCONNECT in LAYA2's layout, so it
+        logs the reason, naming `version`, instead of failing on the framing)."""
         wid = self.by_identity.get(identity)
         if wid is not None and wid in self.workers:
             self._worker_lost(self.workers[wid], WorkerState.DEAD, why)
-        self._send(self.backend, [identity, *wire.encode(Cmd.DISCONNECT, {"reason": why[:200]})])
+        leave = wire.encode(Cmd.DISCONNECT, {"reason": why[:200]})
+        self._send(self.backend, [identity, *(leave if like is None else wire.in_kind(like, leave))])
 
     def on_ready(self, identity: bytes, msg: wire.Message, now: float) -> None:
         h = msg.header

@@ -289,3 +289,26 @@ def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_dir
         for s in socks.values():
             s.close(0)
         ctx.term()
+
+
+def test_a_laya2_worker_is_told_why_in_its_own_layout(broker, tmp_path):
+    """A worker of the protocol before this one (version, command and header as three frames) registering: its
+    DISCONNECT comes in that layout, its reason naming the version, so the old worker logs why it may not join
+    (before, it got the LAYA3 layout and could only say that the framing was wrong)."""
+    import msgpack
+    import zmq
+    ctx = zmq.Context()
+    worker = _dealer(ctx, b"w2", f"ipc://{tmp_path}/be")
+    try:
+        worker.send_multipart([wire.LAYA2, bytes([wire.Cmd.READY]), msgpack.packb({"id": "w2"})])
+        assert broker.backend.poll(5000)
+        broker._receive_all(broker.backend, broker.on_backend)
+        assert worker.poll(5000), "no answer for a LAYA2 READY"
+        frames = worker.recv_multipart()
+    finally:
+        worker.close(0)
+        ctx.term()
+    assert frames[:2] == [wire.LAYA2, bytes([wire.Cmd.DISCONNECT])], frames
+    reason = msgpack.unpackb(frames[2])["reason"]
+    assert "version" in reason and "LAYA3" in reason, reason
+    assert "w2" not in broker.workers
