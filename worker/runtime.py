@@ -218,11 +218,11 @@ class Runtime:
         else:
             self.model = ReferenceModel(arch, checkpoint.tensors, device=self.device, dtype=self.dtype)
         self.forward_name = "fast" if self.why_reference is None else "reference"
-        # How a captured graph is launched: "torch" (CUDAGraph.replay inside the stream's context) or "direct"
-        # (cudaGraphLaunch on the worker's stream through cuda-python, no torch call on the way: the two Python
-        # layers a launch crossed cost ~10 us of host time a group on the development CPU, more on the device
-        # hosts). Same graph, same stream, same bits (tests/test_runtime_gpu.py); "torch" until the device measures.
-        self.graph_launch = os.environ.get("LAYA_GRAPH_LAUNCH", "torch")
+        # How a captured graph is launched: "direct" (cudaGraphLaunch on the worker's stream through cuda-python, no
+        # torch call on the way) or "torch" (CUDAGraph.replay inside the stream's context). Same graph, same stream,
+        # same bits (tests/test_runtime_gpu.py); direct takes 19-20 us less host time a launch (H100 host, 63.8 ->
+        # 44.7 us at 1x48, 82.5 -> 62.3 at 32x48; docs/PERF.md, twenty-fifth session).
+        self.graph_launch = os.environ.get("LAYA_GRAPH_LAUNCH", "direct")
         if self.graph_launch not in ("torch", "direct"):
             raise ValueError(f"LAYA_GRAPH_LAUNCH must be 'torch' or 'direct', got {self.graph_launch!r}")
         self.direct_launches = 0
