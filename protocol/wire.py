@@ -619,6 +619,9 @@ def rids_of_requests(msg: Message) -> list[Any]:
     return [r for r in rids if isinstance(r, (int, str)) and not isinstance(r, bool)]
 
 
+_PACKED_KEYS: dict[str, bytes] = {}     # `_with_field`'s keys, packed once (it runs for every attempt of every call)
+
+
 def _with_field(frames: Sequence[Any], key: str, value: Any) -> list[Any]:
     """`frames` with `key: value` set in the header. Every attempt of every call sets one or two: a header that is a
     small map (a msgpack fixmap, as every header the client builds) gets the pair appended to its bytes, a
@@ -626,7 +629,8 @@ def _with_field(frames: Sequence[Any], key: str, value: Any) -> list[Any]:
     first = bytes(_bytes(frames[0]))
     h = first[HEAD:]
     if h and 0x80 <= h[0] < 0x8f:
-        header = bytes((h[0] + 1,)) + h[1:] + msgpack.packb(key) + msgpack.packb(value)
+        packed = _PACKED_KEYS.get(key) or _PACKED_KEYS.setdefault(key, msgpack.packb(key))
+        header = bytes((h[0] + 1,)) + h[1:] + packed + msgpack.packb(value)
     else:
         d = unpack(h, MAX_HEADER_BYTES)
         d[key] = value
