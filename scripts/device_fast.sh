@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -33,6 +33,9 @@ for step in ${*:-probe tests}; do
             | grep -vE "Warning|warn" | tee "$OUT/cold${COLD_TAG:-}.log" \
             | grep -E "capturing=True|last launches|capture error|FAILED|fails|RAISED|FAULT|PHASE|OVERWRITTEN|allocations|File .*kernels" | head -40 ;;
     peer) bash scripts/device_peer.sh ;;
+    chain) # one output tile's K chain at M = 48 against K (one program, one wave, cuBLAS), and the floor it sets
+          timeout ${CHAIN_TIMEOUT:-200} python3 scripts/probe_chain.py --out "$OUT" 2>&1 | grep -v Warning \
+            | tee "$OUT/chain.log" ;;
     lanes) # a round trip on this host through a lane against sockets, then the pool's overhead with lanes and without
           timeout 120 python3 scripts/lane_rtt.py 2>&1 | tee "$OUT/lane_rtt.log"
           for l in on off; do echo "-- LAYA_LANES=$l"; LAYA_LANES=$l bash "$0" overhead; done ;;
