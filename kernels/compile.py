@@ -15,6 +15,13 @@ specializations of its warm-up one after another (device run of 2026-12-04: READ
    key's parts in the parent and the children, which is how that was found.
 
 A failed child costs nothing but time: whatever it did not compile, the warm-up compiles as before.
+
+Children started early (`spawn` before the work is known; `compile_in_processes(..., children=)`): a child's own start
+(Python, torch's and Triton's imports, ~4-5 s on the H200 hosts) bounded the compile phase as much as its kernels did
+(sixteenth session: 15 processes took as long as 8). A worker therefore starts its children first thing, before it
+imports torch itself, and they import while the worker loads the checkpoint and places the weights; each opens its
+CUDA context only once it has work, and one given none leaves at once (a warm cache, or a forward without Triton
+kernels). This module imports nothing heavy at its own import, so the worker can spawn before it imports torch.
 """
 from __future__ import annotations
 
@@ -31,12 +38,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launch import RECORDING
 
-try:
-    from triton import knobs
-except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
-    knobs = None
+def triton_knobs():
+    """Triton's knobs, or None where Triton is not installed (CPU-only installs; only the CUDA path needs it). Imported
+    on use, not with this module (the module docstring says why)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs
+
+
+def procs_for(asked: int | None) -> int:
+    """How many compile processes a warm-up starts for `asked` (a worker's --compile-procs): None, one per spare core
+    of this process's CPUs, at most 8; 0 or 1: none."""
+    if asked is not None:
+        return max(0, asked)
+    return max(0, min(8, len(os.sched_getaffinity(0)) - 1))
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,8 @@ def recorded() -> Iterator[list[Spec]]:
             specs.append(Spec(k[0], k[1], data, k[2], jit.cache_key))
         return True                 # skip: the kernel is neither compiled nor launched
 
+    from .launch import RECORDING
+    knobs = triton_knobs()
     before = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     RECORDING.append(hook)        # kernels/launch.py `through_triton`: a kernel compiled already is not launched either
@@ -80,6 +100,7 @@ def recorded() -> Iterator[list[Spec]]:
 
 def recording() -> bool:
     """Whether a `recorded` block is open: launches are skipped, so nothing computed now can be read back."""
+    from .launch import RECORDING
     return bool(RECORDING)
 
 
@@ -100,7 +121,8 @@ def marker(specs: list[Spec], cache_dir: str) -> Path:
 
 
 def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
-    """`procs` compile processes, each waiting for its share on stdin (`_child`)."""
+    """`procs` compile processes, each importing what it compiles with and then waiting for its share on stdin
+    (`_child`); they may be started before the work is known (the module docstring)."""
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])      # children inherit the variable and log theirs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -109,22 +131,54 @@ def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
             for _ in range(max(1, procs))]
 
 
-def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0) -> dict:
-    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes, unless a marker says they are
-    there; returns what happened: {"kernels", "procs", "seconds", "failed"} ("failed": children that did not finish
-    cleanly) or {"kernels", "cached": True}."""
+def release(children: list[subprocess.Popen]) -> None:
+    """Children given no work, stopped where they are: at most importing (none opens a CUDA context before it has
+    work), so nothing is lost, and a warm start does not wait for their imports to finish."""
+    for p in children:
+        if p.poll() is None:
+            p.kill()
+    for p in children:
+        p.wait()
+        for f in (p.stdin, p.stdout):
+            with contextlib.suppress(OSError):        # (a pipe to a child that died mid-write)
+                f.close()
+
+
+def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0,
+                         children: list[subprocess.Popen] | None = None) -> dict:
+    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes (`children`: started already,
+    by `spawn`), unless a marker says they are there; returns what happened: {"kernels", "procs", "seconds", "failed",
+    "early"} ("failed": children that did not finish cleanly; "early": whether they were started before the work was
+    known) or {"kernels", "cached": True}. Every child given is reaped, with work or without."""
     t = time.perf_counter()
-    done = marker(specs, knobs.cache.dir)
-    if not specs or done.exists():
+    early = children is not None
+    done = marker(specs, triton_knobs().cache.dir) if specs else None
+    if done is None or done.exists():
+        if children:
+            release(children)
         return {"kernels": len(specs), "cached": True}
-    shares = deal(specs, max(1, procs))
-    children = spawn(len(shares), device)
+    shares = deal(specs, len(children) if early else max(1, procs))
+    if early:
+        release(children[len(shares):])
+        children = children[:len(shares)]
+    else:
+        children = spawn(len(shares), device)
+    failed = _finish(children, shares, time.monotonic() + timeout)
+    if not failed:
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(f"{len(specs)} kernel specializations compiled by laya-pool's worker\n")
+    return {"kernels": len(specs), "procs": len(shares), "seconds": round(time.perf_counter() - t, 2),
+            "failed": failed, "early": early}
+
+
+def _finish(children: list[subprocess.Popen], shares: list[list[Spec]], deadline: float) -> int:
+    """Feed each child its share and wait for all until `deadline`; how many did not finish cleanly."""
     failed = 0
     try:
-        for p, share in zip(children, shares):   # all started first: each imports torch while the next is fed
-            p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
-            p.stdin.close()
-        deadline = time.monotonic() + timeout
+        for p, share in zip(children, shares):   # all fed first: each compiles while the next is fed
+            with contextlib.suppress(BrokenPipeError):        # (a child that died: counted below)
+                p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
+                p.stdin.close()
         for p in children:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
@@ -134,19 +188,9 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
             out = p.stdout.read().decode(errors="replace").split()
             ok = p.returncode == 0 and len(out) == 4 and out[0] == "compiled" and out[1] == out[3]
             failed += not ok
-    finally:                 # a child that died while being fed (a broken pipe) leaves none of them behind
-        for p in children:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            for f in (p.stdin, p.stdout):
-                if not f.closed:
-                    f.close()
-    if not failed:
-        done.parent.mkdir(parents=True, exist_ok=True)
-        done.write_text(f"{len(specs)} kernel specializations compiled by laya-pool's worker\n")
-    return {"kernels": len(specs), "procs": len(shares), "seconds": round(time.perf_counter() - t, 2),
-            "failed": failed}
+    finally:                 # whatever went wrong, no child is left behind
+        release(children)
+    return failed
 
 
 def log_keys(path: str) -> None:
@@ -183,13 +227,21 @@ def _tuples(x):
 
 
 def _child(device: int) -> int:
-    """A child: compile the specializations read from stdin; print "compiled N of M"."""
+    """A child: compile the specializations read from stdin; print "compiled N of M". The imports come first (what an
+    early child does while its worker loads), the CUDA context only with work (none: leave at once)."""
     import torch
-    from triton.runtime.driver import driver
+    try:
+        from triton.runtime.driver import driver
+    except ImportError:            # (no Triton: no work can come either)
+        driver = None
+    data = sys.stdin.buffer.read()
+    if not data:
+        print("compiled 0 of 0")
+        return 0
     torch.cuda.set_device(device)
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])
-    todo = pickle.loads(sys.stdin.buffer.read())
+    todo = pickle.loads(data)
     done = 0
     for module, name, data in todo:
         try:

@@ -1,10 +1,10 @@
 """Compiling the warm-up's kernels ahead in several processes (kernels/compile.py): the pure parts here; the device
 part (record, compile in children, the warm-up then compiling nothing) in test_runtime_gpu.py."""
 import os
+import signal
 
 import pytest
-from laya_pool.kernels.compile import Spec, deal, marker
-from laya_pool.worker.runtime import compile_procs
+from laya_pool.kernels.compile import Spec, compile_in_processes, deal, marker, procs_for, release, spawn
 
 
 def specs(n: int, source: str = "s") -> list[Spec]:
@@ -36,9 +36,37 @@ def test_the_marker_names_the_set_and_the_sources(tmp_path):
 
 def test_compile_procs_is_bounded_and_one_per_spare_core_by_default():
     from laya_pool.worker.runtime import RuntimeConfig
-    auto = compile_procs(RuntimeConfig().compile_procs)
+    auto = procs_for(RuntimeConfig().compile_procs)
     assert auto == min(8, len(os.sched_getaffinity(0)) - 1)
-    assert compile_procs(0) == 0 and compile_procs(3) == 3
+    assert procs_for(0) == 0 and procs_for(3) == 3
+
+
+def test_children_started_early_and_given_no_work_are_all_reaped():
+    """A worker starts its compile processes before it knows their work (its first step); a warm cache or a forward
+    without Triton kernels gives them none. They must all be gone after, none left importing or waiting."""
+    children = spawn(2)
+    assert all(p.poll() is None for p in children)          # alive, waiting for work
+    assert compile_in_processes([], 2, children=children) == {"kernels": 0, "cached": True}
+    assert [p.returncode for p in children] == [-signal.SIGKILL] * 2       # stopped, not waited for
+    assert all(p.stdin.closed and p.stdout.closed for p in children)
+
+
+def test_a_child_told_there_is_no_work_leaves_cleanly_without_a_device():
+    """The child's own side: its stdin closed empty (its worker left before the warm-up), it exits 0 after its imports,
+    saying it compiled nothing; it opens no CUDA context (none exists on this machine)."""
+    (child,) = spawn(1)
+    child.stdin.close()
+    assert child.wait(timeout=120) == 0
+    assert child.stdout.read().decode().split() == ["compiled", "0", "of", "0"]
+    release([child])
+
+
+def test_release_stops_children_at_once_whatever_they_are_doing():
+    """Released children are killed where they are (importing, or waiting for work): a warm start does not wait for
+    their imports; none had work, so nothing is lost."""
+    children = spawn(3)
+    release(children)
+    assert [p.returncode for p in children] == [-signal.SIGKILL] * 3
 
 
 _KEYS = r"""

@@ -277,6 +277,8 @@ def _print_key_differences(path: Path) -> None:
 _COMPILE_AHEAD = r"""
 import json, os, sys
 from pathlib import Path
+from laya_pool.kernels.compile import spawn
+children = spawn(3) if sys.argv[2] == "early" else None      # (as a worker: before torch is imported here)
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.runtime import Runtime, RuntimeConfig
 from laya_pool.worker.workspace import Capacity, Shape
@@ -285,7 +287,7 @@ shapes = (Shape(4, 128, 4), Shape(1, 64, 2))
 rt = Runtime(load_checkpoint(sys.argv[1]), device="cuda", config=RuntimeConfig(
     mode="graph-cached", capacity=Capacity(max_tokens=2048, max_rows=8, max_markers=64, row_markers=8),
     warmup_shapes=shapes, compile_procs=0))
-ahead = rt._compile_ahead([Shape(1, 64, 2), *shapes], 3) if sys.argv[2] == "ahead" else None
+ahead = rt._compile_ahead([Shape(1, 64, 2), *shapes], 3, children) if sys.argv[2] != "plain" else None
 def built():   # kernel binaries and their launchers (C modules Triton compiles on a kernel's first launch)
     return {str(p) for p in cache.rglob("*") if p.suffix in (".cubin", ".so")}
 before = built()
@@ -322,6 +324,13 @@ def test_kernels_compiled_ahead_leave_nothing_for_the_warm_up_to_compile(tiny_ck
     assert plain["compiled_in_warmup"] >= 8, plain
     again = start(tmp_path / "a", "ahead")
     assert again["ahead"] == {"kernels": ahead["ahead"]["kernels"], "cached": True} and again["compiled_in_warmup"] == 0
+    # Children started before the work was known (a worker's first step, kernels/compile.py): the same result.
+    early = start(tmp_path / "c", "early")
+    print("compiled by children started early:", early)
+    assert early["ahead"]["early"] and early["ahead"]["failed"] == 0, early
+    assert early["ahead"]["kernels"] == ahead["ahead"]["kernels"] and early["compiled_in_warmup"] == 0, early
+    warm = start(tmp_path / "c", "early")        # a warm cache: the early children are let go, none compiles
+    assert warm["ahead"] == {"kernels": ahead["ahead"]["kernels"], "cached": True} and warm["compiled_in_warmup"] == 0
 
 
 def test_a_recording_launches_nothing_not_even_a_kernel_compiled_already(monkeypatch):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from laya_pool.kernels import cublas
+from laya_pool.kernels.compile import procs_for, release
 from laya_pool.kernels.fast import FastModel, supports
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.protocol.contract import MODES
@@ -168,15 +169,8 @@ class RuntimeConfig:
     # runs inside launch (nothing to overlap; tests turn it on there to drive the two-group loop).
     overlap: bool | None = None
     # Processes that compile the warm-up's kernels in parallel before it runs (kernels/compile.py), on a machine whose
-    # Triton cache does not hold them yet. None (default): one per spare core, at most 8; 0 or 1: off.
+    # Triton cache does not hold them yet. None (default): one per spare core, at most 8 (`procs_for`); 0 or 1: off.
     compile_procs: int | None = None
-
-
-def compile_procs(asked: int | None) -> int:
-    """How many compile processes a warm-up starts for `asked` (RuntimeConfig.compile_procs)."""
-    if asked is not None:
-        return max(0, asked)
-    return max(0, min(8, len(os.sched_getaffinity(0)) - 1))
 
 
 class Runtime:
@@ -357,23 +351,31 @@ class Runtime:
         torch.cuda.empty_cache()
         return before - torch.cuda.memory_reserved(self.device)
 
-    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> dict[str, float]:
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None,
+               compilers: list | None = None) -> dict[str, float]:
         """Capture what steady traffic will need, off the request path; returns ms per step. `progress(i, n,
-        what)` is called before each step (the worker logs it: a long warm-up is not silent)."""
+        what)` is called before each step (the worker logs it: a long warm-up is not silent). `compilers`: compile
+        processes started already (kernels/compile.py `spawn`, the worker's first step), used instead of starting
+        `compile_procs` of them here; each is reaped here, given work or not."""
         out = {}
         if not self.is_cuda:
+            if compilers:
+                release(compilers)
             return out
         say = progress or (lambda i, n, what: None)
         cached = self.warmup_plan() if self.config.mode == "graph-cached" else []
         fixed = self.config.mode == "graph-fixed" and self.fixed is None and self.fixed_failed is None
         first = Shape(1, ROW_LEN_STEP, 2)
-        procs = compile_procs(self.config.compile_procs)
+        procs = len(compilers) if compilers else procs_for(self.config.compile_procs)
         n = 1 + (procs > 1) + fixed + len(cached)
         if procs > 1:
-            say(1, n, f"kernels, compiled in {procs} processes")
+            say(1, n, f"kernels, compiled in {procs} processes{' started early' if compilers else ''}")
             t = time.perf_counter()
-            out["compile"] = self._compile_ahead([first] + ([self.fixed_shape] if fixed else []) + cached, procs)
+            out["compile"] = self._compile_ahead([first] + ([self.fixed_shape] if fixed else []) + cached, procs,
+                                                 compilers)
             out["compile ms"] = (time.perf_counter() - t) * 1e3
+        elif compilers:
+            release(compilers)
         say(1 + (procs > 1), n, "eager forward")
         t = time.perf_counter()
         with torch.cuda.stream(self.stream):
@@ -396,19 +398,24 @@ class Runtime:
             out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
         return out
 
-    def _compile_ahead(self, shapes: list[Shape], procs: int) -> dict:
+    def _compile_ahead(self, shapes: list[Shape], procs: int, compilers: list | None = None) -> dict:
         """The kernels the forwards of `shapes` launch, compiled into Triton's on-disk cache by `procs` processes
-        (kernels/compile.py); the forwards here launch nothing."""
-        from laya_pool.kernels.compile import compile_in_processes, knobs, recorded
-        if knobs is None:
-            return {"skipped": "no Triton"}
+        (kernels/compile.py; `compilers`: those processes, started already); the forwards here launch nothing."""
+        from laya_pool.kernels.compile import compile_in_processes, recorded, triton_knobs
         try:
+            if triton_knobs() is None:
+                return {"skipped": "no Triton"}
             with recorded() as specs, torch.cuda.stream(self.stream):
                 for shape in shapes:
                     self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
-            return compile_in_processes(specs, procs, self.device.index or 0)
+            out = compile_in_processes(specs, procs, self.device.index or 0, children=compilers)
+            compilers = None          # reaped there
+            return out
         except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up compiles whatever this did not
             return {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            if compilers:
+                release(compilers)
 
     @property
     def has_idle_work(self) -> bool:

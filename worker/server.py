@@ -523,9 +523,28 @@ def _open_context(torch: Any, torch_device: str) -> threading.Thread | None:
     return t
 
 
+def _start_compilers(cfg: WorkerConfig, torch_device: str) -> list | None:
+    """The warm-up's compile processes (kernels/compile.py), started before anything else so that their own start
+    (Python, torch, Triton: ~4-5 s each) runs beside this process's imports, checkpoint and weights instead of
+    after them; the warm-up gives them their work or lets them go. LAYA_COMPILE_EARLY=0: started by the warm-up
+    once the work is known, as before."""
+    if not torch_device.startswith("cuda") or os.environ.get("LAYA_COMPILE_EARLY", "1") == "0":
+        return None
+    from laya_pool.kernels.compile import procs_for, spawn
+    procs = procs_for(cfg.compile_procs)
+    if procs <= 1:
+        return None
+    try:
+        return spawn(procs, int(torch_device.partition(":")[2] or 0))
+    except OSError as e:          # an optimisation: the warm-up starts its own, or compiles alone
+        log.warning("worker %s: could not start the compile processes early: %s", cfg.id, e)
+        return None
+
+
 def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: dict[str, float],
-                   context: threading.Thread | None = None) -> tuple[Any, float]:
-    """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms); `phases` gets ms per step."""
+                   context: threading.Thread | None = None, compilers: list | None = None) -> tuple[Any, float]:
+    """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms); `phases` gets ms per step.
+    `compilers` (`_start_compilers`) go to the warm-up, which reaps them."""
     from .checkpoint import CheckpointError, load_checkpoint
     from .runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
     from .workspace import Capacity
@@ -566,7 +585,7 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
 
     t = time.perf_counter()
     try:
-        steps = rt.warmup(progress)
+        steps = rt.warmup(progress, compilers)
     except Exception as e:  # noqa: BLE001
         log.exception("warm-up failed")
         raise _Exit(contract.EXIT_FATAL) from e
@@ -611,6 +630,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, early_stop)
     signal.signal(signal.SIGINT, early_stop)
     log.info("worker %s: starting on %s (pid %d): importing the runtime", cfg.id, cfg.device, os.getpid())
+    compilers = _start_compilers(cfg, torch_device)
+    try:
+        return _start(cfg, torch_device, label, compilers, early)
+    finally:
+        if compilers:                 # reaped by the warm-up, unless the start failed before it
+            from laya_pool.kernels.compile import release
+            release(compilers)
+
+
+def _start(cfg: WorkerConfig, torch_device: str, label: str, compilers: list | None, early: dict) -> int:
+    """main's body from the imports on: import, place, build and warm the runtime, then serve."""
     try:
         import torch
 
@@ -625,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         return contract.EXIT_CONFIG
     try:
         pinned = _place(cfg, torch, torch_device)
-        rt, warm_ms = _build_runtime(cfg, torch_device, warm, phases, _open_context(torch, torch_device))
+        rt, warm_ms = _build_runtime(cfg, torch_device, warm, phases, _open_context(torch, torch_device), compilers)
     except _Exit as e:
         return e.code
     log.info("worker %s: %s (%s), mode %s, forward %s, threads %s, cpus %s, GIL switch %.2f ms, warm-up %.0f ms",
