@@ -356,7 +356,7 @@ class Runtime:
         """Capture what steady traffic will need, off the request path; returns ms per step. `progress(i, n,
         what)` is called before each step (the worker logs it: a long warm-up is not silent). `compilers`: compile
         processes started already (kernels/compile.py `spawn`, the worker's first step), used instead of starting
-        `compile_procs` of them here; each is reaped here, given work or not."""
+        `procs_for(config.compile_procs)` of them here; each is reaped here, given work or not."""
         out = {}
         if not self.is_cuda:
             if compilers:
