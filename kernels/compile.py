@@ -126,9 +126,29 @@ def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])      # children inherit the variable and log theirs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    return [subprocess.Popen([sys.executable, "-m", __spec__.name if __spec__ else __name__, str(device)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-            for _ in range(max(1, procs))]
+    started: list[subprocess.Popen] = []
+    try:
+        for _ in range(max(1, procs)):
+            started.append(subprocess.Popen([sys.executable, "-m", __spec__.name if __spec__ else __name__,
+                                             str(device)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, env=env))
+    except BaseException:
+        release(started)          # (out of processes or files half way: none of them left behind)
+        raise
+    return started
+
+
+def confine(children: list[subprocess.Popen], cpus: list[int] | None, keep: int) -> list[subprocess.Popen]:
+    """Children started before their worker pinned itself (`spawn` comes first): moved onto the worker's CPUs (where
+    they would have started before; other workers serve on the rest of the host), and cut to `keep` (`procs_for`
+    counted the whole host's CPUs then, the pinned set now); the rest released. The ones kept."""
+    release(children[max(0, keep):])
+    kept = children[:max(0, keep)]
+    if cpus:
+        for p in kept:
+            with contextlib.suppress(OSError):        # (one that died already: its share fails, and is compiled later)
+                os.sched_setaffinity(p.pid, cpus)
+    return kept
 
 
 def release(children: list[subprocess.Popen]) -> None:
@@ -151,7 +171,7 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
     "early"} ("failed": children that did not finish cleanly; "early": whether they were started before the work was
     known) or {"kernels", "cached": True}. Every child given is reaped, with work or without."""
     t = time.perf_counter()
-    early = children is not None
+    early = bool(children)
     done = marker(specs, triton_knobs().cache.dir) if specs else None
     if done is None or done.exists():
         if children:
@@ -159,7 +179,7 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
         return {"kernels": len(specs), "cached": True}
     shares = deal(specs, len(children) if early else max(1, procs))
     if early:
-        release(children[len(shares):])
+        release(children[len(shares):])                # (more children than kernels)
         children = children[:len(shares)]
     else:
         children = spawn(len(shares), device)

@@ -4,7 +4,7 @@ import os
 import signal
 
 import pytest
-from laya_pool.kernels.compile import Spec, compile_in_processes, deal, marker, procs_for, release, spawn
+from laya_pool.kernels.compile import Spec, compile_in_processes, confine, deal, marker, procs_for, release, spawn
 
 
 def specs(n: int, source: str = "s") -> list[Spec]:
@@ -91,3 +91,48 @@ def test_kernel_keys_do_not_depend_on_which_kernel_a_process_touched_first():
     keys = {tuple(subprocess.run([sys.executable, "-c", _KEYS, first], env=env, capture_output=True, text=True,
                            check=True, timeout=120).stdout.split()[-3:]) for first in ("gelu", "gemm", "norm")}
     assert len(keys) == 1, keys
+
+
+def test_children_started_before_pinning_are_moved_onto_the_workers_cpus_and_cut_to_its_count():
+    """Spawned before the worker pins itself (and counted from the whole host then): after pinning the kept ones run on
+    the worker's CPUs only, and those past the pinned set's count are released."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    children = spawn(3)
+    try:
+        kept = confine(children, [cpu], 2)
+        assert kept == children[:2]
+        assert children[2].returncode == -signal.SIGKILL
+        assert all(os.sched_getaffinity(p.pid) == {cpu} for p in kept)
+    finally:
+        release(children)
+
+
+def test_a_warm_up_without_kernels_to_compile_lets_early_children_go(tiny_ckpt):
+    """A runtime whose warm-up compiles nothing (the CPU here: no Triton kernels) reaps the children it was given."""
+    from laya_pool.worker.checkpoint import load_checkpoint
+    from laya_pool.worker.runtime import Runtime
+    children = spawn(2)
+    Runtime(load_checkpoint(tiny_ckpt), device="cpu").warmup(compilers=children)
+    assert [p.returncode for p in children] == [-signal.SIGKILL] * 2
+
+
+@pytest.mark.parametrize("device,early,want", [("cpu", "1", False), ("cuda:0", "0", False)])
+def test_a_worker_starts_children_early_only_on_cuda_and_unless_switched_off(monkeypatch, device, early, want):
+    from laya_pool.worker.server import WorkerConfig, _start_compilers, build_parser
+    monkeypatch.setenv("LAYA_COMPILE_EARLY", early)
+    cfg = WorkerConfig.from_args(build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0"]))
+    assert (_start_compilers(cfg, device) is not None) == want
+
+
+def test_a_cuda_worker_starts_its_children_first(monkeypatch):
+    """The switch on (default) and a CUDA device: the children exist before any model or torch import of the worker's
+    (this CPU machine has no GPU, but starting them needs none: they open a context only with work)."""
+    from laya_pool.worker.server import WorkerConfig, _start_compilers, build_parser
+    monkeypatch.delenv("LAYA_COMPILE_EARLY", raising=False)
+    cfg = WorkerConfig.from_args(build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0",
+                                                            "--compile-procs", "2"]))
+    children = _start_compilers(cfg, "cuda:0")
+    try:
+        assert children is not None and len(children) == 2 and all(p.poll() is None for p in children)
+    finally:
+        release(children or [])

@@ -655,6 +655,9 @@ def _start(cfg: WorkerConfig, torch_device: str, label: str, compilers: list | N
         return contract.EXIT_CONFIG
     try:
         pinned = _place(cfg, torch, torch_device)
+        if compilers:
+            from laya_pool.kernels.compile import confine, procs_for
+            compilers = confine(compilers, pinned, procs_for(cfg.compile_procs))
         rt, warm_ms = _build_runtime(cfg, torch_device, warm, phases, _open_context(torch, torch_device), compilers)
     except _Exit as e:
         return e.code
