@@ -116,19 +116,22 @@ def test_a_warm_up_without_kernels_to_compile_lets_early_children_go(tiny_ckpt):
     assert [p.returncode for p in children] == [-signal.SIGKILL] * 2
 
 
-@pytest.mark.parametrize("device,early,want", [("cpu", "1", False), ("cuda:0", "0", False)])
-def test_a_worker_starts_children_early_only_on_cuda_and_unless_switched_off(monkeypatch, device, early, want):
+@pytest.mark.parametrize("device,early,want", [("cpu", "1", False), ("cuda:0", "0", False), ("cuda:0", None, False)])
+def test_a_worker_starts_children_early_only_on_cuda_and_when_asked(monkeypatch, device, early, want):
     from laya_pool.worker.server import WorkerConfig, _start_compilers, build_parser
-    monkeypatch.setenv("LAYA_COMPILE_EARLY", early)
+    if early is None:
+        monkeypatch.delenv("LAYA_COMPILE_EARLY", raising=False)        # the default: off (docs/PERF.md)
+    else:
+        monkeypatch.setenv("LAYA_COMPILE_EARLY", early)
     cfg = WorkerConfig.from_args(build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0"]))
     assert (_start_compilers(cfg, device) is not None) == want
 
 
-def test_a_cuda_worker_starts_its_children_first(monkeypatch):
-    """The switch on (default) and a CUDA device: the children exist before any model or torch import of the worker's
-    (this CPU machine has no GPU, but starting them needs none: they open a context only with work)."""
+def test_a_cuda_worker_asked_to_starts_its_children_first(monkeypatch):
+    """The switch on and a CUDA device: the children exist before any model or torch import of the worker's (this CPU
+    machine has no GPU, but starting them needs none: they open a context only with work)."""
     from laya_pool.worker.server import WorkerConfig, _start_compilers, build_parser
-    monkeypatch.delenv("LAYA_COMPILE_EARLY", raising=False)
+    monkeypatch.setenv("LAYA_COMPILE_EARLY", "1")
     cfg = WorkerConfig.from_args(build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0",
                                                             "--compile-procs", "2"]))
     children = _start_compilers(cfg, "cuda:0")
