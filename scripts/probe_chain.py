@@ -21,6 +21,7 @@ the layers: what a forward at 1x48 cannot go under while each dot product stays 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -31,6 +32,7 @@ import torch
 # Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import probe_fast  # noqa: E402  (beside this script)
 from laya_pool.kernels.gemm import Epi, Tiles, fill_tiles, gemm, pick_tiles  # noqa: E402
 from laya_pool.kernels.launch import sms  # noqa: E402
 
@@ -41,30 +43,10 @@ COPIES = 8                  # weight copies cycled through in `wave` (each call 
 REPS = 20
 
 
-def graph_time(fns: list, samples: int = 30) -> float:
-    """Median ms of one call: a CUDA graph of REPS calls (cycling through `fns`), replayed `samples` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for i in range(REPS):
-            fns[i % len(fns)]()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / REPS)
-    return statistics.median(ts)
+def graph_time(fns: list) -> float:
+    """Median ms of one call, cycling through `fns` (probe_fast's graph timing: REPS calls a graph)."""
+    turn = itertools.cycle(fns)
+    return probe_fast.graph_time(lambda: next(turn)(), reps=REPS)[0]
 
 
 def calls(n: int, k: int, copies: int, tiles: Tiles | None) -> tuple[list, list]:
