@@ -22,7 +22,6 @@ block size may therefore change without changing any result. There is no split o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .launch import dispatch, launch, settle_keys
 
@@ -167,7 +166,9 @@ def attention_sdpa(qkv: torch.Tensor, out: torch.Tensor, rows: Rows, heads: int,
     R, L = rows.valid.shape
     x = qkv.index_select(0, rows.slot).view(R, L, 3, heads, head_dim)
     q, k, v = (x[:, :, n].transpose(1, 2) for n in range(3))                          # [R, H, L, D]
-    att = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.band if local else rows.mask, scale=scale)
+    # (torch.nn.functional looked up here, not imported with the module: kernels/compile.py `defer_torch` says why)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    att = sdpa(q, k, v, attn_mask=rows.band if local else rows.mask, scale=scale)
     out.index_copy_(0, rows.slot, att.transpose(1, 2).reshape(R * L, heads * head_dim))
     return out
 

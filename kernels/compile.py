@@ -7,8 +7,8 @@ specializations of its warm-up one after another (device run of 2026-12-04: READ
 1. `recorded()` runs the warm-up's forwards with every launch of a kernel that is not compiled yet recorded and
    skipped (Triton's `jit_cache_hook`): the list of what the warm-up needs, in well under a second, nothing launched.
 2. `compile_in_processes` deals the list out to child processes, each compiling its share into the shared on-disk
-   cache from the signature, constants, attributes and options the hook saw, and loading each kernel once (which
-   builds its launcher, a C module Triton compiles with the host's compiler and caches on disk beside it).
+   cache, for the worker's device's target, from the signature, constants, attributes and options the hook saw, and
+   building each kernel's launcher (a C module Triton compiles with the host's compiler and caches on disk beside it).
 3. The warm-up proper then finds every kernel on disk. Until the fifteenth session it did not (it compiled 31 of 35
    again): a Triton function's key depended on which kernel the process had touched first (kernels/launch.py
    `settle_keys`, which every kernel module now calls at import). `log_keys` (LAYA_COMPILE_KEYS=FILE) logs each
@@ -16,24 +16,27 @@ specializations of its warm-up one after another (device run of 2026-12-04: READ
 
 A failed child costs nothing but time: whatever it did not compile, the warm-up compiles as before.
 
-Children started early (`spawn` before the work is known; `compile_in_processes(..., children=)`): a child's own start
-(Python, torch's and Triton's imports, ~4-5 s on the H200 hosts) bounded the compile phase as much as its kernels did
-(sixteenth session: 15 processes took as long as 8). A worker therefore starts its children first thing, before it
-imports torch itself, and they import while the worker loads the checkpoint and places the weights; each opens its
-CUDA context only once it has work, and one given none leaves at once (a warm cache, or a forward without Triton
-kernels). This module imports nothing heavy at its own import, so the worker can spawn before it imports torch.
+A child's own start bounded the compile phase as much as its kernels did (sixteenth session: 15 processes took as long
+as 8): Python, torch's import and a CUDA context, ~4-5 s on the device hosts. A child needs neither torch nor a device
+to compile (Triton compiles for a named target and builds a launcher without either), so it defers torch
+(`defer_torch`) and starts in Python and Triton's time (~0.1-0.5 s). The children may also be started before the work
+is known (`spawn` first, `compile_in_processes(..., children=)`; a worker's LAYA_COMPILE_EARLY): they wait for their
+share on stdin, and one given none leaves at once (a warm cache, or a forward without Triton kernels). This module
+imports nothing heavy at its own import, so a worker can spawn before it imports torch.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import pickle
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +123,7 @@ def marker(specs: list[Spec], cache_dir: str) -> Path:
     return Path(cache_dir) / f"laya-pool-warm-{h.hexdigest()[:32]}"
 
 
-def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
+def spawn(procs: int) -> list[subprocess.Popen]:
     """`procs` compile processes, each importing what it compiles with and then waiting for its share on stdin
     (`_child`); they may be started before the work is known (the module docstring)."""
     if os.environ.get("LAYA_COMPILE_KEYS"):
@@ -129,8 +132,8 @@ def spawn(procs: int, device: int = 0) -> list[subprocess.Popen]:
     started: list[subprocess.Popen] = []
     try:
         for _ in range(max(1, procs)):
-            started.append(subprocess.Popen([sys.executable, "-m", __spec__.name if __spec__ else __name__,
-                                             str(device)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            started.append(subprocess.Popen([sys.executable, "-m", __spec__.name if __spec__ else __name__],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=subprocess.DEVNULL, env=env))
     except BaseException:
         release(started)          # (out of processes or files half way: none of them left behind)
@@ -164,12 +167,13 @@ def release(children: list[subprocess.Popen]) -> None:
                 f.close()
 
 
-def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout: float = 300.0,
+def compile_in_processes(specs: list[Spec], procs: int, target: tuple, timeout: float = 300.0,
                          children: list[subprocess.Popen] | None = None) -> dict:
-    """Compile `specs` into Triton's on-disk cache in up to `procs` child processes (`children`: started already,
-    by `spawn`), unless a marker says they are there; returns what happened: {"kernels", "procs", "seconds", "failed",
-    "early"} ("failed": children that did not finish cleanly; "early": whether they were started before the work was
-    known) or {"kernels", "cached": True}. Every child given is reaped, with work or without."""
+    """Compile `specs` for `target` (`target_of` the worker's device) into Triton's on-disk cache in up to `procs`
+    child processes (`children`: started already, by `spawn`), unless a marker says they are there; returns what
+    happened: {"kernels", "procs", "seconds", "failed", "early"} ("failed": children that did not finish cleanly;
+    "early": whether they were started before the work was known) or {"kernels", "cached": True}. Every child given
+    is reaped, with work or without."""
     t = time.perf_counter()
     early = bool(children)
     done = marker(specs, triton_knobs().cache.dir) if specs else None
@@ -182,8 +186,8 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
         release(children[len(shares):])                # (more children than kernels)
         children = children[:len(shares)]
     else:
-        children = spawn(len(shares), device)
-    failed = _finish(children, shares, time.monotonic() + timeout)
+        children = spawn(len(shares))
+    failed = _finish(children, target, shares, time.monotonic() + timeout)
     if not failed:
         done.parent.mkdir(parents=True, exist_ok=True)
         done.write_text(f"{len(specs)} kernel specializations compiled by laya-pool's worker\n")
@@ -191,13 +195,14 @@ def compile_in_processes(specs: list[Spec], procs: int, device: int = 0, timeout
             "failed": failed, "early": early}
 
 
-def _finish(children: list[subprocess.Popen], shares: list[list[Spec]], deadline: float) -> int:
-    """Feed each child its share and wait for all until `deadline`; how many did not finish cleanly."""
+def _finish(children: list[subprocess.Popen], target: tuple, shares: list[list[Spec]], deadline: float) -> int:
+    """Feed each child the target and its share, and wait for all until `deadline`; how many did not finish
+    cleanly."""
     failed = 0
     try:
         for p, share in zip(children, shares):   # all fed first: each compiles while the next is fed
             with contextlib.suppress(BrokenPipeError):        # (a child that died: counted below)
-                p.stdin.write(pickle.dumps([(s.module, s.name, s.data) for s in share]))
+                p.stdin.write(pickle.dumps((target, [(s.module, s.name, s.data) for s in share])))
                 p.stdin.close()
         for p in children:
             try:
@@ -246,22 +251,54 @@ def _tuples(x):
         {k: _tuples(v) for k, v in x.items()} if isinstance(x, dict) else x)
 
 
-def _child(device: int) -> int:
-    """A child: compile the specializations read from stdin; print "compiled N of M". The imports come first (what an
-    early child does while its worker loads), the CUDA context only with work (none: leave at once)."""
+class _Deferred(types.ModuleType):
+    """torch, in a compile child, until something asks it for a name: then imported for real, and the name given."""
+
+    def __getattr__(self, name: str):
+        del sys.modules["torch"]
+        return getattr(importlib.import_module("torch"), name)
+
+
+def defer_torch() -> None:
+    """Make `import torch` cost nothing in this process until torch is used. A child compiles with Triton alone, for a
+    target its worker names: no torch, no CUDA context. Our kernels' modules import torch at the top but use it only in
+    functions (none imports a torch submodule at its top), so a child that imports them to compile their kernels never
+    loads it: its start is Python and Triton (~0.1-0.5 s), not torch's import and a context (~4-5 s on the device hosts:
+    docs/PERF.md, twenty-seventh session). Anything that does use torch gets the real module, only later."""
+    if "torch" not in sys.modules:
+        stub = _Deferred("torch")
+        stub.__spec__ = importlib.util.find_spec("torch")
+        sys.modules["torch"] = stub
+
+
+def target_of(device: int) -> tuple:
+    """The compile target of this process's CUDA device `device`, as the children take it: (backend, arch, warp
+    size), what Triton's driver says a launch there compiles for."""
     import torch
+    from triton.runtime.driver import driver
+    with torch.cuda.device(device):
+        t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
+def _child() -> int:
+    """A child: compile the specializations read from stdin for the target sent with them; print "compiled N of M". The
+    imports come first (what an early child does while its worker loads); no torch, no CUDA context (`defer_torch`)."""
+    defer_torch()
     try:
-        from triton.runtime.driver import driver
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile, make_backend
     except ImportError:            # (no Triton: no work can come either)
-        driver = None
+        GPUTarget = None
     data = sys.stdin.buffer.read()
     if not data:
         print("compiled 0 of 0")
         return 0
-    torch.cuda.set_device(device)
     if os.environ.get("LAYA_COMPILE_KEYS"):
         log_keys(os.environ["LAYA_COMPILE_KEYS"])
-    todo = pickle.loads(data)
+    target, todo = pickle.loads(data)
+    target = GPUTarget(*target)
+    backend = make_backend(target)
     done = 0
     for module, name, data in todo:
         try:
@@ -269,12 +306,9 @@ def _child(device: int) -> int:
             # same on-disk cache key: device run of 2026-12-04, the warm-up compiled 31 of 35 kernels again).
             fn = getattr(importlib.import_module(module), name)
             signature, constants, attrs, options = pickle.loads(data)
-            _, _, target, backend, _ = fn.device_caches[driver.active.get_current_device()]
             options = backend.parse_options(options)
-            kernel = fn.compile(fn.ASTSource(fn, signature, constants, attrs), target=target, options=options.__dict__)
-            # Its launcher too: a small C module per signature that Triton builds with the host's C compiler on a
-            # kernel's first launch (cached on disk beside the binary).
-            _ = kernel.run
+            kernel = compile(ASTSource(fn, signature, constants, attrs), target=target, options=options.__dict__)
+            _launcher(target, kernel)
             done += 1
         except Exception as e:  # noqa: BLE001 - the warm-up compiles what a child could not
             print(f"{module}.{name}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -282,5 +316,14 @@ def _child(device: int) -> int:
     return 0
 
 
+def _launcher(target, kernel) -> None:
+    """The kernel's launcher: a small C module per signature that Triton builds with the host's C compiler on a
+    kernel's first launch and caches on disk beside the binary, built here from what the compiled kernel says (no
+    device: its driver, which a launch would ask, imports torch)."""
+    if target.backend == "cuda":
+        from triton.backends.nvidia.driver import CudaLauncher
+        CudaLauncher(kernel.src, kernel.metadata)
+
+
 if __name__ == "__main__":
-    sys.exit(_child(int(sys.argv[1]) if len(sys.argv) > 1 else 0))
+    sys.exit(_child())

@@ -10,7 +10,6 @@ worker has one execution mode only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .launch import settle_keys, through_triton
 
@@ -63,9 +62,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     GEMM with a bias epilogue: the SDK's decision-head attention projections take that path.
     """
     if not invariant or x.device.type != "cuda" or triton is None:
+        plain = torch.nn.functional.linear     # (not imported at the top: kernels/compile.py `defer_torch`)
         if bias_apart and b is not None:
-            return F.linear(x, w) + b
-        return F.linear(x, w, b)
+            return plain(x, w) + b
+        return plain(x, w, b)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     M, K = x2.shape

@@ -46,7 +46,7 @@ def test_children_started_early_and_given_no_work_are_all_reaped():
     without Triton kernels gives them none. They must all be gone after, none left importing or waiting."""
     children = spawn(2)
     assert all(p.poll() is None for p in children)          # alive, waiting for work
-    assert compile_in_processes([], 2, children=children) == {"kernels": 0, "cached": True}
+    assert compile_in_processes([], 2, ("cuda", 90, 32), children=children) == {"kernels": 0, "cached": True}
     assert [p.returncode for p in children] == [-signal.SIGKILL] * 2       # stopped, not waited for
     assert all(p.stdin.closed and p.stdout.closed for p in children)
 
@@ -59,6 +59,40 @@ def test_a_child_told_there_is_no_work_leaves_cleanly_without_a_device():
     assert child.wait(timeout=120) == 0
     assert child.stdout.read().decode().split() == ["compiled", "0", "of", "0"]
     release([child])
+
+
+_DEFERRED = r"""
+import sys
+from laya_pool.kernels import compile
+compile.defer_torch()
+import importlib
+for name in sys.argv[1:]:
+    importlib.import_module("laya_pool.kernels." + name)
+print("deferred" if isinstance(sys.modules["torch"], compile._Deferred) else "loaded")
+import torch
+print(torch.zeros(2).sum().item(), type(sys.modules["torch"]).__name__)
+"""
+
+
+def kernel_modules() -> list[str]:
+    """The kernels' modules that define Triton functions: what a compile child imports (a spec's module)."""
+    from pathlib import Path
+
+    import laya_pool.kernels as k
+    return sorted(p.stem for p in Path(k.__path__[0]).glob("*.py") if "@triton.jit" in p.read_text())
+
+
+def test_a_child_imports_every_kernel_module_without_loading_torch():
+    """A compile child's start is Python and Triton, not torch's import (kernels/compile.py `defer_torch`): every
+    module that holds a Triton kernel imports with torch deferred, and torch still works when something uses it. A
+    kernel module that imports a torch submodule at its top (`import torch.nn.functional as F`) fails this."""
+    import subprocess
+    import sys
+    modules = kernel_modules()
+    assert {"attention", "gemm", "launch", "rows"} <= set(modules)
+    out = subprocess.run([sys.executable, "-c", _DEFERRED, *modules], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["deferred", "0.0", "module"]
 
 
 def test_release_stops_children_at_once_whatever_they_are_doing():

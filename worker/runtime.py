@@ -401,14 +401,14 @@ class Runtime:
     def _compile_ahead(self, shapes: list[Shape], procs: int, compilers: list | None = None) -> dict:
         """The kernels the forwards of `shapes` launch, compiled into Triton's on-disk cache by `procs` processes
         (kernels/compile.py; `compilers`: those processes, started already); the forwards here launch nothing."""
-        from laya_pool.kernels.compile import compile_in_processes, recorded, triton_knobs
+        from laya_pool.kernels.compile import compile_in_processes, recorded, target_of, triton_knobs
         try:
             if triton_knobs() is None:
                 return {"skipped": "no Triton"}
             with recorded() as specs, torch.cuda.stream(self.stream):
                 for shape in shapes:
                     self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
-            out = compile_in_processes(specs, procs, self.device.index or 0, children=compilers)
+            out = compile_in_processes(specs, procs, target_of(self.device.index or 0), children=compilers)
             compilers = None          # reaped there
             return out
         except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up compiles whatever this did not

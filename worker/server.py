@@ -524,11 +524,11 @@ def _open_context(torch: Any, torch_device: str) -> threading.Thread | None:
 
 
 def _start_compilers(cfg: WorkerConfig, torch_device: str) -> list | None:
-    """The warm-up's compile processes (kernels/compile.py), started before anything else so that their own start
-    (Python, torch, Triton: ~4-5 s each) runs beside this process's imports, checkpoint and weights instead of
-    after them; the warm-up gives them their work or lets them go. Opt-in (LAYA_COMPILE_EARLY=1): on an H100 host
-    (2026-12-06) the compile phase was 2.9 s shorter but the worker's own imports and checkpoint 2.8 s longer beside
-    them, READY 27.7 s against 24.0 (one pair); by default the warm-up starts them once the work is known."""
+    """The warm-up's compile processes (kernels/compile.py), started before anything else so that their own start runs
+    beside this process's imports, checkpoint and weights instead of after them; the warm-up gives them their work or
+    lets them go. Opt-in (LAYA_COMPILE_EARLY=1): on an H100 host (2026-12-06) children that imported torch made the
+    compile phase 2.9 s shorter but the worker's own imports and checkpoint 2.8 s longer beside them, READY 27.7 s
+    against 24.0 (one pair). Children no longer import torch (`defer_torch`); docs/PERF.md has the later pairs."""
     if not torch_device.startswith("cuda") or os.environ.get("LAYA_COMPILE_EARLY", "0") != "1":
         return None
     from laya_pool.kernels.compile import procs_for, spawn
@@ -536,7 +536,7 @@ def _start_compilers(cfg: WorkerConfig, torch_device: str) -> list | None:
     if procs <= 1:
         return None
     try:
-        return spawn(procs, int(torch_device.partition(":")[2] or 0))
+        return spawn(procs)
     except OSError as e:          # an optimisation: the warm-up starts its own, or compiles alone
         log.warning("worker %s: could not start the compile processes early: %s", cfg.id, e)
         return None
