@@ -255,7 +255,8 @@ class _Deferred(types.ModuleType):
     """torch, in a compile child, until something asks it for a name: then imported for real, and the name given."""
 
     def __getattr__(self, name: str):
-        del sys.modules["torch"]
+        if sys.modules.get("torch") is self:     # (the first use; later ones come through modules that hold the stub)
+            del sys.modules["torch"]
         return getattr(importlib.import_module("torch"), name)
 
 

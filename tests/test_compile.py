@@ -70,7 +70,8 @@ for name in sys.argv[1:]:
     importlib.import_module("laya_pool.kernels." + name)
 print("deferred" if isinstance(sys.modules["torch"], compile._Deferred) else "loaded")
 import torch
-print(torch.zeros(2).sum().item(), type(sys.modules["torch"]).__name__)
+from laya_pool.kernels import launch
+print(torch.zeros(2).sum().item(), launch.torch.ones(1).sum().item(), type(sys.modules["torch"]).__name__)
 """
 
 
@@ -92,7 +93,7 @@ def test_a_child_imports_every_kernel_module_without_loading_torch():
     assert {"attention", "gemm", "launch", "rows"} <= set(modules)
     out = subprocess.run([sys.executable, "-c", _DEFERRED, *modules], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["deferred", "0.0", "module"]
+    assert out.stdout.split() == ["deferred", "0.0", "1.0", "module"]
 
 
 def test_release_stops_children_at_once_whatever_they_are_doing():
