@@ -70,7 +70,7 @@ class WorkerConfig:
     overlap: str = "on"                     # CUDA: launch the next group while the current one computes
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
-    compile_procs: int | None = None        # None: one per spare core, at most 8 (worker.runtime.compile_procs)
+    compile_procs: int | None = None        # None: one per spare core, at most 8 (kernels/compile.py procs_for)
     poll_us: int | None = None              # after a reply, the data thread polls this long (default: see --poll-us)
     data_requests: str = "auto"             # requests straight to the data thread: auto = on CUDA (see --data-requests)
     direct: str = "auto"                    # clients send requests here themselves: auto = as data_requests (--direct)
