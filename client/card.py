@@ -190,6 +190,13 @@ class ModelCard:
             return self._fast([text], add_special_tokens=False)[0].ids  # type: ignore[attr-defined]
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, in one call: the tokenizer spreads a batch over its threads (client/state.py
+        `in_parts`)."""
+        if self._fast is not None:  # type: ignore[attr-defined]
+            return [e.ids for e in self._fast(texts, add_special_tokens=False)]  # type: ignore[attr-defined]
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens kept: the SDK's `tok.decode(ids)` (transformers 5 skips the
         clean-up of spaces for BPE tokenizers, which it would corrupt, and applies it otherwise)."""

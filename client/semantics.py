@@ -340,7 +340,7 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
     policy = card.window if window else _WHOLE
     try:
         serialized = serialize_state(state).replace(card.mask_token, " ")
-        out.state = tokens = tokenize_state(card.encode, policy, serialized, max(rooms), from_left)
+        out.state = tokens = tokenize_state(card.encode, policy, serialized, max(rooms), from_left, card.encode_many)
     except (TypeError, ValueError) as e:
         raise text.state_error(state, e) from e
     # The whole state's count (usage) starts now, beside the caller: the tokenizer releases the GIL, so it runs

@@ -42,6 +42,10 @@ _CUT_CHARS = (" ", "\n")
 _MIN_WINDOW_CHARS = 2048        # shorter states are tokenized whole: the window would not save anything
 _MAX_PROBES = 256               # candidate cuts looked at before giving up (a text of spaced-out emoji)
 _GROW = 1.05                    # a window sized for 5% more tokens than asked: one pass nearly always
+# A window piece is tokenized in parts of at least this many characters, cut at safe cuts and given to the tokenizer
+# as one batch, which it spreads over its threads (`in_parts`). Below ~2,000 characters two parts cost what one does
+# (2-core CPU: a 16x512 request's 3,900-character window 0.48 -> 0.30 ms in 2-4 parts; 1,500 characters no gain).
+_PART_CHARS = 1024
 
 
 def _solid(c: str) -> bool:
@@ -206,8 +210,10 @@ class StateTokens:
 
 
 def tokenize_state(encode: Callable[[str], list[int]], policy: WindowPolicy, text: str, need: int,
-                   from_left: bool) -> StateTokens:
-    """Tokens of `text`: at least its first (`from_left`: last) `need` tokens, or all of them."""
+                   from_left: bool, encode_many: Callable[[list[str]], list[list[int]]] | None = None) -> StateTokens:
+    """Tokens of `text`: at least its first (`from_left`: last) `need` tokens, or all of them. `encode_many` (a
+    batch of texts at once, on the tokenizer's threads) tokenizes a long window piece in parts (`in_parts`); the
+    whole state, when it is tokenized, is always one text (its count re-checks the window: `window_agrees`)."""
     if not policy.safe or len(text) < max(policy.min_chars, 2 * need * policy.chars_per_token):
         return StateTokens(encode(text), from_left, True)
     try:
@@ -228,7 +234,7 @@ def tokenize_state(encode: Callable[[str], list[int]], policy: WindowPolicy, tex
             at = edge - reach
             p = None if at <= 0 else policy.cut_after(text, at, edge) or policy.cut_before(text, at, 0)
             piece = text[:edge] if p is None else text[p:edge]
-        ids = encode(piece)
+        ids = encode(piece) if encode_many is None else in_parts(encode_many, policy, piece)
         if ids:
             policy.chars_per_token = 0.5 * policy.chars_per_token + 0.5 * len(piece) / len(ids)
         parts.append(ids)
@@ -238,6 +244,44 @@ def tokenize_state(encode: Callable[[str], list[int]], policy: WindowPolicy, tex
         edge = p
     window = _join(parts, from_left)
     return StateTokens(window, from_left, False, text, encode)
+
+
+def split(policy: WindowPolicy, text: str, parts: int) -> list[str]:
+    """`text` in at most `parts` pieces of near-equal length, cut only at safe cuts (`policy.safe`; otherwise whole):
+    the pieces' tokens, joined, are the text's (the module docstring's lemma, once per cut)."""
+    if not policy.safe or parts < 2:
+        return [text]
+    out, start = [], 0
+    for i in range(1, parts):
+        limit = len(text) * i // parts
+        if limit <= start:              # (the cut before went past this part's end)
+            continue
+        p = policy.cut_before(text, limit, start) or policy.cut_after(text, limit, len(text))
+        if p is None:
+            break
+        out.append(text[start:p])
+        start = p
+    out.append(text[start:])
+    return out
+
+
+_CPUS: tuple[int, int] = (0, 1)         # (pid, CPUs it may run on): asked once per process
+
+
+def _cpus() -> int:
+    global _CPUS
+    if _CPUS[0] != os.getpid():
+        _CPUS = (os.getpid(), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return _CPUS[1]
+
+
+def in_parts(encode_many: Callable[[list[str]], list[list[int]]], policy: WindowPolicy, text: str) -> list[int]:
+    """The tokens of `text`, tokenized as parts of at least `_PART_CHARS` characters (at most one per CPU) cut at safe
+    cuts, all in one batch: the same tokens as `text` whole, sooner."""
+    out: list[int] = []
+    for ids in encode_many(split(policy, text, min(_cpus(), len(text) // _PART_CHARS))):
+        out.extend(ids)
+    return out
 
 
 def _join(parts: list[list[int]], from_left: bool) -> list[int]:

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from laya_pool.client.card import ModelCard
 from laya_pool.client.semantics import encode_request
-from laya_pool.client.state import WindowPolicy, tokenize_state
+from laya_pool.client import state as state_module
+from laya_pool.client.state import WindowPolicy, in_parts, split, tokenize_state
 from test_client_semantics import assert_same_rows
 
 PIECES = ["ticket", "refund", "a", "the", "it's", "we'll", "I'm", "x" * 40, "supercalifragilistic" * 8,
@@ -106,14 +107,45 @@ def test_safe_cuts_exist_and_refuse_the_wrong_places(card):
     assert cuts == [5, 10, 37]
 
 
+@pytest.mark.parametrize("parts", [2, 3, 7, 40])
+def test_a_text_in_parts_gives_its_tokens_whole(card, parts, monkeypatch):
+    """A window piece tokenized as parts cut at safe cuts, in one batch (`in_parts`), is token for token the piece
+    whole, wherever the cuts land in the tricky texts; a cut one character late (after the space) is not."""
+    monkeypatch.setattr(state_module, "_cpus", lambda: parts)
+    monkeypatch.setattr(state_module, "_PART_CHARS", 1)
+    split_at = []
+    for seed in range(40):
+        text = tricky_text(seed, 600)
+        pieces = split(card.window, text, parts)
+        assert "".join(pieces) == text and 1 <= len(pieces) <= parts
+        split_at.append(len(pieces))
+        assert in_parts(card.encode_many, card.window, text) == card.encode(text), seed
+    assert max(split_at) == parts or parts == 40        # the texts do get cut as asked (40: fewer cuts than asked)
+    assert min(split_at) > 1
+    late = []                                           # the planted mistake: each cut moved past its space
+    for seed in range(40):
+        text = tricky_text(seed, 600)
+        pieces = split(card.window, text, parts)
+        moved = [pieces[0] + pieces[1][:1], pieces[1][1:], *pieces[2:]]
+        late.append([i for ids in card.encode_many(moved) for i in ids] != card.encode(text))
+    assert any(late)
+
+
+def test_an_unsafe_tokenizer_is_never_cut(card):
+    assert split(WindowPolicy(False), tricky_text(1, 600), 8) == [tricky_text(1, 600)]
+
+
 @pytest.mark.parametrize("from_left", [False, True])
 @pytest.mark.parametrize("ratio", [0.7, 3.0, 30.0])
 @pytest.mark.parametrize("need", [0, 1, 37, 480])
-def test_windows_are_the_whole_states_first_or_last_tokens(card, from_left, ratio, need):
+@pytest.mark.parametrize("many", [False, True])
+def test_windows_are_the_whole_states_first_or_last_tokens(card, from_left, ratio, need, many, monkeypatch):
+    monkeypatch.setattr(state_module, "_cpus", lambda: 5)
+    monkeypatch.setattr(state_module, "_PART_CHARS", 64)      # the window's pieces cut in parts (`in_parts`)
     for seed in range(12):
         text = tricky_text(seed, 1500)
         policy = WindowPolicy(True, card.window.added, card.window.margin, chars_per_token=ratio, min_chars=0)
-        got = tokenize_state(card.encode, policy, text, need, from_left)
+        got = tokenize_state(card.encode, policy, text, need, from_left, card.encode_many if many else None)
         whole = card.encode(text)
         assert got.count() == len(whole)
         assert len(got.ids) >= min(need, len(whole))
