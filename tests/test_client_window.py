@@ -14,9 +14,9 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from laya_pool.client import state as state_module
 from laya_pool.client.card import ModelCard
 from laya_pool.client.semantics import encode_request
-from laya_pool.client import state as state_module
 from laya_pool.client.state import WindowPolicy, in_parts, split, tokenize_state
 from test_client_semantics import assert_same_rows
 
