@@ -1070,7 +1070,7 @@ class AsyncClient(_Base):
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True,
-                 lanes: bool = True, bundles: bool = True, together: bool = True):
+                 lanes: bool = True, bundles: bool = True, together: bool = False):
         """As `Client`'s. `direct` on by default since the fifteenth session's device run: 64 requests of 1x48 in flight
         from 8 processes, 5,436 req/s direct (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine
         (docs/PERF.md, fifteenth session, call 1). `lanes`: a first attempt to a worker on this host goes through
@@ -1079,8 +1079,11 @@ class AsyncClient(_Base):
         rings each answer on the route's socket, which the loop reads. `bundles`: a worker may answer several of this
         client's direct requests of one forward in one message (a BUNDLE, docs/protocol.md), which halves the worker's
         host time a reply and cuts this client's by a fifth; off, every reply comes alone (for A/B runs).
-        `together`: with other calls out, the direct requests of one turn of the event loop go to their worker in one
-        REQUESTS message (`_send_together`); off, each goes alone (for A/B runs)."""
+        `together` (off by default): with other calls out, the direct requests of one turn of the event loop go to their
+        worker in one REQUESTS message (`_send_together`). It cuts the worker's host time a request, but on the device
+        it gained no throughput and widened the tail (H100, 2026-12-06: 256 in flight p95 34.9-69.8 ms against 26.9-27.0
+        alone, the same req/s; 64 in flight the same, or 10% fewer req/s on a slower host; docs/PERF.md, twenty-seventh
+        session): the requests of one turn wait for the turn to end."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self.bundles, self.together = bundles, together

@@ -54,7 +54,7 @@ def test_an_asyncio_clients_replies_come_bundled_and_each_call_gets_its_own(pool
     before = _counts(pool)
 
     async def go():
-        async with AsyncClient(pool.endpoint, timeout=60, direct=True) as c:
+        async with AsyncClient(pool.endpoint, timeout=60, direct=True, together=True) as c:
             await c.forward(calls[0])               # the route table, and the connection to the worker
             await asyncio.sleep(0.2)
             await c.forward(calls[1])               # a reply on the route: its worker takes REQUESTS
@@ -115,7 +115,7 @@ def test_no_requests_go_together_to_a_worker_that_has_not_said_it_takes_them(poo
     calls = _calls(32)
 
     async def go():
-        async with AsyncClient(pool.endpoint, timeout=60, direct=True) as c:
+        async with AsyncClient(pool.endpoint, timeout=60, direct=True, together=True) as c:
             await c.forward(calls[0])
             await asyncio.sleep(0.2)
             await c.forward(calls[1])
@@ -190,7 +190,7 @@ def test_kill_9_while_bundles_and_requests_are_out_loses_nothing(pool, runtime):
     errors: list = []
 
     async def go():
-        async with AsyncClient(pool.endpoint, timeout=90, retries=8, direct=True) as c:
+        async with AsyncClient(pool.endpoint, timeout=90, retries=8, direct=True, together=True) as c:
             await c.forward(calls[0])
             await asyncio.sleep(0.2)
             await c.forward(calls[1])

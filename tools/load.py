@@ -75,7 +75,7 @@ def parse_mix(text: str) -> list[Shape]:
 
 def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape], seed: int, out: mp.Queue,
                  direct: bool = True, keys: str | None = None, lanes: bool = True,
-                 bundles: bool = True, together: bool = True) -> None:
+                 bundles: bool = True, together: bool = False) -> None:
     import random
 
     async def main() -> dict:
@@ -190,7 +190,7 @@ def _sample_cpu(pool_pids, children: list, seconds: float, out: list) -> None:
 def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, rows: int = 1, tokens: int = 48,
              kill_after: float | None = None, mix: list[Shape] | None = None, pool_pids=None,
              direct: bool = True, keys: str | None = None, lanes: bool = True, bundles: bool = True,
-             together: bool = True) -> dict:
+             together: bool = False) -> dict:
     """Drive `endpoint` for `seconds` with `concurrency` requests in flight (of `rows` x `tokens`, or drawn
     from `mix`); returns the measurements, with the CPU each process used (`pool_pids`: a callable giving the
     pool's pids and roles, for a pool on this host). `keys`: a pool with CURVE keys (`laya-pool keys`)."""
@@ -256,7 +256,7 @@ def _pool_run(args: argparse.Namespace, devices: str, wpd: int, kill_after: floa
                         rows=args.rows, tokens=args.tokens, kill_after=kill, mix=args.mix,
                         pool_pids=lambda: cpu.tree(pool.process.pid), direct=not args.via_broker,
                         keys=args.keys, lanes=not args.no_lanes, bundles=not args.no_bundles,
-                        together=not args.no_together)
+                        together=args.together)
     with local_pool(args.model, devices=devices, workers_per_device=wpd, startup_timeout=600,
                     extra_args=shlex.split(extra), keys=args.keys) as pool:
         runs = [go(pool, n, None) for n in args.concurrency]
@@ -352,8 +352,9 @@ def main() -> int:
                     help="the clients send nothing through shared memory (AsyncClient(lanes=False)), for A/B runs")
     ap.add_argument("--no-bundles", action="store_true",
                     help="the clients take every reply alone (AsyncClient(bundles=False)), for A/B runs")
-    ap.add_argument("--no-together", action="store_true",
-                    help="the clients send every request alone (AsyncClient(together=False)), for A/B runs")
+    ap.add_argument("--together", action="store_true",
+                    help="the clients send one event-loop turn's requests in one message (AsyncClient(together=True)), "
+                         "for A/B runs")
     ap.add_argument("--keys", help="a pool with CURVE keys: the `laya-pool keys` directory (the pools this starts "
                                    "use it too)")
     args = ap.parse_args()
@@ -373,7 +374,7 @@ def main() -> int:
         runs = [run_load(args.frontend, concurrency=n, procs=args.procs, seconds=args.seconds, rows=args.rows,
                          tokens=args.tokens, kill_after=args.kill_after if n == args.concurrency[-1] else None,
                          mix=args.mix, direct=not args.via_broker, keys=args.keys, lanes=not args.no_lanes,
-                         bundles=not args.no_bundles, together=not args.no_together)
+                         bundles=not args.no_bundles, together=args.together)
                 for n in args.concurrency]
         report["pool"] = dict(runs[-1], sweep=runs) if len(runs) > 1 else runs[0]
         for r in runs:
