@@ -44,7 +44,8 @@ _MAX_PROBES = 256               # candidate cuts looked at before giving up (a t
 _GROW = 1.05                    # a window sized for 5% more tokens than asked: one pass nearly always
 # A window piece is tokenized in parts of at least this many characters, cut at safe cuts and given to the tokenizer
 # as one batch, which it spreads over its threads (`in_parts`). Below ~2,000 characters two parts cost what one does
-# (2-core CPU: a 16x512 request's 3,900-character window 0.48 -> 0.30 ms in 2-4 parts; 1,500 characters no gain).
+# (2-core CPU: a 16x512 request's 3,900-character window 0.48 -> 0.30 ms in 2-4 parts; 1,500 characters no gain). On a
+# 16-core device host a 16x512 request's whole encode went 0.77 -> 0.46 ms (docs/PERF.md, twenty-seventh session).
 _PART_CHARS = 1024
 
 

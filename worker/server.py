@@ -528,7 +528,8 @@ def _start_compilers(cfg: WorkerConfig, torch_device: str) -> list | None:
     beside this process's imports, checkpoint and weights instead of after them; the warm-up gives them their work or
     lets them go. Opt-in (LAYA_COMPILE_EARLY=1): on an H100 host (2026-12-06) children that imported torch made the
     compile phase 2.9 s shorter but the worker's own imports and checkpoint 2.8 s longer beside them, READY 27.7 s
-    against 24.0 (one pair). Children no longer import torch (`defer_torch`); docs/PERF.md has the later pairs."""
+    against 24.0 (one pair). Children no longer import torch (`defer_torch`), and then (H100, twenty-seventh session)
+    early and late cost the same: READY 14.9 / 14.9 s early against 17.7 (a machine's first start) / 15.1 late."""
     if not torch_device.startswith("cuda") or os.environ.get("LAYA_COMPILE_EARLY", "0") != "1":
         return None
     from laya_pool.kernels.compile import procs_for, spawn
