@@ -186,9 +186,7 @@ class ModelCard:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens: the SDK's `tok(text, add_special_tokens=False)`."""
-        if self._fast is not None:  # type: ignore[attr-defined]
-            return self._fast([text], add_special_tokens=False)[0].ids  # type: ignore[attr-defined]
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.encode_many([text])[0]
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text, in one call: the tokenizer spreads a batch over its threads (client/state.py

@@ -266,14 +266,9 @@ def split(policy: WindowPolicy, text: str, parts: int) -> list[str]:
     return out
 
 
-_CPUS: tuple[int, int] = (0, 1)         # (pid, CPUs it may run on): asked once per process
-
-
 def _cpus() -> int:
-    global _CPUS
-    if _CPUS[0] != os.getpid():
-        _CPUS = (os.getpid(), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    return _CPUS[1]
+    """The CPUs this process may run on (the tokenizer's threads run there too)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def in_parts(encode_many: Callable[[list[str]], list[list[int]]], policy: WindowPolicy, text: str) -> list[int]:
