@@ -18,15 +18,8 @@ Batch invariance: key blocks are aligned to the row's own start (keys 0..BN-1 of
 in the packed buffer. A key block that holds no visible key for a query is an exact no-op for it (the
 running max starts finite, so its rescale factor is exactly 1 and its probabilities exactly 0): the query
 block size may therefore change without changing any result. There is no split over keys.
-
-RoPE (`rope`): where cuBLAS's QKV product left the heads unrotated (kernels/cublas.py), the kernel rotates the query
-block as it loads it, and the keys too if asked (`Rope.keys`), with `rotate`'s arithmetic (each product rounded alone,
-the result rounded to the input's type): the same bits as attention over rows rotated beforehand, one pass over the
-QKV buffer fewer (a separate rotation reads and writes every query and key: 0.66 ms of a 16x512 forward, H100).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -36,7 +29,6 @@ try:
     import triton
     import triton.language as tl
 
-    from .exact import mul as _mul
     from .launch import wait_turn
 except ImportError:  # CPU-only installs have no Triton; only the CUDA path needs it
     triton = None
@@ -52,33 +44,7 @@ KEY_BLOCK = 128
 TILE = (64, 4, 2)
 
 
-
-
-class Rope(NamedTuple):
-    """RoPE left for the attention kernel: the tables [positions, D / 2] (fp32) of the layer's theta, and whether the
-    keys are unrotated too (else only the queries)."""
-    cos: torch.Tensor
-    sin: torch.Tensor
-    keys: bool
-
-
 if triton is not None:
-    @triton.jit
-    def _rotated(base, idx, ok, sq, col, d, cos_ptr, sin_ptr, D: tl.constexpr):
-        """Rows `idx` (row-relative: their positions) of one head at column `col`, rotated as kernels/cublas.py
-        `rotate` rotates them: x * cos + rotate_half(x) * sin, each product rounded alone. Column d pairs with
-        d + D/2 (first half: x1 c - x2 s; second half: x2 c + x1 s)."""
-        HALF: tl.constexpr = D // 2
-        rows = base + idx[:, None] * sq + col
-        x = tl.load(rows + d[None, :], mask=ok[:, None], other=0.0)
-        other = tl.load(rows + ((d + HALF) % D)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        j = idx[:, None] * HALF + (d % HALF)[None, :]
-        c = tl.load(cos_ptr + j, mask=ok[:, None], other=0.0)
-        s = tl.load(sin_ptr + j, mask=ok[:, None], other=0.0)
-        xc = _mul(x.to(tl.float32), c)
-        os_ = _mul(other, s)
-        return tl.where((d < HALF)[None, :], xc - os_, xc + os_).to(x.dtype)
-
     @triton.jit
     def _group_sum(p, g, G: tl.constexpr):
         """The sum over one quad thread's columns (8j + 2G + c) of a row, in Triton's own in-thread order (cuDNN's):
@@ -86,9 +52,9 @@ if triton is not None:
         return tl.sum(tl.where((g == G)[None, :], p, 0.0), 1)
 
     @triton.jit
-    def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, cos_ptr, sin_ptr, qk_scale, H, sq, so,
+    def _attention_kernel(qkv_ptr, out_ptr, start_ptr, len_ptr, qk_scale, H, sq, so,
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          ROPE: tl.constexpr, USE_GDC: tl.constexpr):
+                          USE_GDC: tl.constexpr):
         r, qb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         # The rows' bounds are inputs no kernel writes: read while the kernels before finish, not after them (device
         # run of 2026-12-04, seventeenth session, call 4: attention 116 -> 105 us a 1x48 replay, 277 -> 265 at 32x48).
@@ -101,10 +67,7 @@ if triton is not None:
             q_ok = qi < n
             d = tl.arange(0, D)
             base = qkv_ptr + start * sq
-            if ROPE >= 1:       # 1: queries left unrotated, 2: keys too (module docstring)
-                q = _rotated(base, qi, q_ok, sq, h * D, d, cos_ptr, sin_ptr, D)
-            else:
-                q = tl.load(base + qi[:, None] * sq + h * D + d[None, :], mask=q_ok[:, None], other=0.0)
+            q = tl.load(base + qi[:, None] * sq + h * D + d[None, :], mask=q_ok[:, None], other=0.0)
             if WINDOW >= 0:
                 lo = (tl.maximum(q0 - WINDOW, 0) // BN) * BN
                 hi = tl.minimum(n, q0 + BM + WINDOW)
@@ -121,10 +84,7 @@ if triton is not None:
             for b in range(0, tl.cdiv(hi - lo, BN)):
                 kj = lo + b * BN + tl.arange(0, BN)
                 k_ok = kj < n
-                if ROPE == 2:
-                    k = _rotated(base, kj, k_ok, sq, (H + h) * D, d, cos_ptr, sin_ptr, D)
-                else:
-                    k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
+                k = tl.load(base + kj[:, None] * sq + (H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
                 v = tl.load(base + kj[:, None] * sq + (2 * H + h) * D + d[None, :], mask=k_ok[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k)) * qk_scale
                 seen = k_ok[None, :]
@@ -148,21 +108,16 @@ if triton is not None:
 
 
 def attention(qkv: torch.Tensor, out: torch.Tensor, row_start: torch.Tensor, row_len: torch.Tensor,
-              heads: int, head_dim: int, max_row_len: int, window: int | None, scale: float,
-              rope: Rope | None = None) -> torch.Tensor:
-    """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None; `rope`:
-    the RoPE the queries (and keys) still need, or None where the rows are rotated already.
+              heads: int, head_dim: int, max_row_len: int, window: int | None, scale: float) -> torch.Tensor:
+    """out[T, H*D] <- softmax(q k^T * scale) v within each row; `window` = half width of the band or None.
 
     Tokens outside every row are left as they are (never read by a real row downstream). The SDK's bits (module
     docstring)."""
     rows, (bm, warps, stages) = row_start.shape[0], TILE
     grid = (rows, triton.cdiv(max_row_len, bm), heads)
-    # (without RoPE the tables' pointers are never read: any tensor stands in)
-    cos, sin = (rope.cos, rope.sin) if rope is not None else (row_len, row_len)
-    args = (qkv, out, row_start, row_len, cos, sin, scale * LOG2E, heads, qkv.stride(0), out.stride(0))
+    args = (qkv, out, row_start, row_len, scale * LOG2E, heads, qkv.stride(0), out.stride(0))
     dispatch(_attention_kernel, grid, args,
              dict(WINDOW=-1 if window is None else int(window), D=head_dim, BM=bm, BN=KEY_BLOCK,
-                  ROPE=0 if rope is None else 2 if rope.keys else 1,
                   **launch(qkv.device, grid[0] * grid[1] * grid[2]), num_warps=warps, num_stages=stages), qkv.device)
     return out
 

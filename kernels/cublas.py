@@ -11,10 +11,8 @@ batch-invariant too, and a shape not (yet) proven runs our kernel: the bits neve
 A proof needs a host synchronisation, so none runs inside a graph capture or a compile-ahead recording
 (kernels/compile.py): those shapes run our kernel until an eager forward of the same shape proves them, which the
 worker's capture does first (worker/runtime.py `_capture`). What cuBLAS's product leaves to others:
-- QKV: the product lands in the checkpoint's row order and `rotate` turns query and key heads in place with the ROPE
-  epilogue's arithmetic (kernels/gemm.py: the product rounded to bf16, each product with the tables rounded alone),
-  or only the key heads, or none, where the attention kernel rotates the rest as it loads them (kernels/fast.py
-  `ROPE_AT`);
+- QKV: the product lands in the checkpoint's row order and `rope` rotates query and key heads in place with the ROPE
+  epilogue's arithmetic (kernels/gemm.py: the product rounded to bf16, each product with the tables rounded alone);
 - residual: the bf16 product is left as a one-chunk `Pending` that the next LayerNorm adds to the fp32 stream
   (kernels/rows.py), the RESIDUAL epilogue's rounding when there is no bias.
 On by default; LAYA_CUBLAS=0 turns it off. It was opt-in for one session: on the device (twenty-first session, H100)
@@ -136,14 +134,11 @@ def natural(w_pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w_pairs.view(n // head_dim, head_dim // 2, 2, k).transpose(1, 2).reshape(n, k).contiguous()
 
 
-def qkv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rope: tuple, skip: int = 0) -> None:
-    """out <- the ROPE epilogue's result (kernels/gemm.py) from cuBLAS's product with `w` in the checkpoint's order;
-    the first `skip` of the rotated heads (the queries) are left unrotated for the attention kernel to rotate as it
-    loads them (kernels/attention.py `Rope`: the same arithmetic, so the same bits)."""
+def qkv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rope: tuple) -> None:
+    """out <- the ROPE epilogue's result (kernels/gemm.py) from cuBLAS's product with `w` in the checkpoint's order."""
     pos, cos, sin, head_dim, heads = rope
     torch.mm(x, w.t(), out=out)
-    if skip < heads:
-        rotate(out[:, skip * head_dim:], pos, cos, sin, head_dim, heads - skip)
+    rotate(out, pos, cos, sin, head_dim, heads)
 
 
 def rotate(y: torch.Tensor, pos, cos, sin, head_dim: int, heads: int) -> None:

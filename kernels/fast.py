@@ -24,22 +24,15 @@ import torch
 from . import cublas, exact
 from . import rows as rk
 from .arch import Arch
-from .attention import Rope, Rows, attention_sdpa
+from .attention import Rows, attention_sdpa
 from .attention import attention as banded
-from .compile import recording
 from .gemm import SPLIT_MAX_M, Act, Epi, geglu_pairs, gemm, k_chunk, residual, rope_pairs
 from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
-__all__ = ["ATTENTION", "ROPE_AT", "FastModel", "supports"]
+__all__ = ["ATTENTION", "FastModel", "supports"]
 
 # "triton": kernels/attention.py, packed and banded; "sdpa": torch's SDPA on the SDK's layout. Both the SDK's bits.
 ATTENTION = ("sdpa", "triton")
-# Where RoPE runs after cuBLAS's QKV product (kernels/cublas.py; our own QKV GEMM rotates in its epilogue),
-# LAYA_ROPE_AT: "apart" (a rotation kernel turns queries and keys in place), "queries" (the attention kernel rotates the
-# queries as it loads them, the rotation kernel the keys alone), "attention" (the attention kernel rotates both, at
-# every key block it loads). The same arithmetic everywhere, so the same bits; torch's SDPA (attention="sdpa") rotates
-# nothing: "apart".
-ROPE_AT = ("apart", "queries", "attention")
 
 
 def supports(arch: Arch, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -108,10 +101,6 @@ class FastModel:
         if geglu not in ("pairs", "two"):
             raise ValueError(f"LAYA_GEGLU must be 'pairs' or 'two', got {geglu!r}")
         self.geglu = Epi.GEGLU if geglu == "two" else Epi.GEGLU_PAIRS
-        rope_at = os.environ.get("LAYA_ROPE_AT") or "queries"
-        if rope_at not in ROPE_AT:
-            raise ValueError(f"LAYA_ROPE_AT must be one of {ROPE_AT}, got {rope_at!r}")
-        self.rope_at = "apart" if attention == "sdpa" else rope_at
         for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
             lay["Wqkv_pairs"] = rope_pairs(lay["Wqkv"], a.head_dim)
             if self.geglu == Epi.GEGLU_PAIRS:
@@ -175,12 +164,11 @@ class FastModel:
             if lay["attn_norm"] is not None:       # layer 0 has none, and nothing pending before it
                 rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps, pending)
             cos, sin = self.rope[lay["theta"]]
-            left = self._qkv(x, lay, qkv, (pos, cos, sin, D, 2 * H))
+            self._qkv(x, lay, qkv, (pos, cos, sin, D, 2 * H))
             if rows is not None:
                 attention_sdpa(qkv_spare, spare, rows, H, D, scale, local=not lay["global"])
             else:
-                banded(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale,
-                       rope=left)
+                banded(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
             pending = self._residual(att, lay["Wo"], h, parts, product, lay["mlp_norm"])
             rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)
             inner = mid[:, : a.intermediate]
@@ -237,21 +225,14 @@ class FastModel:
 
     __call__ = forward
 
-    def _qkv(self, x, lay, out, rope) -> Rope | None:
-        """out <- the QKV GEMM with RoPE: cuBLAS's product where proven equal to ours at this shape, else ours. Returns
-        the RoPE left for the attention kernel (`ROPE_AT`), or None."""
+    def _qkv(self, x, lay, out, rope) -> None:
+        """out <- the QKV GEMM with RoPE: cuBLAS's product where proven equal to ours at this shape, else ours."""
         if self.products is not None and cublas.wanted(x.shape[0]):
             w = lay["Wqkv"]
-            if self.products.use(cublas.key("qkv", x, w, out), lambda: self._prove_qkv(x, lay, out, rope)) \
-                    or recording():
-                # (a compile-ahead recording proves nothing and launches nothing, kernels/cublas.py `Products.use`:
-                # what a proven shape launches after cuBLAS's product is recorded too, so the warm-up compiles none)
-                queries = rope[4] // 2
-                skip = {"apart": 0, "queries": queries, "attention": 2 * queries}[self.rope_at]
-                cublas.qkv(x, w, out, rope, skip=skip)
-                return None if skip == 0 else Rope(rope[1], rope[2], keys=skip > queries)
+            if self.products.use(cublas.key("qkv", x, w, out), lambda: self._prove_qkv(x, lay, out, rope)):
+                cublas.qkv(x, w, out, rope)
+                return
         gemm(x, lay["Wqkv_pairs"], out, epi=Epi.ROPE, rope=rope)
-        return None
 
     def _residual(self, a, w, h, parts, product, norm):
         """h += a @ w.T now, or the `Pending` the next LayerNorm adds (`residual`'s or cuBLAS's, where proven)."""

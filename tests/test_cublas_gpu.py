@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from laya_pool.kernels import cublas
-from laya_pool.kernels.fast import ROPE_AT, FastModel
+from laya_pool.kernels.fast import FastModel
 from laya_pool.worker.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -53,21 +53,16 @@ def run(model: FastModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.clone(), act.clone()
 
 
-@pytest.mark.parametrize("rope_at", ROPE_AT)
-def test_cublas_keeps_the_bits_merged_alone_and_captured(ckpt, rope_at, monkeypatch):
-    """Wherever RoPE runs after cuBLAS's QKV product (kernels/fast.py `ROPE_AT`: a rotation kernel, or the attention
-    kernel as it loads queries, or queries and keys), the forward gives our fused kernels' bits."""
+def test_cublas_keeps_the_bits_merged_alone_and_captured(ckpt, monkeypatch):
     monkeypatch.setenv("LAYA_CUBLAS", "0")
     ours = FastModel(ckpt.arch, ckpt.tensors, device="cuda")
     merged = inputs(32, 48)                   # M = 1,536: a merged group of 32 small requests
     want = run(ours, merged)
     monkeypatch.setenv("LAYA_CUBLAS", "1")
-    monkeypatch.setenv("LAYA_ROPE_AT", rope_at)
     model = FastModel(ckpt.arch, ckpt.tensors, device="cuda")
-    assert model.rope_at == rope_at
     have = run(model, merged)
     summary = model.products.proofs.summary()
-    print(f"\n{ckpt.arch.hidden}-wide, RoPE {rope_at}: cuBLAS proofs at M = 1,536: {summary}")
+    print(f"\n{ckpt.arch.hidden}-wide: cuBLAS proofs at M = 1,536: {summary}")
     assert torch.equal(have[0], want[0]) and torch.equal(have[1], want[1])
     for r in (0, 17, 31):                     # alone: M = 48, our kernels
         alone = run(model, row(merged, r))
@@ -112,12 +107,3 @@ def test_a_planted_difference_is_refused(ckpt, monkeypatch):
     assert model.products.proofs.summary()["proven"] == 0, model.products.proofs.known
     assert model.products.proofs.summary()["refused"] >= 2
     assert torch.equal(have[0], want[0]) and torch.equal(have[1], want[1])
-
-
-def test_an_unknown_place_for_rope_is_refused(ckpt, monkeypatch):
-    monkeypatch.setenv("LAYA_ROPE_AT", "keys")
-    with pytest.raises(ValueError, match="LAYA_ROPE_AT"):
-        FastModel(ckpt.arch, ckpt.tensors, device="cuda")
-    monkeypatch.setenv("LAYA_ROPE_AT", "attention")
-    # torch's SDPA rotates nothing: RoPE runs apart
-    assert FastModel(ckpt.arch, ckpt.tensors, device="cuda", attention="sdpa").rope_at == "apart"

@@ -331,34 +331,3 @@ def test_packed_attention_is_softmax_attention_row_by_row(window):
         got = out[s0:s0 + n].float()
         assert float((got - want.transpose(0, 1).reshape(n, -1)).abs().max()) < 2e-3, (s0, n)
     assert torch.all(out[total:] == 7.0)
-
-
-@interpreted
-@pytest.mark.parametrize("window", [8, None])
-@pytest.mark.parametrize("keys", [False, True])
-def test_attention_that_rotates_as_it_loads_equals_attention_after_the_rotation(window, keys):
-    """kernels/attention.py with RoPE left to it (the queries, or queries and keys, unrotated, as cuBLAS's QKV product
-    leaves them: kernels/fast.py `ROPE_AT`) against the same attention over rows that `cublas.rotate` turned first:
-    every bit, over packed rows at row-relative positions (one row longer than a key block). A rotation by the wrong
-    position (one row's start not subtracted) or the wrong partner column fails it."""
-    from laya_pool.kernels import cublas
-    from laya_pool.kernels.attention import Rope, attention
-    from laya_pool.kernels.reference import _rope_tables
-    g = torch.Generator().manual_seed(5)
-    heads, dim, lens = 2, 32, [150, 9, 40]
-    starts = torch.tensor([0, 150, 159], dtype=torch.int32)
-    total = sum(lens)
-    raw = (torch.randn(total, 3 * heads * dim, generator=g) * 2).half()
-    cos, sin = (t[:, : dim // 2].contiguous() for t in _rope_tables(256, dim, 10000.0, "cpu"))
-    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens])
-    turned = raw.clone()
-    cublas.rotate(turned, pos, cos, sin, dim, 2 * heads)          # queries and keys, as "apart" leaves them
-    left = raw.clone()
-    if not keys:                                                  # "queries": the keys were turned already
-        left[:, heads * dim: 2 * heads * dim] = turned[:, heads * dim: 2 * heads * dim]
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    want, have = (torch.full((total, heads * dim), 7.0).half() for _ in range(2))
-    attention(turned, want, starts, lens_t, heads, dim, max(lens), window, dim ** -0.5)
-    attention(left, have, starts, lens_t, heads, dim, max(lens), window, dim ** -0.5, rope=Rope(cos, sin, keys))
-    assert torch.equal(have, want)
-    assert not torch.equal(turned, raw)
