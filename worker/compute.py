@@ -41,7 +41,6 @@ from .batch import Batch, RequestError
 from .inbox import NOTHING, QueueInbox
 from .landing import Landed
 from .merge import Group
-from .pace import Pace, lead_from_env
 
 log = logging.getLogger("laya-pool.worker")
 
@@ -116,7 +115,6 @@ class Compute:
         self.last_stats = 0.0
         self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
         self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
-        self.pace = Pace(lead_from_env())       # when a group that is not full launches behind a computing one
         if hasattr(runtime, "before_capture"):
             runtime.before_capture = self.inbox.quiesce
 
@@ -234,10 +232,10 @@ class Compute:
             return None
         return any(f is item.flight for f in self.flights)
 
-    def _request_or_done(self, until: float | None = None) -> Queued | None | object:
+    def _request_or_done(self) -> Queued | None | object:
         """With a group launched: the next request to arrive, or _DONE once the oldest launched group landed (groups
-        land in launch order) or the time `until` came. Waits in the inbox: a queue the landing watch wakes, or (a
-        worker's) the data socket polled with the group's event."""
+        land in launch order). Waits in the inbox: a queue the landing watch wakes, or (a worker's) the data socket
+        polled with the group's event."""
         while True:
             # A waiting request first: with the device idle, launching the next group before answering the landed
             # one gets the device going sooner (the answers are in host memory; they wait a group's launch).
@@ -246,12 +244,7 @@ class Compute:
                 return item
             if self.flights[0].job.done():
                 return _DONE       # its Landed was taken already (it ended the group being formed), or is on its way
-            wait = 0.5
-            if until is not None:
-                wait = until - time.monotonic()
-                if wait <= 0:
-                    return _DONE
-            item = self._get(min(wait, 0.5))
+            item = self._get(0.5)
             if item is not NOTHING:
                 return item
             if self.fatal is not None:
@@ -263,14 +256,11 @@ class Compute:
         With nothing launched, a group takes what is queued and goes (a lone request never waits). With a group
         computing, the next one keeps taking requests as they arrive (each validated on arrival) until it is full
         or the launched group has landed: under load groups stay full, and the launch of a full group overlaps
-        the compute of the one before it; otherwise the group goes a little before the launched group lands, when
-        its device time is known (worker/pace.py), or the moment the device has nothing queued."""
+        the compute of the one before it; otherwise the group goes the moment the device has nothing queued."""
         item = self._get_nowait()
         if item is not NOTHING:
             return item
-        if not self.flights:
-            return _DONE
-        return self._request_or_done(self.pace.launch_by(self.flights[0].launched) if len(self.flights) == 1 else None)
+        return self._request_or_done() if self.flights else _DONE
 
     def _idle_work(self) -> None:
         """A missed bucket's capture, while nothing waits (a request arriving now waits for it: tens of ms)."""
@@ -486,15 +476,13 @@ class Compute:
         alone."""
         res = self.rt.finish(flight.job)
         done = time.monotonic()
-        landed = getattr(flight.job, "landed_at", None) or done
-        self.pace.landed(flight.launched, landed)
         members, t0 = flight.members, flight.started
         # received_at ... done_at: this host's monotonic clock, so a client on the same host can place the worker's
         # part of a round trip, hand-offs included (scripts/overhead.py); meaningless across hosts. What the members
         # share is packed once (wire.Replies).
         answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, together=True, metrics=dict(
             res.metrics, batched=len(members), started_at=t0, launched_at=flight.launched,
-            landed_at=landed, done_at=done))
+            landed_at=getattr(flight.job, "landed_at", None) or done, done_at=done))
         replies: list[tuple[Any, list[Any], int]] = []
         bundles: dict[bytes, list[tuple[Any, Any, Any, dict]]] = {}
         for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
