@@ -37,6 +37,8 @@ def test_killed_worker_loses_nothing(tiny_ckpt, tmp_path):
     # The worker names its threads in the OS, so the busiest ones are told apart (worker/threadname.py).
     assert any(name in ("compute", "io") for r in used if r["role"] == "worker" for name, _ in r["top_threads"]), used
     assert "cpu: " in proc.stdout
+    # a CPU worker computes inside its launch: its stamps say nothing of a device, so none is reported
+    assert clean["device"] is None and "device (the forwards' stamps)" not in proc.stdout
 
 
 def test_groups_from_two_snapshots():
@@ -50,6 +52,22 @@ def test_groups_from_two_snapshots():
     # the broker's counts beside the workers': what reached it between the snapshots
     with_broker = groups({**before, "broker": (7, 3)}, {**after, "broker": (19, 5)})
     assert with_broker["broker"] == {"frontend_messages": 12, "requests": 2} and with_broker["requests"] == 24
+
+
+def test_device_time_from_the_forwards_stamps():
+    """Worker a: forwards launched at 0, 1 (queued behind the first), 7 (after a 1 ms idle device) and 9.5 (before the
+    third landed at 10); worker b: two forwards, the second after 2 ms idle. Times in ms, stamps in seconds."""
+    from laya_pool.tools.load import device_time
+    ms = 1e-3
+    a = [("a", 0 * ms, 3 * ms, 32), ("a", 1 * ms, 6 * ms, 30), ("a", 7 * ms, 10 * ms, 31), ("a", 9.5 * ms, 13 * ms, 32)]
+    b = [("b", 0 * ms, 4 * ms, 8), ("b", 6 * ms, 9 * ms, 8)]
+    d = device_time(a + b)
+    # a: busy 3 + 3 + 3 ms (the second from 3 ms: the first's landing, not its launch), idle 1 ms, span 3 .. 13
+    # b: busy 3, idle 2, span 4 .. 9; the first forward of each worker only opens its span
+    assert d == {"forwards": 4, "busy": 0.8, "idle": 0.2, "launched_after_landing": 2, "forward_ms": 3.0,
+                 "requests_per_forward": round((30 + 31 + 32 + 8) / 4, 2)}
+    assert device_time(a, since=0.5 * ms)["forwards"] == 2            # the first forward launched before `since`
+    assert device_time(a[:1]) is None and device_time([]) is None
 
 
 def test_cpu_use_from_two_snapshots():

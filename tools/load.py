@@ -4,7 +4,8 @@ Client processes each keep `concurrency / procs` requests in flight over one Asy
 pre-encoded rows (`forward`) so the load generator's own tokenisation never limits the pool.
 `--concurrency 1,4,16,64,256` sweeps (one pool, every level in turn) and draws the curve (`--png`);
 `--mix 1x48:8,4x256:2,16x512:1` sends a mixed load (shapes ROWSxTOKENS drawn with those weights),
-with latency reported per shape too.
+with latency reported per shape too. Each run also says how a CUDA worker's device spent it (`device_time`: busy, and
+idle between a forward's landing and the next launch), from the stamps every reply carries.
 
     # scaling: a baseline pool first, then the pool under test, ratio of their throughputs
     python scripts/load.py --model DIR --baseline-devices cuda:0 --devices cuda:0,cuda:1 \\
@@ -84,6 +85,7 @@ def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape],
         weights = [w for _, _, w in mix]
         lat: dict[str, list[float]] = {n: [] for n in names}
         failed: list[str] = []
+        stamps: set[tuple] = set()          # one per forward: its members' replies carry the same stamps
         stop = time.monotonic() + seconds
         async with AsyncClient(endpoint, timeout=10.0, retries=6, direct=direct, keys=keys, lanes=lanes,
                                bundles=bundles, together=together) as c:
@@ -93,14 +95,17 @@ def _client_proc(endpoint: str, inflight: int, seconds: float, mix: list[Shape],
                     i = rng.choices(range(len(shapes)), weights)[0] if len(shapes) > 1 else 0
                     t0 = time.perf_counter()
                     try:
-                        await c.forward(shapes[i])
+                        res = await c.forward(shapes[i])
                         lat[names[i]].append(time.perf_counter() - t0)
+                        m = res.metrics
+                        if "launched_at" in m and "landed_at" in m:
+                            stamps.add((res.worker, m["launched_at"], m["landed_at"], m.get("batched", 1)))
                     except Exception as e:  # a lost request is the result we report, not a crash
                         failed.append(f"{type(e).__name__}: {e}")
             await asyncio.gather(*(loop(k) for k in range(inflight)))
             r = c._routes
             paths = {"direct": r.sent, "on_lanes": r.on_lanes, "dropped": r.dropped} if r is not None else {}
-        return {"latencies": lat, "failed": failed, "paths": paths}
+        return {"latencies": lat, "failed": failed, "paths": paths, "stamps": sorted(stamps)}
     out.put(asyncio.run(main()))
 
 
@@ -142,6 +147,46 @@ def groups(before: dict, after: dict) -> dict | None:
     if "broker" in after:
         out["broker"] = {k: after["broker"][i] - before["broker"][i] for i, k in enumerate(BROKER_COUNTS)}
     return out
+
+
+def device_time(stamps: list[tuple], since: float | None = None) -> dict | None:
+    """How each worker's device spent the run, from its forwards' stamps (worker, launched_at, landed_at, requests;
+    the worker's monotonic clock, which a client on its host shares), forwards launched before `since` left out; pure.
+
+    Forwards run in launch order on a worker's stream, so a forward could start at its launch or when the one before
+    it landed, whichever came later: it kept the device from then to its landing (`busy`), and the device had nothing
+    queued between a landing and a later launch (`idle`). Shares are of the span from each worker's first landing to
+    its last, summed over workers (busy + idle = 1 for one worker). A landing is stamped when the worker saw it; a
+    worker that launched its next forward before it looked stamps the landing after that launch, so `idle` is a lower
+    bound."""
+    by_worker: dict[Any, list[tuple]] = {}
+    for worker, launched, landed, n in stamps:
+        if since is None or launched >= since:
+            by_worker.setdefault(worker, []).append((launched, landed, n))
+    busy = idle = span = 0.0
+    forwards = after = requests = 0
+    per: list[float] = []
+    for rows in by_worker.values():
+        rows.sort()
+        if len(rows) < 2:
+            continue
+        prev = rows[0][1]
+        span += rows[-1][1] - prev
+        for launched, landed, n in rows[1:]:          # the first one's start is unknown (what ran before it)
+            start = max(launched, prev)
+            busy += landed - start
+            per.append(landed - start)
+            if launched > prev:
+                idle += launched - prev
+                after += 1
+            forwards += 1
+            requests += n
+            prev = landed
+    if not forwards or span <= 0:
+        return None
+    return {"forwards": forwards, "busy": round(busy / span, 4), "idle": round(idle / span, 4),
+            "launched_after_landing": after, "forward_ms": round(statistics.median(per) * 1e3, 3),
+            "requests_per_forward": round(requests / forwards, 2)}
 
 
 def _killer(endpoint: str, after: float, done: dict, keys: str | None = None) -> None:
@@ -202,6 +247,8 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
                 c.forward(_rows(r, t))
             except Exception as e:
                 warm_failed.append(f"{type(e).__name__}: {e}")
+        # a CPU worker computes inside its launch, so its stamps say nothing of a device: only CUDA workers' count
+        on_cuda = {w["id"] for w in c.status()["workers"] if str(w.get("device", "")).startswith("cuda")}
     time.sleep(HEARTBEAT_S)                    # the warm calls in the workers' stats
     counted = _worker_counts(endpoint, keys)
     ctx = mp.get_context("spawn")
@@ -234,10 +281,13 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     everything = [x for xs in per_shape.values() for x in xs]
     failed = warm_failed + [x for part in parts for x in part["failed"]]
     total = _stats(everything)
+    # the device's time from the forwards' own stamps, the first second left out (the clients start one by one)
+    stamps = [tuple(x) for part in parts for x in part.get("stamps", []) if x[0] in on_cuda]
+    device = device_time(stamps, since=min((x[1] for x in stamps), default=0.0) + 1.0)
     out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
            "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
            "errors": failed[:5], "throughput_rps": total["answered"] / wall, "p50_ms": total["p50_ms"],
-           "p95_ms": total["p95_ms"], "killed": killed or None, "groups": grouped, "cpu": used,
+           "p95_ms": total["p95_ms"], "killed": killed or None, "groups": grouped, "device": device, "cpu": used,
            "paths": {k: sum(part["paths"].get(k, 0) for part in parts) for k in ("direct", "on_lanes", "dropped")}}
     if len(mix) > 1:
         out["mix"] = [[r, t, w] for r, t, w in mix]
@@ -317,6 +367,11 @@ def _line(name: str, r: dict) -> str:
               f"{p.get('dropped', 0)})")
         if broker:
             s += f"; broker: {broker['frontend_messages']} client messages, {broker['requests']} request messages"
+    d = r.get("device")
+    if d:
+        s += (f"\n    device (the forwards' stamps): busy {d['busy']:.1%}, idle between forwards {d['idle']:.1%} "
+              f"({d['launched_after_landing']} of {d['forwards']} launched after the one before landed), "
+              f"{d['forward_ms']} ms a forward (median), {d['requests_per_forward']} requests a forward")
     if r.get("killed"):
         k = r["killed"]
         s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
