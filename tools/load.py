@@ -283,7 +283,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     total = _stats(everything)
     # the device's time from the forwards' own stamps, the first second left out (the clients start one by one)
     stamps = [tuple(x) for part in parts for x in part.get("stamps", []) if x[0] in on_cuda]
-    device = device_time(stamps, since=min((x[1] for x in stamps), default=0.0) + 1.0)
+    device = device_time(stamps, since=min((x[1] for x in stamps), default=0.0) + 1.0) if not killed else None
     out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
            "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
            "errors": failed[:5], "throughput_rps": total["answered"] / wall, "p50_ms": total["p50_ms"],
