@@ -155,38 +155,33 @@ def device_time(stamps: list[tuple], since: float | None = None) -> dict | None:
 
     Forwards run in launch order on a worker's stream, so a forward could start at its launch or when the one before
     it landed, whichever came later: it kept the device from then to its landing (`busy`), and the device had nothing
-    queued between a landing and a later launch (`idle`). Shares are of the span from each worker's first landing to
-    its last, summed over workers (busy + idle = 1 for one worker). A landing is stamped when the worker saw it; a
-    worker that launched its next forward before it looked stamps the landing after that launch, so `idle` is a lower
-    bound."""
+    queued between a landing and a later launch (`idle`); between its first landing and its last a worker's device
+    is one or the other, so `busy` is 1 - `idle` (spans summed over workers). A landing is stamped when the worker saw
+    it; a worker that launched its next forward before it looked stamps the landing after that launch, so `idle` is a
+    lower bound."""
     by_worker: dict[Any, list[tuple]] = {}
     for worker, launched, landed, n in stamps:
         if since is None or launched >= since:
             by_worker.setdefault(worker, []).append((launched, landed, n))
-    busy = idle = span = 0.0
-    forwards = after = requests = 0
-    per: list[float] = []
+    idle = span = 0.0
+    after = 0
+    per: list[float] = []                              # each forward's time on the device
     for rows in by_worker.values():
         rows.sort()
         if len(rows) < 2:
             continue
         prev = rows[0][1]
         span += rows[-1][1] - prev
-        for launched, landed, n in rows[1:]:          # the first one's start is unknown (what ran before it)
-            start = max(launched, prev)
-            busy += landed - start
-            per.append(landed - start)
+        for launched, landed, _ in rows[1:]:          # the first one's start is unknown (what ran before it)
+            per.append(landed - max(launched, prev))
             if launched > prev:
                 idle += launched - prev
                 after += 1
-            forwards += 1
-            requests += n
             prev = landed
-    if not forwards or span <= 0:
+    if not per or span <= 0:
         return None
-    return {"forwards": forwards, "busy": round(busy / span, 4), "idle": round(idle / span, 4),
-            "launched_after_landing": after, "forward_ms": round(statistics.median(per) * 1e3, 3),
-            "requests_per_forward": round(requests / forwards, 2)}
+    return {"forwards": len(per), "busy": round(1 - idle / span, 4), "idle": round(idle / span, 4),
+            "launched_after_landing": after, "forward_ms": round(statistics.median(per) * 1e3, 3)}
 
 
 def _killer(endpoint: str, after: float, done: dict, keys: str | None = None) -> None:
@@ -371,7 +366,7 @@ def _line(name: str, r: dict) -> str:
     if d:
         s += (f"\n    device (the forwards' stamps): busy {d['busy']:.1%}, idle between forwards {d['idle']:.1%} "
               f"({d['launched_after_landing']} of {d['forwards']} launched after the one before landed), "
-              f"{d['forward_ms']} ms a forward (median), {d['requests_per_forward']} requests a forward")
+              f"{d['forward_ms']} ms a forward (median)")
     if r.get("killed"):
         k = r["killed"]
         s += f"  (worker {k['killed']} killed at {k['at_s']} s, ready again {k.get('ready_again_s', 'never')} s later)"
