@@ -169,6 +169,21 @@ def test_graph_replays_see_new_inputs(ckpt, tiny_ckpt):
     assert np.array_equal(first.logits, again.logits) and np.array_equal(first.act, again.act)
 
 
+def test_a_landing_is_stamped_when_first_seen_not_when_answered(ckpt, tiny_ckpt):
+    """`landed_at` (the replies' stamp, tools/load.py's idle time) is when the host first saw the group done, not
+    the later `finish`: a worker answers a landed group only after launching the next one."""
+    import time
+    rt = runtime(ckpt, "graph-cached")
+    batch = frozen_batches(tiny_ckpt)[0]
+    job = rt.launch(batch)
+    while not job.done():
+        pass
+    seen = time.monotonic()
+    time.sleep(0.05)                    # the next group's forming and launch
+    rt.finish(job)
+    assert job.landed_at is not None and job.landed_at <= seen, (job.landed_at, seen)
+
+
 def test_padding_and_bucket_edges(ckpt):
     rt, eager = runtime(ckpt, "graph-cached"), runtime(ckpt, "eager")
     rng = np.random.default_rng(1)

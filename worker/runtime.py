@@ -144,13 +144,21 @@ class Launched:
     event: Any | None                          # the slot's done event (None on the CPU: done inside launch)
     landed: Any = None                         # a threading.Event when a LandingWatch waits on `event` instead
     error: BaseException | None = None         # what the watch's wait raised
-    landed_at: float | None = None             # time.monotonic() when the wait for `event` returned
+    landed_at: float | None = None             # time.monotonic() when this host first saw `event` done
 
     def done(self) -> bool:
-        """True once the readback landed in the slot (never blocks)."""
+        """True once the readback landed in the slot (never blocks). The first call that sees it landed stamps
+        `landed_at`: a landing the compute thread notices while forming the next group (the data socket's poll) is
+        then not stamped at the later `finish`, after that group's launch (tools/load.py's idle time)."""
         if self.landed is not None:
             return self.landed.is_set()
-        return self.event is None or self.event.done()
+        if self.event is None:          # the CPU computed inside launch
+            return True
+        if self.event.done():
+            if self.landed_at is None:
+                self.landed_at = time.monotonic()
+            return True
+        return False
 
 
 @dataclass
@@ -539,7 +547,8 @@ class Runtime:
                     raise job.error
             elif job.event is not None:
                 job.event.wait()
-                job.landed_at = time.monotonic()
+                if job.landed_at is None:       # (stamped already where `done` saw it land)
+                    job.landed_at = time.monotonic()
             t4 = time.perf_counter()
             return self._answers(job, t4)
         finally:
