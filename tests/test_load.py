@@ -65,6 +65,7 @@ def test_device_time_from_the_forwards_stamps():
     # a: busy 3 + 3 + 3 ms (the second from 3 ms: the first's landing, not its launch), idle 1 ms, span 3 .. 13
     # b: busy 3, idle 2, span 4 .. 9; the first forward of each worker only opens its span
     assert d == {"forwards": 4, "busy": 0.8, "idle": 0.2, "launched_after_landing": 2, "forward_ms": 3.0}
+    assert device_time(a + b + a[1:3]) == d                            # reported by two client processes: once
     assert device_time(a, since=0.5 * ms)["forwards"] == 2            # the first forward launched before `since`
     assert device_time(a[:1]) is None and device_time([]) is None
 

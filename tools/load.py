@@ -160,7 +160,7 @@ def device_time(stamps: list[tuple], since: float | None = None) -> dict | None:
     it; a worker that launched its next forward before it looked stamps the landing after that launch, so `idle` is a
     lower bound."""
     by_worker: dict[Any, list[tuple]] = {}
-    for worker, launched, landed, n in stamps:
+    for worker, launched, landed, n in set(stamps):      # each client process that shared a forward reports it
         if since is None or launched >= since:
             by_worker.setdefault(worker, []).append((launched, landed, n))
     idle = span = 0.0
