@@ -4,7 +4,8 @@ Client processes each keep `concurrency / procs` requests in flight over one Asy
 pre-encoded rows (`forward`) so the load generator's own tokenisation never limits the pool.
 `--concurrency 1,4,16,64,256` sweeps (one pool, every level in turn) and draws the curve (`--png`);
 `--mix 1x48:8,4x256:2,16x512:1` sends a mixed load (shapes ROWSxTOKENS drawn with those weights),
-with latency reported per shape too. Each run also says how a CUDA worker's device spent it (`device_time`: busy, and
+with latency reported per shape too. Throughput counts the answers that come within `--seconds`, a window every client
+process begins at the same moment, after all of them have started. Each run also says how a CUDA worker's device spent it (`device_time`: busy, and
 idle between a forward's landing and the next launch), from the stamps every reply carries.
 
     # scaling: a baseline pool first, then the pool under test, ratio of their throughputs
@@ -165,9 +166,9 @@ def device_time(stamps: list[tuple], since: float | None = None) -> dict | None:
     Forwards run in launch order on a worker's stream, so a forward could start at its launch or when the one before
     it landed, whichever came later: it kept the device from then to its landing (`busy`), and the device had nothing
     queued between a landing and a later launch (`idle`); between its first landing and its last a worker's device
-    is one or the other, so `busy` is 1 - `idle` (spans summed over workers). A landing is stamped when the worker saw
-    it; a worker that launched its next forward before it looked stamps the landing after that launch, so `idle` is a
-    lower bound."""
+    is one or the other, so `busy` is 1 - `idle` (spans summed over workers). A landing is stamped the first time the
+    worker sees it (worker/runtime.py `Launched.done`: the data thread looks between its socket reads), so `idle` may
+    be short by one look."""
     by_worker: dict[Any, list[tuple]] = {}
     for worker, launched, landed, n in set(stamps):      # each client process that shared a forward reports it
         if since is None or launched >= since:
