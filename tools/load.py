@@ -5,8 +5,9 @@ pre-encoded rows (`forward`) so the load generator's own tokenisation never limi
 `--concurrency 1,4,16,64,256` sweeps (one pool, every level in turn) and draws the curve (`--png`);
 `--mix 1x48:8,4x256:2,16x512:1` sends a mixed load (shapes ROWSxTOKENS drawn with those weights),
 with latency reported per shape too. Throughput counts the answers that come within `--seconds`, a window every client
-process begins at the same moment, after all of them have started. Each run also says how a CUDA worker's device spent it (`device_time`: busy, and
-idle between a forward's landing and the next launch), from the stamps every reply carries.
+process begins at the same moment, after all of them have started. Each run also says how a CUDA worker's device
+spent it (`device_time`: busy, and idle between a forward's landing and the next launch), from the stamps every reply
+carries.
 
     # scaling: a baseline pool first, then the pool under test, ratio of their throughputs
     python scripts/load.py --model DIR --baseline-devices cuda:0 --devices cuda:0,cuda:1 \\
