@@ -293,7 +293,9 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     everything = [x for xs in per_shape.values() for x in xs]
     failed = warm_failed + [x for part in parts for x in part["failed"]]
     total = _stats(everything)
-    # the device's time from the forwards' own stamps, the first second left out (the clients start one by one)
+    in_window = sum(part["in_window"] for part in parts)
+    # the device's time from the forwards' own stamps, the first second left out (the ramp: every loop's first
+    # request comes at once, before the worker's groups settle)
     stamps = [tuple(x) for part in parts for x in part.get("stamps", []) if x[0] in on_cuda]
     device = device_time(stamps, since=min((x[1] for x in stamps), default=0.0) + 1.0) if not killed else None
     out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
@@ -301,8 +303,7 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
            "errors": failed[:5], "p50_ms": total["p50_ms"],
            # the answers within the run's seconds, which every client process began at once: not those that came
            # after (they were sent within it) nor the processes' start-up (0.5 s or more, 6% of an 8 s run)
-           "in_window": sum(part["in_window"] for part in parts),
-           "throughput_rps": sum(part["in_window"] for part in parts) / seconds,
+           "in_window": in_window, "throughput_rps": in_window / seconds,
            "p95_ms": total["p95_ms"], "killed": killed or None, "groups": grouped, "device": device, "cpu": used,
            "paths": {k: sum(part["paths"].get(k, 0) for part in parts) for k in ("direct", "on_lanes", "dropped")}}
     if len(mix) > 1:
