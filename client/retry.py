@@ -48,6 +48,9 @@ class Step:
     sleep: float = 0.0       # sleep this long before acting (a backoff, a retry-after)
 
 
+_RETURN = Step(Action.RETURN)    # (every answered call ends so: one frozen Step shared, not one built a call)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     timeout: float = contract.CALL_TIMEOUT_S            # the call's deadline, seconds from its start
@@ -156,7 +159,7 @@ class Attempts:
         """A reply: returned unless "retryable"; that is retried after its retry-after (or a backoff) if the
         deadline and the attempts allow, and raised otherwise."""
         if status != wire.STATUS_RETRYABLE:
-            return Step(Action.RETURN)
+            return _RETURN
         now = self._now(True)
         err = error if isinstance(error, dict) else {}
         message = err.get("message")

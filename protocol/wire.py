@@ -295,6 +295,8 @@ def _array(frame: Any, dtype: np.dtype, count: int, name: str) -> np.ndarray:
 
 
 def _i32(a: Any, name: str) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype == I32 and a.ndim == 1 and a.flags.c_contiguous:
+        return a                  # what `pack_rows` makes and most callers pass: nothing to check or convert
     arr = np.asarray(a)
     if arr.ndim != 1:
         raise ProtocolError(name, f"must be 1-D, got shape {arr.shape}")
@@ -381,21 +383,33 @@ def _tag(header: dict[str, Any], cid: str | None, rid: int | str) -> str:
 
 def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
     """`(ids, markers, qtype)` rows -> the five request arrays."""
-    rows = list(rows)
-    ids = [_i32(r[0], f"rows[{i}].ids") for i, r in enumerate(rows)]
-    mks = [_i32(r[1], f"rows[{i}].markers") for i, r in enumerate(rows)]
-    types = []
+    ids, mks, types = [], [], []
     for i, r in enumerate(rows):
+        ids.append(_row_i32(r[0], i, "ids"))
+        mks.append(_row_i32(r[1], i, "markers"))
         q = r[2]
         if isinstance(q, bool) or not isinstance(q, (int, np.integer)):
             raise ProtocolError(f"rows[{i}].qtype", f"must be an integer, got {type(q).__name__}")
-        types.append(int(q))
-    empty = np.zeros(0, I32)
-    return {"ids": np.concatenate(ids) if ids else empty,
-            "lengths": np.array([len(x) for x in ids], I32),
-            "types": _i32(np.array(types, np.int64), "types") if types else empty,
-            "marker_counts": np.array([len(m) for m in mks], I32),
-            "markers": np.concatenate(mks) if mks else empty}
+        q = int(q)
+        if not -(1 << 31) <= q < (1 << 31):
+            raise ProtocolError("types", "values do not fit in int32")
+        types.append(q)
+    # One row (most calls) is sent as it is: `encode_request` copies the arrays into its frame.
+    return {"ids": _joined(ids), "lengths": np.array([len(x) for x in ids], I32), "types": np.array(types, I32),
+            "marker_counts": np.array([len(m) for m in mks], I32), "markers": _joined(mks)}
+
+
+def _row_i32(a: Any, i: int, part: str) -> np.ndarray:
+    """`_i32` of row `i`'s `part`, its name written only for an error (a request packs two a row)."""
+    if type(a) is np.ndarray and a.dtype == I32 and a.ndim == 1 and a.flags.c_contiguous:
+        return a
+    return _i32(a, f"rows[{i}].{part}")
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, I32)
 
 
 def encode_request(rid: int | str, arrays: dict[str, Any], *, cid: str | None = None, worker: str | None = None,

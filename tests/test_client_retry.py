@@ -157,3 +157,22 @@ def test_policy_refuses_nonsense():
                                          ({"error": "garbage"}, None), ({}, None)])
 def test_reply_error(header, want):
     assert reply_error(header) == want
+
+
+def test_a_clients_policy_follows_its_settings():
+    """The client keeps the last call's policy while its settings stay (a frozen dataclass a call cost 1.5 us to
+    build); a changed setting, or a call's own timeout or retries, gets a policy of its own."""
+    from laya_pool.client.pool import Client
+
+    c = Client("tcp://127.0.0.1:1", timeout=7.0, retries=2)     # (nothing listens: no call is made)
+    try:
+        first = c._attempts(None, None, None).policy
+        assert (first.timeout, first.retries) == (7.0, 2)
+        assert c._attempts(None, None, None).policy is first
+        assert c._attempts(1.5, None, None).policy.timeout == 1.5
+        assert c._attempts(None, 0, None).policy.retries == 0
+        c.timeout, c.backoff = 3.0, 0.2
+        changed = c._attempts(None, None, None).policy
+        assert (changed.timeout, changed.retries, changed.backoff) == (3.0, 2, 0.2)
+    finally:
+        c.close()

@@ -236,8 +236,28 @@ def test_pack_rows_is_strict():
         wire.pack_rows([(np.array([1 << 40]), np.array([0]), 0)])           # does not fit int32
     with pytest.raises(ProtocolError):
         wire.pack_rows([(np.array([object()]), np.array([0]), 0)])          # no objects, ever
+    with pytest.raises(ProtocolError) as e:
+        wire.pack_rows([(np.array([1], np.int32), np.array([0], np.int32), 0), (np.array([[1]]), np.array([0]), 0)])
+    assert e.value.field == "rows[1].ids"                               # the field and the row, as before
+    with pytest.raises(ProtocolError) as e:
+        wire.pack_rows([(np.array([1], np.int32), np.array([0], np.int32), 1 << 31)])
+    assert e.value.field == "types"
     empty = wire.pack_rows([])
-    assert all(a.size == 0 for a in empty.values())
+    assert all(a.size == 0 and a.dtype == np.int32 for a in empty.values())
+
+
+def test_pack_rows_one_row_and_many_agree():
+    """One row is packed without copies (the arrays as given), several by concatenation: the same frame either way,
+    whatever the rows' own dtypes."""
+    a = (np.arange(5, dtype=np.int32), np.array([1, 3], np.int32), 2)
+    b = ([7, 8, 9], np.array([0], np.int64), np.int64(1))
+    one, other = wire.pack_rows([a]), wire.pack_rows([b])
+    both = wire.pack_rows([a, b])
+    for k in wire.REQUEST_ARRAYS:
+        assert both[k].dtype == one[k].dtype == np.int32
+        assert both[k].tolist() == one[k].tolist() + other[k].tolist(), k
+    assert bytes(wire.encode_request(1, both)[1]) == b"".join(bytes(x.data) for x in
+                                                              (both[k] for k in wire.REQUEST_ARRAYS))
 
 
 def test_no_pickle_and_no_torch():
