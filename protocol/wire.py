@@ -682,8 +682,9 @@ class Replies:
     """The "ok" REPLYs of one forward's requests: what their headers share (status, worker, fingerprint, the
     group's metrics) is msgpack-packed once, and each reply packs only its own fields (rid, counts, its own
     metrics) and joins the bytes. A worker answers ~32 requests a forward at load, and packing the ~20 shared
-    metrics for each was a tenth of its data thread (py-spy at 256 in flight, docs/PERF.md). Each header decodes to
-    the map one `pack` of the whole makes (tests/test_wire.py)."""
+    metrics for each was a tenth of its data thread (py-spy at 256 in flight, docs/PERF.md). A forward's only
+    request (`alone`) is packed whole instead: the shared part packed apart costs it more than it saves. Each header
+    decodes to the map one `pack` of the whole makes (tests/test_wire.py)."""
 
     def __init__(self, *, worker: str | None = None, fingerprint: str | None = None, metrics: dict | None = None,
                  together: bool = False):
@@ -696,28 +697,32 @@ class Replies:
             shared["fp"] = fingerprint
         if together:
             shared[TOGETHER] = True
-        self._shared, self._n_shared = pack(shared)[1:], len(shared)     # (a fixmap: one header byte)
-        self._metrics = _plain(metrics) if metrics else {}
+        self._head, self._group = shared, metrics
+        self._packed = False              # the shared part's bytes: made by the first `encode` or `bundle`
+
+    def _pack_shared(self) -> None:
+        self._shared, self._n_shared = pack(self._head)[1:], len(self._head)     # (a fixmap: one header byte)
+        self._metrics = _plain(self._group) if self._group else {}
         self._metric_pairs = _pairs(self._metrics)
+        self._packed = True
+
+    def alone(self, rid: Any, logits: np.ndarray, act: np.ndarray, metrics: dict | None = None,
+              taps: dict[str, np.ndarray] | None = None) -> list[Any]:
+        """`encode`'s reply, for the only one made of this group: one pack of the whole header."""
+        own, frames = _reply_fields(rid, logits, act, taps)
+        merged = {**self._group, **metrics} if self._group and metrics else (metrics or self._group)
+        header = {**own, **self._head}
+        if merged:
+            header["metrics"] = _plain(merged)
+        return _framed(Cmd.REPLY, pack(header), frames)
 
     def encode(self, rid: Any, logits: np.ndarray, act: np.ndarray, metrics: dict | None = None,
                taps: dict[str, np.ndarray] | None = None) -> list[Any]:
         """One reply: logits float32 [M] and act float32 [R, n_act] as raw frames (+ taps, if any); `metrics`:
         this reply's own (where the group's metrics have the key too, this reply's value)."""
-        lg = np.ascontiguousarray(np.asarray(logits, np.float32).reshape(-1), dtype=F32)
-        ac = np.asarray(act, np.float32)
-        if ac.ndim != 2:
-            raise ProtocolError("act", f"must be [R, n_act], got shape {ac.shape}")
-        ac = np.ascontiguousarray(ac, dtype=F32)
-        own: dict[str, Any] = {"rid": rid, "markers": lg.shape[0], "rows": ac.shape[0], "n_act": ac.shape[1]}
-        frames = [lg.data, ac.data]
-        if taps:
-            specs = []
-            for name, t in taps.items():
-                a = np.ascontiguousarray(np.asarray(t, np.float32), dtype=F32)
-                specs.append([str(name), [int(s) for s in a.shape]])
-                frames.append(a.data)
-            own["taps"] = specs
+        if not self._packed:
+            self._pack_shared()
+        own, frames = _reply_fields(rid, logits, act, taps)
         mine = _plain(metrics) if metrics else {}      # (keys as they go out: what the count and overlap are of)
         if not (self._metrics or mine):
             tail = b""
@@ -729,7 +734,6 @@ class Replies:
         n = len(own) + self._n_shared + bool(tail)      # at most 9 keys: a fixmap
         return _framed(Cmd.REPLY, bytes((0x80 | n,)) + pack(own)[1:] + self._shared + tail, frames)
 
-
     def bundle(self, items: Sequence[tuple[Any, np.ndarray, np.ndarray, dict | None]]) -> list[Any]:
         """One BUNDLE: the replies `(rid, logits [M], act [R, n_act], own metrics)` of one client's requests, each
         the REPLY `encode` would make of it once `unbundle` splits them (tests/test_wire.py). A worker answering a
@@ -738,6 +742,8 @@ class Replies:
         frame each; the header holds what the replies share and, per reply, [rid, markers, rows, own metrics]."""
         if not 0 < len(items) <= MAX_BUNDLE:
             raise ProtocolError("replies", f"a bundle holds 1..{MAX_BUNDLE} replies, got {len(items)}")
+        if not self._packed:
+            self._pack_shared()
         logits, acts, entries = [], [], []
         for rid, lg, ac, own in items:
             lg, ac = np.ravel(lg), np.asarray(ac)
@@ -756,6 +762,30 @@ class Replies:
                   + pack(entries))
         return _framed(Cmd.BUNDLE, header, [np.concatenate(logits).astype(F32, copy=False).data,
                                             act.astype(F32, copy=False).reshape(-1).data])
+
+
+def _reply_fields(rid: Any, logits: np.ndarray, act: np.ndarray,
+                  taps: dict[str, np.ndarray] | None) -> tuple[dict[str, Any], list[Any]]:
+    """A reply's own header fields (rid, counts, its taps' specs) and its frames: logits, act, the taps."""
+    lg, ac = logits, act
+    # What the runtime answers (contiguous float32 of these shapes) goes as it is; anything else is converted.
+    if not (type(lg) is np.ndarray and lg.dtype == F32 and lg.ndim == 1 and lg.flags.c_contiguous):
+        lg = np.ascontiguousarray(np.asarray(logits, np.float32).reshape(-1), dtype=F32)
+    if not (type(ac) is np.ndarray and ac.dtype == F32 and ac.ndim == 2 and ac.flags.c_contiguous):
+        ac = np.asarray(act, np.float32)
+        if ac.ndim != 2:
+            raise ProtocolError("act", f"must be [R, n_act], got shape {ac.shape}")
+        ac = np.ascontiguousarray(ac, dtype=F32)
+    own: dict[str, Any] = {"rid": rid, "markers": lg.shape[0], "rows": ac.shape[0], "n_act": ac.shape[1]}
+    frames = [lg.data, ac.data]
+    if taps:
+        specs = []
+        for name, t in taps.items():
+            a = np.ascontiguousarray(np.asarray(t, np.float32), dtype=F32)
+            specs.append([str(name), [int(x) for x in a.shape]])
+            frames.append(a.data)
+        own["taps"] = specs
+    return own, frames
 
 
 def unbundle(msg: Message) -> list[Message]:
@@ -816,7 +846,7 @@ def encode_reply(rid: Any, logits: np.ndarray, act: np.ndarray, *, worker: str |
                  fingerprint: str | None = None, metrics: dict | None = None,
                  taps: dict[str, np.ndarray] | None = None) -> list[Any]:
     """An "ok" REPLY: logits float32 [M] and act float32 [R, n_act] as raw frames (+ taps, if any)."""
-    return Replies(worker=worker, fingerprint=fingerprint).encode(rid, logits, act, metrics, taps=taps)
+    return Replies(worker=worker, fingerprint=fingerprint).alone(rid, logits, act, metrics, taps=taps)
 
 
 def encode_error(rid: Any, status: str, message: str, *, field: str | None = None, row: int | None = None,

@@ -87,6 +87,10 @@ def test_a_groups_replies_decode_to_the_header_packed_whole(n_group_metrics):
                  **({"metrics": metrics} if metrics else {})}
         assert header == whole
         assert len(header.get("metrics", {})) == len(metrics)     # a repeated key is there once
+        # a group's only reply, packed whole: the same bytes
+        alone = wire.Replies(worker="w3", fingerprint="f" * 64, metrics=shared).alone(
+            rid, np.arange(5, dtype=np.float32), act, own)
+        assert [bytes(f) for f in alone] == frames
         rep = wire.parse_reply(wire.decode(frames))
         assert rep.rid == rid and rep.metrics == metrics
 

@@ -491,10 +491,12 @@ class Compute:
             if type(q.to) is bytes and res.taps is None and wire.accepts_bundles(q.req.header):
                 bundles.setdefault(q.to, []).append((q.req.rid, logits, act, own))
             else:
-                replies.append((q.to, answers.encode(q.req.rid, logits, act, own, taps=res.taps), 1))
+                encode = answers.alone if len(members) == 1 else answers.encode
+                replies.append((q.to, encode(q.req.rid, logits, act, own, taps=res.taps), 1))
         for to, items in bundles.items():
             if len(items) == 1:
-                replies.append((to, answers.encode(*items[0]), 1))
+                encode = answers.alone if len(members) == 1 else answers.encode
+                replies.append((to, encode(*items[0]), 1))
                 continue
             for at in range(0, len(items), BUNDLE_MOST):       # (a header stays far below the wire's 64 KiB)
                 part = items[at:at + BUNDLE_MOST]
