@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -549,3 +550,25 @@ def test_requests_on_lanes_are_read_while_the_sockets_stay_busy(lane_pool, tiny_
     # This CPU: ~400 on lanes and 0.09 s at most; reading the sockets first, 2 and 2.0 s.
     assert on_lanes >= 100, f"only {on_lanes} requests went on the lanes in 2 s"
     assert slowest < 3.0 and waiting == 0, (slowest, waiting)          # a stuck lane waits its attempt's 6 s
+
+
+def test_a_round_trips_parts_are_in_order_on_one_clock(lane_pool):
+    """scripts/round_trip.py's split of a lane call: the client's two stamps and the worker's two, all on
+    `time.monotonic`, fall in the order the call meets them (the parts are differences of consecutive stamps, so
+    their sum is the total by construction; their order is what is checked). A stamp in the wrong place breaks the
+    order: the first version stamped "seen" when a spin ran out unanswered, and this test failed on it (notice < 0)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("round_trip", Path(__file__).parents[1] / "scripts" / "round_trip.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    rows = make_rows(1)
+    marks: dict[str, float] = {}
+    send = rt.direct.Routes.send
+    with rt.hooked(marks), Client(lane_pool.endpoint, timeout=30, spin_ms=100) as c:     # (spins past a CPU forward)
+        c.forward(rows)
+        wait_until(lambda: _lanes_open(c), 30, "the lanes never opened")
+        parts = [p for p in (rt.timed_call(c, rows, marks) for _ in range(30)) if p[1] is not None]
+    assert rt.direct.Routes.send is send                 # the hooks are gone
+    assert len(parts) >= 10, len(parts)                  # most calls went on a lane (its worker awake)
+    for _, split, _ in parts:
+        assert all(v >= 0 for v in split.values()), split

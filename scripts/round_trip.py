@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Where a back-to-back 1x48 `Client.forward` on a lane spends its round trip, on one clock.
+
+    python3 scripts/round_trip.py --frontend EP [--seconds 3 | --calls N] [--json FILE]
+
+The client of this checkout against a live pool on this host whose worker takes lanes (protocol/lane.py; a CUDA
+worker does by default). Every part is on `time.monotonic`, which the worker's stamps share (compute.py `_answer`):
+
+- `client before`: the call starts -> its request is on the lane (pack, encode, route, write);
+- `pickup`: -> the worker's data thread has read it (`received_at`);
+- `worker`: -> the worker built the reply (`done_at`): validation, launch, the device, the answers;
+- `notice`: -> the client saw the answer (the reply packed and written, the client's poll);
+- `client after`: -> the call returns (read, decode, check, the result);
+- `worker gap`: one reply built -> the next request read (what the worker waits on between calls).
+
+Two hooks time the client: `Routes.send` (the lane written) and `Client._spin_lanes` (the answer seen), wrapped here
+by timing functions; nothing else changes. A call that went another way (a socket, a sleep on the lane) is counted
+in `total` only. Prints p50 / p95 in microseconds. The parts are differences of consecutive stamps: they add up to
+the total, and every one is >= 0 when the stamps are where they should be (tests/test_lane.py).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from laya_pool.client import direct  # noqa: E402
+from laya_pool.client.pool import Client  # noqa: E402
+
+PARTS = ("total", "client before", "pickup", "worker", "notice", "client after", "worker gap")
+WARMUP = 50
+
+
+@contextlib.contextmanager
+def hooked(marks: dict[str, float]) -> Iterator[None]:
+    """Stamp `marks["sent"]` when a request is on a lane and `marks["seen"]` when the spin saw its answer (the hooks
+    are undone on leaving)."""
+    send, spin = direct.Routes.send, Client._spin_lanes
+
+    def timed_send(self: Any, rid: int, frames: list[Any]) -> bool:
+        out = send(self, rid, frames)
+        marks["sent"] = time.monotonic()
+        return out
+
+    def timed_spin(self: Any, end: float) -> Any:
+        out = spin(self, end)
+        if out is not None:          # (None: the spin ran out; the answer comes to a sleep, which is not timed)
+            marks["seen"] = time.monotonic()
+        return out
+
+    direct.Routes.send, Client._spin_lanes = timed_send, timed_spin
+    try:
+        yield
+    finally:
+        direct.Routes.send, Client._spin_lanes = send, spin
+
+
+def timed_call(client: Client, rows: list, marks: dict[str, float]) -> tuple[float, dict[str, float] | None, dict]:
+    """One `forward`: its total (s), its parts (`split`) and the reply's metrics."""
+    marks.clear()
+    t = time.monotonic()
+    res = client.forward(rows)
+    end = time.monotonic()
+    return end - t, split(t, end, marks, res.metrics), res.metrics
+
+
+def split(start: float, end: float, marks: dict[str, float], metrics: dict[str, Any]) -> dict[str, float] | None:
+    """One call's parts in seconds (None: it did not go through a lane with the worker's stamps)."""
+    if "sent" not in marks or "seen" not in marks or "received_at" not in metrics or "done_at" not in metrics:
+        return None
+    received, done = metrics["received_at"], metrics["done_at"]
+    return {"client before": marks["sent"] - start, "pickup": received - marks["sent"], "worker": done - received,
+            "notice": marks["seen"] - done, "client after": end - marks["seen"]}
+
+
+def measure(frontend: str, seconds: float | None = None, calls: int | None = None) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(10, 1000, 48).astype(np.int32), np.array([5, 8, 11, 14], np.int32), 0)]
+    marks: dict[str, float] = {}
+    samples: dict[str, list[float]] = {p: [] for p in PARTS}
+    with hooked(marks), Client(frontend) as client:
+        for _ in range(WARMUP):
+            client.forward(rows)
+        stop = time.monotonic() + (seconds if seconds is not None else 1e9)
+        n, last_done = 0, None
+        while time.monotonic() < stop and (calls is None or n < calls):
+            total, parts, metrics = timed_call(client, rows, marks)
+            n += 1
+            samples["total"].append(total)
+            if parts is None:
+                last_done = None
+                continue
+            for k, v in parts.items():
+                samples[k].append(v)
+            if last_done is not None:
+                samples["worker gap"].append(metrics["received_at"] - last_done)
+            last_done = metrics["done_at"]
+    return {"calls": n, "on_lanes": len(samples["pickup"]),
+            "us": {k: _p50_p95(v) for k, v in samples.items() if v}}
+
+
+def _p50_p95(values: list[float]) -> tuple[float, float]:
+    v = sorted(values)
+    return round(v[len(v) // 2] * 1e6, 1), round(v[int(0.95 * (len(v) - 1))] * 1e6, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--frontend", required=True)
+    ap.add_argument("--seconds", type=float, default=None, help="back-to-back calls for this long (default 3 s)")
+    ap.add_argument("--calls", type=int, default=None, help="... or this many")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    out = measure(a.frontend, a.seconds if a.seconds is not None or a.calls is not None else 3.0, a.calls)
+    print(f"{out['calls']} calls, {out['on_lanes']} on lanes; us p50 / p95")
+    for k, (p50, p95) in out["us"].items():
+        print(f"{k:14s} {p50:8.1f} {p95:8.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
