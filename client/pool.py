@@ -215,17 +215,21 @@ def _starter(encoded: list[Any]) -> Callable[[], None]:
     return start
 
 
-@contextlib.contextmanager
-def _as_pool_errors() -> Iterator[None]:
-    """What a call raises is a PoolError: a reply that breaks the protocol, a card that cannot be used."""
-    try:
-        yield
-    except PoolError:
-        raise
-    except wire.ProtocolError as e:
-        raise MalformedReply(e.field, e.message) from e
-    except CardError as e:
-        raise BadModelCard(str(e)) from e
+class _as_pool_errors:  # noqa: N801 - used as `with _as_pool_errors():`, as the function it was
+    """What a call raises is a PoolError: a reply that breaks the protocol, a card that cannot be used. (A class: every
+    call enters it, 0.2 us where a contextlib generator took 0.75 on the development CPU.)"""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> bool:
+        if e is None or isinstance(e, PoolError):
+            return False
+        if isinstance(e, wire.ProtocolError):
+            raise MalformedReply(e.field, e.message) from e
+        if isinstance(e, CardError):
+            raise BadModelCard(str(e)) from e
+        return False
 
 
 class _Base:

@@ -578,3 +578,42 @@ def test_only_plain_requests_travel_together():
         wire.requests_message([])
     with pytest.raises(ProtocolError, match="requests"):
         wire.requests_message([wire.encode(Cmd.HEARTBEAT, {"rid": 1})])
+
+
+_GOOD_REPLY = {"rid": 7, "markers": 3, "rows": 1, "n_act": 2, "status": "ok", "worker": "w0", "fp": "f" * 64,
+               "together": True, "metrics": {"mode": "eager", "queue_ms": 0.5}}
+_REPLY_EDGES = [-1, 0, 1, 3, wire.MAX_COUNT, wire.MAX_COUNT + 1, "", "x" * wire.MAX_STR, "x" * (wire.MAX_STR + 1),
+                True, False, 1.0, None, "ok", "final", [1], {}, {"message": "m"}, [["t", [1]]]]
+
+
+def _reply_outcome(header: dict) -> tuple:
+    frames = [np.zeros(3, np.float32).tobytes(), np.zeros(2, np.float32).tobytes()]
+    try:
+        rep = wire.parse_reply(wire.Message(wire.Cmd.REPLY, header, frames))
+    except ProtocolError as e:
+        return ("refused", e.field)
+    return ("ok", rep.rid, type(rep.rid), rep.status, rep.worker, rep.fingerprint, rep.metrics, rep.error,
+            None if rep.logits is None else rep.logits.tolist(), None if rep.act is None else rep.act.tolist())
+
+
+def test_the_plain_reply_path_reads_what_the_checked_one_accepts(monkeypatch):
+    """`_plain_ok_reply` (the path every ok reply without taps takes) gives `parse_reply` exactly what its checks
+    give, and refuses nothing they accept: each field of a good reply set to each edge value (and dropped), read
+    both ways. The checked way is `parse_reply` with the plain path turned off."""
+    headers = [dict(_GOOD_REPLY)]
+    for key in (*_GOOD_REPLY, "taps", "error"):
+        headers.append({k: v for k, v in _GOOD_REPLY.items() if k != key})
+        headers += [{**_GOOD_REPLY, key: value} for value in _REPLY_EDGES]
+    fast = [_reply_outcome(h) for h in headers]
+    assert wire._plain_ok_reply(_GOOD_REPLY) is not None                    # (the good one takes the plain path)
+    monkeypatch.setattr(wire, "_plain_ok_reply", lambda h: None)
+    checked = [_reply_outcome(h) for h in headers]
+    for h, a, b in zip(headers, fast, checked):
+        assert a == b, (h, a, b)
+    assert sum(o[0] == "ok" for o in checked) > 20 and sum(o[0] == "refused" for o in checked) > 20
+
+
+def test_every_reply_a_worker_sends_takes_the_plain_path():
+    frames = wire.Replies(worker="0", fingerprint="f" * 64, together=True, metrics={"batched": 1}).alone(
+        3, np.zeros(4, np.float32), np.zeros((1, 2), np.float32), {"queue_ms": 0.1})
+    assert wire._plain_ok_reply(wire.decode([bytes(f) for f in frames]).header) is not None
