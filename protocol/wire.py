@@ -394,7 +394,6 @@ def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
         if not -(1 << 31) <= q < (1 << 31):
             raise ProtocolError("types", "values do not fit in int32")
         types.append(q)
-    # One row (most calls) is sent as it is: `encode_request` copies the arrays into its frame.
     return {"ids": _joined(ids), "lengths": np.array([len(x) for x in ids], I32), "types": np.array(types, I32),
             "marker_counts": np.array([len(m) for m in mks], I32), "markers": _joined(mks)}
 
@@ -407,8 +406,9 @@ def _row_i32(a: Any, i: int, part: str) -> np.ndarray:
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    # Always a copy, as `concatenate` makes: the asyncio client encodes after an await, and the rows are the caller's.
     if len(parts) == 1:
-        return parts[0]
+        return parts[0].copy()
     return np.concatenate(parts) if parts else np.zeros(0, I32)
 
 
@@ -697,23 +697,24 @@ class Replies:
             shared["fp"] = fingerprint
         if together:
             shared[TOGETHER] = True
-        self._head, self._group = shared, metrics
+        self._head = shared
+        self._metrics = _plain(metrics) if metrics else {}
         self._packed = False              # the shared part's bytes: made by the first `encode` or `bundle`
 
     def _pack_shared(self) -> None:
         self._shared, self._n_shared = pack(self._head)[1:], len(self._head)     # (a fixmap: one header byte)
-        self._metrics = _plain(self._group) if self._group else {}
         self._metric_pairs = _pairs(self._metrics)
         self._packed = True
 
     def alone(self, rid: Any, logits: np.ndarray, act: np.ndarray, metrics: dict | None = None,
               taps: dict[str, np.ndarray] | None = None) -> list[Any]:
-        """`encode`'s reply, for the only one made of this group: one pack of the whole header."""
+        """`encode`'s reply, for the only one made of this group: one pack of the whole header (the metrics merged
+        as `encode` merges them, each side made plain first)."""
         own, frames = _reply_fields(rid, logits, act, taps)
-        merged = {**self._group, **metrics} if self._group and metrics else (metrics or self._group)
         header = {**own, **self._head}
+        merged = {**self._metrics, **_plain(metrics)} if metrics else self._metrics
         if merged:
-            header["metrics"] = _plain(merged)
+            header["metrics"] = merged if len(merged) <= MAX_METRIC_ITEMS else _plain(merged)
         return _framed(Cmd.REPLY, pack(header), frames)
 
     def encode(self, rid: Any, logits: np.ndarray, act: np.ndarray, metrics: dict | None = None,

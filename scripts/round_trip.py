@@ -6,17 +6,18 @@
 The client of this checkout against a live pool on this host whose worker takes lanes (protocol/lane.py; a CUDA
 worker does by default). Every part is on `time.monotonic`, which the worker's stamps share (compute.py `_answer`):
 
-- `client before`: the call starts -> its request is on the lane (pack, encode, route, write);
-- `pickup`: -> the worker's data thread has read it (`received_at`);
+- `client before`: the call starts -> its request goes to a route (pack, encode, the attempt's bookkeeping);
+- `pickup`: -> the worker's data thread has read it (`received_at`): the route chosen, the lane written, the
+  worker's look at its lanes;
 - `worker`: -> the worker built the reply (`done_at`): validation, launch, the device, the answers;
 - `notice`: -> the client saw the answer (the reply packed and written, the client's poll);
 - `client after`: -> the call returns (read, decode, check, the result);
 - `worker gap`: one reply built -> the next request read (what the worker waits on between calls).
 
-Two hooks time the client: `Routes.send` (the lane written) and `Client._spin_lanes` (the answer seen), wrapped here
-by timing functions; nothing else changes. A call that went another way (a socket, a sleep on the lane) is counted
-in `total` only. Prints p50 / p95 in microseconds. The parts are differences of consecutive stamps: they add up to
-the total, and every one is >= 0 when the stamps are where they should be (tests/test_lane.py).
+Two hooks time the client, wrapped here by timing functions (nothing else changes): `Routes.send`, stamped as it is
+called, and `Client._spin_lanes`, stamped when it saw the answer. A call that went another way (a socket, a sleep on
+the lane) is counted in `total` only. Prints p50 / p95 in microseconds. The parts are differences of consecutive
+stamps: they add up to the total, and every one is >= 0 when the stamps are where they should be (tests/test_lane.py).
 """
 from __future__ import annotations
 
@@ -43,14 +44,14 @@ WARMUP = 50
 
 @contextlib.contextmanager
 def hooked(marks: dict[str, float]) -> Iterator[None]:
-    """Stamp `marks["sent"]` when a request is on a lane and `marks["seen"]` when the spin saw its answer (the hooks
-    are undone on leaving)."""
+    """Stamp `marks["sent"]` when a request goes to a route and `marks["seen"]` when the spin saw its answer (the
+    hooks are undone on leaving)."""
     send, spin = direct.Routes.send, Client._spin_lanes
 
     def timed_send(self: Any, rid: int, frames: list[Any]) -> bool:
-        out = send(self, rid, frames)
+        # Before: the worker may read the lane the moment its number is written, before `send` returns.
         marks["sent"] = time.monotonic()
-        return out
+        return send(self, rid, frames)
 
     def timed_spin(self: Any, end: float) -> Any:
         out = spin(self, end)

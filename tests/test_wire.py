@@ -79,10 +79,11 @@ def test_a_groups_replies_decode_to_the_header_packed_whole(n_group_metrics):
     replies = wire.Replies(worker="w3", fingerprint="f" * 64, metrics=shared)
     act = np.zeros((2, 3), np.float32)
     for rid, own in [(7, {"queue_ms": 1.5, "received_at": 12.25}), ("x", None), (8, {"m1": "mine", "q": 1}),
-                     (9, {f"o{i}": i for i in range(17)}), (10, {1: "a", "1": "b"}), (11, {"m2": 5, 2: 6})]:
+                     (9, {f"o{i}": i for i in range(17)}), (10, {1: "a", "1": "b"}), (11, {"m2": 5, 2: 6}),
+                     (12, {**{f"k{i}": i for i in range(256)}, "m1": "own"}), (13, {"m1": "own", 1: "a", "1": "b"})]:
         frames = [bytes(f) for f in replies.encode(rid, np.arange(5, dtype=np.float32), act, own)]
         header = _header(frames)
-        metrics = wire.plain({**shared, **(own or {})})
+        metrics = wire.plain({**wire.plain(shared), **wire.plain(own or {})})
         whole = {"rid": rid, "markers": 5, "rows": 2, "n_act": 3, "status": "ok", "worker": "w3", "fp": "f" * 64,
                  **({"metrics": metrics} if metrics else {})}
         assert header == whole
@@ -257,6 +258,7 @@ def test_pack_rows_one_row_and_many_agree():
     b = ([7, 8, 9], np.array([0], np.int64), np.int64(1))
     one, other = wire.pack_rows([a]), wire.pack_rows([b])
     both = wire.pack_rows([a, b])
+    assert not np.shares_memory(one["ids"], a[0]) and not np.shares_memory(one["markers"], a[1])   # the caller's own
     for k in wire.REQUEST_ARRAYS:
         assert both[k].dtype == one[k].dtype == np.int32
         assert both[k].tolist() == one[k].tolist() + other[k].tolist(), k
@@ -614,6 +616,12 @@ def test_the_plain_reply_path_reads_what_the_checked_one_accepts(monkeypatch):
 
 
 def test_every_reply_a_worker_sends_takes_the_plain_path():
-    frames = wire.Replies(worker="0", fingerprint="f" * 64, together=True, metrics={"batched": 1}).alone(
-        3, np.zeros(4, np.float32), np.zeros((1, 2), np.float32), {"queue_ms": 0.1})
-    assert wire._plain_ok_reply(wire.decode([bytes(f) for f in frames]).header) is not None
+    """A group's only reply, one of several, and each reply a bundle holds: all read on the plain path."""
+    replies = wire.Replies(worker="0", fingerprint="f" * 64, together=True, metrics={"batched": 2})
+    lg, ac, own = np.zeros(4, np.float32), np.zeros((1, 2), np.float32), {"queue_ms": 0.1}
+    messages = [wire.decode([bytes(f) for f in replies.alone(3, lg, ac, own)]),
+                wire.decode([bytes(f) for f in replies.encode(4, lg, ac, own)]),
+                *wire.unbundle(wire.decode([bytes(f) for f in replies.bundle([(5, lg, ac, own), (6, lg, ac, None)])]))]
+    for msg in messages:
+        assert wire._plain_ok_reply(msg.header) is not None, msg.header
+        assert wire.parse_reply(msg).status == "ok"
