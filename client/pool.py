@@ -141,11 +141,11 @@ def _feed_events(watch: ConnectionWatch, mon: zmq.Socket) -> bool:
         back = watch.feed(int(ev["event"])) or back
 
 
-def _split_rows(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+def _split_rows(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     """`flat` cut into rows of `counts` logits, each its own copy. By slices at Python ints: `np.split` took 4 us for
     one row on the development CPU, most of the client's work on a reply."""
     out, at = [], 0
-    for n in counts.tolist():
+    for n in counts:
         out.append(flat[at:at + n].copy())
         at += n
     return out
@@ -528,11 +528,12 @@ class _Base:
     def _forward_result(reply: wire.Reply, counts: np.ndarray, attempts: int) -> ForwardResult:
         if reply.logits is None or reply.act is None:
             raise MalformedReply("reply", "an ok reply without logits")
-        if reply.logits.shape[0] != sum(counts.tolist()) or reply.act.shape[0] != len(counts):
+        sizes = counts.tolist()
+        if reply.logits.shape[0] != sum(sizes) or reply.act.shape[0] != len(sizes):
             raise MalformedReply("reply", f"{reply.logits.shape[0]} logits and {reply.act.shape[0]} act rows "
-                                          f"for a request of {int(counts.sum())} markers in {len(counts)} rows")
+                                          f"for a request of {sum(sizes)} markers in {len(sizes)} rows")
         flat = np.array(reply.logits, dtype=np.float32)
-        return ForwardResult(logits=_split_rows(flat, counts), act=np.array(reply.act, dtype=np.float32), flat=flat,
+        return ForwardResult(logits=_split_rows(flat, sizes), act=np.array(reply.act, dtype=np.float32), flat=flat,
                              worker=reply.worker, fingerprint=reply.fingerprint, metrics=reply.metrics,
                              taps=None if reply.taps is None else {k: np.array(v) for k, v in reply.taps.items()},
                              attempts=attempts)

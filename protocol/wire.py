@@ -294,9 +294,14 @@ def _array(frame: Any, dtype: np.dtype, count: int, name: str) -> np.ndarray:
     return np.frombuffer(_check_size(frame, dtype, count, name), dtype=dtype, count=count)
 
 
+def _as_is(a: Any, dtype: np.dtype, ndim: int) -> bool:
+    """`a` is a contiguous array of `dtype` and `ndim` (what our own code passes): it needs no check or conversion."""
+    return type(a) is np.ndarray and a.dtype == dtype and a.ndim == ndim and a.flags.c_contiguous
+
+
 def _i32(a: Any, name: str) -> np.ndarray:
-    if type(a) is np.ndarray and a.dtype == I32 and a.ndim == 1 and a.flags.c_contiguous:
-        return a                  # what `pack_rows` makes and most callers pass: nothing to check or convert
+    if _as_is(a, I32, 1):
+        return a
     arr = np.asarray(a)
     if arr.ndim != 1:
         raise ProtocolError(name, f"must be 1-D, got shape {arr.shape}")
@@ -400,7 +405,7 @@ def pack_rows(rows: Iterable[tuple[Any, Any, int]]) -> dict[str, np.ndarray]:
 
 def _row_i32(a: Any, i: int, part: str) -> np.ndarray:
     """`_i32` of row `i`'s `part`, its name written only for an error (a request packs two a row)."""
-    if type(a) is np.ndarray and a.dtype == I32 and a.ndim == 1 and a.flags.c_contiguous:
+    if _as_is(a, I32, 1):
         return a
     return _i32(a, f"rows[{i}].{part}")
 
@@ -456,6 +461,23 @@ class RequestHead:
         return _tag(self.header, self.cid, self.rid)
 
 
+def _plain_id(v: Any) -> bool:
+    """A request id as `get(h, "rid", (int, str))` takes it, of exactly its type (the fast paths below)."""
+    t = type(v)
+    return (t is int and v >= 0) or (t is str and len(v) <= MAX_STR)
+
+
+def _plain_counts(a: Any, b: Any, c: Any) -> bool:
+    """Three counts as `_count` takes them, each exactly an int."""
+    return (type(a) is int and type(b) is int and type(c) is int
+            and 0 <= a <= MAX_COUNT and 0 <= b <= MAX_COUNT and 0 <= c <= MAX_COUNT)
+
+
+def _plain_str(v: Any) -> bool:
+    """An optional string field as `get(h, key, str, default=None)` takes it."""
+    return v is None or (type(v) is str and len(v) <= MAX_STR)
+
+
 def _plain_head(h: dict, need_cid: bool) -> tuple | None:
     """A request header's fields when each is of exactly its type and within its bounds (every header a client of
     ours sends), read without a `get` call per field: 1 us a request less for the broker and the worker alike. None
@@ -464,18 +486,14 @@ def _plain_head(h: dict, need_cid: bool) -> tuple | None:
     g = h.get
     rid, cid, rows, tokens, markers = g("rid"), g("cid"), g("rows"), g("tokens"), g("markers")
     worker, mode, taps, budget_ms = g("worker"), g("mode"), g("taps"), g("budget_ms")
-    t = type(rid)
-    if not ((t is int and rid >= 0) or (t is str and len(rid) <= MAX_STR)):
+    if not _plain_id(rid):
         return None
     if cid is None:
         if need_cid:
             return None
     elif type(cid) is not str or len(cid) > MAX_STR or (need_cid and not cid):
         return None
-    if not (type(rows) is int and type(tokens) is int and type(markers) is int
-            and 0 <= rows <= MAX_COUNT and 0 <= tokens <= MAX_COUNT and 0 <= markers <= MAX_COUNT):
-        return None
-    if worker is not None and (type(worker) is not str or len(worker) > MAX_STR):
+    if not _plain_counts(rows, tokens, markers) or not _plain_str(worker):
         return None
     if mode is not None and (type(mode) is not str or mode not in MODES):
         return None
@@ -699,12 +717,11 @@ class Replies:
             shared[TOGETHER] = True
         self._head = shared
         self._metrics = _plain(metrics) if metrics else {}
-        self._packed = False              # the shared part's bytes: made by the first `encode` or `bundle`
+        self._shared: bytes | None = None      # the shared part's bytes: made by the first `encode` or `bundle`
 
     def _pack_shared(self) -> None:
         self._shared, self._n_shared = pack(self._head)[1:], len(self._head)     # (a fixmap: one header byte)
         self._metric_pairs = _pairs(self._metrics)
-        self._packed = True
 
     def alone(self, rid: Any, logits: np.ndarray, act: np.ndarray, metrics: dict | None = None,
               taps: dict[str, np.ndarray] | None = None) -> list[Any]:
@@ -721,7 +738,7 @@ class Replies:
                taps: dict[str, np.ndarray] | None = None) -> list[Any]:
         """One reply: logits float32 [M] and act float32 [R, n_act] as raw frames (+ taps, if any); `metrics`:
         this reply's own (where the group's metrics have the key too, this reply's value)."""
-        if not self._packed:
+        if self._shared is None:
             self._pack_shared()
         own, frames = _reply_fields(rid, logits, act, taps)
         mine = _plain(metrics) if metrics else {}      # (keys as they go out: what the count and overlap are of)
@@ -743,7 +760,7 @@ class Replies:
         frame each; the header holds what the replies share and, per reply, [rid, markers, rows, own metrics]."""
         if not 0 < len(items) <= MAX_BUNDLE:
             raise ProtocolError("replies", f"a bundle holds 1..{MAX_BUNDLE} replies, got {len(items)}")
-        if not self._packed:
+        if self._shared is None:
             self._pack_shared()
         logits, acts, entries = [], [], []
         for rid, lg, ac, own in items:
@@ -770,9 +787,9 @@ def _reply_fields(rid: Any, logits: np.ndarray, act: np.ndarray,
     """A reply's own header fields (rid, counts, its taps' specs) and its frames: logits, act, the taps."""
     lg, ac = logits, act
     # What the runtime answers (contiguous float32 of these shapes) goes as it is; anything else is converted.
-    if not (type(lg) is np.ndarray and lg.dtype == F32 and lg.ndim == 1 and lg.flags.c_contiguous):
+    if not _as_is(lg, F32, 1):
         lg = np.ascontiguousarray(np.asarray(logits, np.float32).reshape(-1), dtype=F32)
-    if not (type(ac) is np.ndarray and ac.dtype == F32 and ac.ndim == 2 and ac.flags.c_contiguous):
+    if not _as_is(ac, F32, 2):
         ac = np.asarray(act, np.float32)
         if ac.ndim != 2:
             raise ProtocolError("act", f"must be [R, n_act], got shape {ac.shape}")
@@ -882,15 +899,7 @@ def _plain_ok_reply(h: dict) -> tuple | None:
         return None
     rid, worker, fp, metrics, m, r, n_act = g("rid"), g("worker"), g("fp"), g("metrics"), g("markers"), g("rows"), \
         g("n_act")
-    t = type(rid)
-    if not (rid is None or (t is int and rid >= 0) or (t is str and len(rid) <= MAX_STR)):
-        return None
-    if not (type(m) is int and type(r) is int and type(n_act) is int
-            and 0 <= m <= MAX_COUNT and 0 <= r <= MAX_COUNT and 0 <= n_act <= MAX_COUNT):
-        return None
-    if worker is not None and (type(worker) is not str or len(worker) > MAX_STR):
-        return None
-    if fp is not None and (type(fp) is not str or len(fp) > MAX_STR):
+    if not ((rid is None or _plain_id(rid)) and _plain_counts(m, r, n_act) and _plain_str(worker) and _plain_str(fp)):
         return None
     if metrics is not None and type(metrics) is not dict:
         return None

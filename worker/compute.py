@@ -483,6 +483,7 @@ class Compute:
         answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, together=True, metrics=dict(
             res.metrics, batched=len(members), started_at=t0, launched_at=flight.launched,
             landed_at=getattr(flight.job, "landed_at", None) or done, done_at=done))
+        encode = answers.alone if len(members) == 1 else answers.encode    # (a lone reply: packed whole)
         replies: list[tuple[Any, list[Any], int]] = []
         bundles: dict[bytes, list[tuple[Any, Any, Any, dict]]] = {}
         for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
@@ -491,11 +492,9 @@ class Compute:
             if type(q.to) is bytes and res.taps is None and wire.accepts_bundles(q.req.header):
                 bundles.setdefault(q.to, []).append((q.req.rid, logits, act, own))
             else:
-                encode = answers.alone if len(members) == 1 else answers.encode
                 replies.append((q.to, encode(q.req.rid, logits, act, own, taps=res.taps), 1))
         for to, items in bundles.items():
             if len(items) == 1:
-                encode = answers.alone if len(members) == 1 else answers.encode
                 replies.append((to, encode(*items[0]), 1))
                 continue
             for at in range(0, len(items), BUNDLE_MOST):       # (a header stays far below the wire's 64 KiB)
