@@ -107,6 +107,7 @@ class Compute:
         self.inbox.oldest = lambda: self.flights[0] if self.flights else None
         self.session = 0                  # the I/O thread's registration; older requests are stale
         self.stopping = False             # set by the I/O thread when it drains: refuse new requests
+        self.closing = False              # set once the last groups are answered: refuse every request
         self.taken = self.answered = 0    # request messages taken by `intake`; replies sent (this thread's alone)
         self.fatal: str | None = None     # set when the device may be broken; the I/O thread then leaves
         self.runtime_stats: dict[str, Any] = {}
@@ -136,7 +137,9 @@ class Compute:
         not a well-formed request). Either way it gets one reply."""
         self.taken += 1
         rid = msg.header.get("rid")
-        if self.stopping:
+        # A request addressed to this worker is run while it drains: handed back, it could only wait in the broker
+        # for this worker's return (or its caller's deadline).
+        if self.closing or (self.stopping and msg.header.get("worker") != self.id):
             self.counts["handed_back"] += 1
             self.reply(wire.encode_error(rid, wire.STATUS_RETRYABLE, f"worker {self.id} is stopping",
                                          worker=self.id, reason=Reason.STOPPING), to)
@@ -183,6 +186,8 @@ class Compute:
             self._update_busy()
             self._refresh_stats()
         self._settle()
+        self._sweep()
+        self.closing = True
         self.inbox.close()
 
     def _next(self) -> Queued | None | object:
@@ -281,6 +286,22 @@ class Compute:
     def _complete_oldest(self) -> None:
         self.complete(self.flights.popleft())
         self._update_busy()
+
+    def _sweep(self) -> None:
+        """Leaving: what reached this worker before the stop sentinel was read (the sentinel is read first, and a
+        request the broker routed here just before the drain may still be unread). `intake` hands back what another
+        worker can run; a request addressed to this worker runs here, one group each."""
+        while self.fatal is None:
+            item = self._get_nowait()
+            if item is NOTHING:
+                return
+            if not isinstance(item, Queued):
+                continue           # a second sentinel, or a landing (every group was answered by `_settle`)
+            batch = self.admit(item)
+            if batch is not None:
+                group = Group()
+                group.add(batch)
+                self.run_group([item], group)
 
     def _settle(self) -> None:
         """Leaving: answer every launched group (handed back when the worker is fatal)."""

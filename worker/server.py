@@ -386,7 +386,7 @@ class Worker:
             if tell_broker and self.dealer is not None:
                 self._send(wire.encode(Cmd.DRAIN, {"reason": how}))   # dispatch nothing more here
         self.stop_reason = how
-        self.compute.stopping = True     # the data thread refuses what arrives from now on
+        self.compute.stopping = True     # the data thread hands back what arrives now (unless addressed here)
 
     def _on_request(self, msg: wire.Message, now: float) -> None:
         # Routed to the control socket (the broker does so until it hears the data socket): the data thread takes

@@ -1,0 +1,84 @@
+"""A draining worker's data thread: what reached it before it stopped reading.
+
+The race CI met (2026-12-06, tests/test_pool.py::test_sigterm_finishes_in_flight_work_and_exits_0 on a loaded 2-core
+machine): the broker had routed a request to worker 1 (addressed to it), SIGTERM came before the data thread read it,
+the I/O thread found nothing in flight and left, and the request, handed back, waited in the broker for a worker 1
+that never came back. Here the same moment is set up for real, deterministically: requests unread in the data
+socket, the worker draining, the stop sentinel handed over first.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from compute_driver import COUNTS, rows
+from laya_pool.protocol import contract, wire
+from laya_pool.protocol.contract import Reason
+from laya_pool.worker.checkpoint import load_checkpoint
+from laya_pool.worker.compute import Compute
+from laya_pool.worker.inbox import SocketInbox
+from laya_pool.worker.runtime import Runtime, RuntimeConfig
+from laya_pool.worker.workspace import Capacity
+
+CAP = Capacity(max_tokens=4096, max_rows=64, max_markers=1024, row_markers=32)
+
+
+def _leave_with_unread(runtime, requests: list[list]) -> dict:
+    """Send `requests` to a data thread's socket, wait until they are there unread, drain (as the I/O thread does on
+    SIGTERM), hand over the stop sentinel, run the data thread to its end; every reply by rid."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    inbox = SocketInbox(ctx, f"tcp://127.0.0.1:{port}", "w0/data", max_message_bytes=contract.MAX_BACKEND_BYTES)
+    counts = dict.fromkeys(COUNTS, 0)
+    compute = Compute(runtime, "w0", runtime.fingerprint, 4, inbox.send, counts, inbox=inbox)
+    inbox.open()
+    try:
+        for frames in requests:
+            deadline = time.monotonic() + 10
+            while True:       # the DEALER connects in the background: wait until the ROUTER knows it
+                try:
+                    wire.send_frames(router, [b"w0/data", *frames])
+                    break
+                except zmq.ZMQError:
+                    assert time.monotonic() < deadline, "the data socket never connected"
+                    time.sleep(0.001)
+        assert inbox.sock.poll(10_000, zmq.POLLIN), "the requests never reached the data socket"
+        compute.stopping = True          # `Worker._drain`
+        inbox.put(None)                  # `Worker._leave`: nothing was in flight
+        compute.loop()
+        router.setsockopt(zmq.RCVTIMEO, 10_000)
+        out = {}
+        while len(out) < len(requests):
+            frames = router.recv_multipart()
+            reply = wire.parse_any_reply(wire.decode(frames[1:]))
+            assert reply.rid not in out, f"request {reply.rid} answered twice"
+            out[reply.rid] = reply
+        return out
+    finally:
+        inbox.wake_out.close(0)
+        router.close(0)
+        ctx.term()
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_ckpt):
+    return Runtime(load_checkpoint(tiny_ckpt), config=RuntimeConfig(capacity=CAP))
+
+
+def test_a_draining_worker_runs_what_is_addressed_to_it_and_hands_back_the_rest(runtime):
+    rng = np.random.default_rng(3)
+    batches = [rows(rng, 2, 30, 3) for _ in range(4)]
+    arrays = [{k: getattr(b, k) for k in wire.REQUEST_ARRAYS} for b in batches]
+    # rid 0 and 2 for any worker, 1 addressed to this one, 3 to another
+    requests = [wire.encode_request(0, arrays[0]), wire.encode_request(1, arrays[1], worker="w0"),
+                wire.encode_request(2, arrays[2]), wire.encode_request(3, arrays[3], worker="w1")]
+    got = _leave_with_unread(runtime, requests)
+    for rid in (0, 2, 3):
+        assert got[rid].status == wire.STATUS_RETRYABLE and got[rid].error["reason"] == Reason.STOPPING, rid
+    assert got[1].status == wire.STATUS_OK, got[1].message
+    want = runtime.run(batches[1])
+    np.testing.assert_array_equal(got[1].logits, want.logits)
