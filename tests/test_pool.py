@@ -7,6 +7,7 @@ that kill or restart processes leave them whole again (the supervisor restarts w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -618,6 +619,18 @@ def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=SUBPROCESS_ENV, cwd=str(ROOT))
 
 
+@contextlib.contextmanager
+def _brought_back(pool, wid: str):
+    """Worker `wid` is up again after the block, also when the block failed: the module's pool is shared, and a test
+    that left a worker down would fail the tests after it (CI, 2026-12-06: one failure read as three)."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            if _workers(pool)[wid]["state"] != "ready":
+                _cli("restart-worker", wid, "--frontend", pool.endpoint, "--wait-timeout", "120", timeout=150)
+
+
 def test_restart_worker_under_load_fails_nothing(tcp_pool, runtime):
     ws = _wait_ready(tcp_pool)
     with _Load(tcp_pool, runtime, 3) as load:
@@ -635,13 +648,14 @@ def test_restart_worker_under_load_fails_nothing(tcp_pool, runtime):
 
 def test_drain_then_restart_brings_a_worker_back(tcp_pool):
     ws = _wait_ready(tcp_pool)
-    r = _cli("drain", "1", "--wait", "--frontend", tcp_pool.endpoint)
-    assert r.returncode == 0, r.stderr
-    assert _workers(tcp_pool)["1"]["state"] == "drained"
-    with tcp_pool.client(timeout=30) as c:        # the other worker serves everything meanwhile
-        assert {c.forward(make_rows(9)).worker for _ in range(4)} == {"0"}
-    r = _cli("restart-worker", "1", "--frontend", tcp_pool.endpoint, "--wait-timeout", "120", timeout=150)
-    assert r.returncode == 0, r.stdout + r.stderr
+    with _brought_back(tcp_pool, "1"):
+        r = _cli("drain", "1", "--wait", "--frontend", tcp_pool.endpoint)
+        assert r.returncode == 0, r.stderr
+        assert _workers(tcp_pool)["1"]["state"] == "drained"
+        with tcp_pool.client(timeout=30) as c:        # the other worker serves everything meanwhile
+            assert {c.forward(make_rows(9)).worker for _ in range(4)} == {"0"}
+        r = _cli("restart-worker", "1", "--frontend", tcp_pool.endpoint, "--wait-timeout", "120", timeout=150)
+        assert r.returncode == 0, r.stdout + r.stderr
     ws2 = _wait_ready(tcp_pool)
     assert ws2["1"]["pid"] != ws["1"]["pid"]
 
@@ -651,22 +665,25 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(ipc_pool, runtime):
     rows = make_rows(12, 16, 256)
     want, _ = _reference(runtime, rows)
     raw = Raw(ipc_pool.endpoint)
-    try:
-        raw.sock.send_multipart(wire.encode_request(1, wire.pack_rows(rows), cid="term", worker="1"))
-        wait_until(lambda: _workers(ipc_pool)["1"]["inflight"] > 0, 30, "worker 1 never took the request",
-                   interval=0.01)
-        os.kill(ws["1"]["pid"], signal.SIGTERM)
-        assert raw.sock.poll(30000)
-        rep = wire.parse_reply(wire.decode(raw.sock.recv_multipart()))
-        assert rep.status == "ok" and rep.worker == "1"
-        np.testing.assert_allclose(rep.logits, want, rtol=1e-5, atol=1e-5)
-    finally:
-        raw.close()
-    wait_until(lambda: _workers(ipc_pool)["1"]["state"] == "stopped", 30, "worker 1 never left")
-    # exit code 0: the supervisor leaves it down
-    wait_until(lambda: "worker 1 drained and left" in ipc_pool.log(), 30, lambda: ipc_pool.log()[-2000:])
-    r = _cli("restart-worker", "1", "--frontend", ipc_pool.endpoint, "--wait-timeout", "120", timeout=150)
-    assert r.returncode == 0, r.stdout + r.stderr
+    with _brought_back(ipc_pool, "1"):
+        try:
+            # Addressed to worker 1: were it handed back rather than run there, it would wait for worker 1's return
+            # (tests/test_drain.py has the moment this test may meet: the request still unread as the drain begins).
+            raw.sock.send_multipart(wire.encode_request(1, wire.pack_rows(rows), cid="term", worker="1"))
+            wait_until(lambda: _workers(ipc_pool)["1"]["inflight"] > 0, 30, "worker 1 never took the request",
+                       interval=0.01)
+            os.kill(ws["1"]["pid"], signal.SIGTERM)
+            assert raw.sock.poll(30000)
+            rep = wire.parse_reply(wire.decode(raw.sock.recv_multipart()))
+            assert rep.status == "ok" and rep.worker == "1"
+            np.testing.assert_allclose(rep.logits, want, rtol=1e-5, atol=1e-5)
+        finally:
+            raw.close()
+        wait_until(lambda: _workers(ipc_pool)["1"]["state"] == "stopped", 30, "worker 1 never left")
+        # exit code 0: the supervisor leaves it down
+        wait_until(lambda: "worker 1 drained and left" in ipc_pool.log(), 30, lambda: ipc_pool.log()[-2000:])
+        r = _cli("restart-worker", "1", "--frontend", ipc_pool.endpoint, "--wait-timeout", "120", timeout=150)
+        assert r.returncode == 0, r.stdout + r.stderr
     _wait_ready(ipc_pool)
 
 
