@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -92,6 +92,19 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
           for par in true false; do echo "== TOKENIZERS_PARALLELISM=$par"
             TOKENIZERS_PARALLELISM=$par timeout 120 python3 scripts/host_split.py /tmp/large 2>&1 | grep -vE "Warning|warn"
           done ;;
+    roundtrip) # a lane call's parts on one clock, and what /proc says each thread and CPU paid meanwhile (steal,
+          # preemption, migration: the slow hosts' +170 us, docs/PERF.md), then the judge's pool_overhead.py if carried
+          python3 -m laya_pool up --model /tmp/large --devices cuda:0 --frontend tcp://127.0.0.1:5597 \
+            > "$OUT/roundtrip-pool.log" 2>&1 & UP=$!
+          up=0; for i in $(seq 240); do python3 -m laya_pool status --frontend tcp://127.0.0.1:5597 --json 2>/dev/null \
+            | grep -q '"state": "ready"' && { up=1; break; }; sleep 0.5; done
+          if [ $up = 1 ]; then
+            for i in 1 2; do timeout 60 python3 scripts/round_trip.py --frontend tcp://127.0.0.1:5597 --seconds 4 --host \
+              --json "$OUT/roundtrip$i.json" 2>&1 | grep -vE "Warning|warn"; done
+            [ -f devtools/pool_overhead.py ] && timeout 200 python3 devtools/pool_overhead.py /tmp/large \
+              tcp://127.0.0.1:5597 2>&1 | grep -vE "Warning|warn" | tail -4
+          else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
+          kill -TERM $UP; wait $UP ;;
     brokerrate) # the broker's routed ceiling on this host: a bare broker and a worker that answers at once
           timeout 120 python3 scripts/broker_rate.py --stub --kind ping,forward --seconds 5 2>&1 | tail -8 ;;
   esac

@@ -38,6 +38,8 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from laya_pool.client import direct  # noqa: E402
 from laya_pool.client.pool import Client  # noqa: E402
 
+from scripts import procview  # noqa: E402
+
 PARTS = ("total", "client before", "pickup", "worker", "notice", "client after", "worker gap")
 WARMUP = 50
 
@@ -84,7 +86,10 @@ def split(start: float, end: float, marks: dict[str, float], metrics: dict[str, 
             "notice": marks["seen"] - done, "client after": end - marks["seen"]}
 
 
-def measure(frontend: str, seconds: float | None = None, calls: int | None = None) -> dict[str, Any]:
+def measure(frontend: str, seconds: float | None = None, calls: int | None = None,
+            host: bool = False) -> dict[str, Any]:
+    """`host`: also what /proc says the window cost the client's, the worker's and the broker's threads and the CPUs
+    they ran on (scripts/procview.py)."""
     rng = np.random.default_rng(0)
     rows = [(rng.integers(10, 1000, 48).astype(np.int32), np.array([5, 8, 11, 14], np.int32), 0)]
     marks: dict[str, float] = {}
@@ -92,22 +97,40 @@ def measure(frontend: str, seconds: float | None = None, calls: int | None = Non
     with hooked(marks), Client(frontend) as client:
         for _ in range(WARMUP):
             client.forward(rows)
-        stop = time.monotonic() + (seconds if seconds is not None else 1e9)
-        n, last_done = 0, None
-        while time.monotonic() < stop and (calls is None or n < calls):
-            total, parts, metrics = timed_call(client, rows, marks)
-            n += 1
-            samples["total"].append(total)
-            if parts is None:
-                last_done = None
-                continue
-            for k, v in parts.items():
-                samples[k].append(v)
-            if last_done is not None:
-                samples["worker gap"].append(metrics["received_at"] - last_done)
-            last_done = metrics["done_at"]
-    return {"calls": n, "on_lanes": len(samples["pickup"]),
-            "us": {k: _p50_p95(v) for k, v in samples.items() if v}}
+        window = procview.Window(_pids(client)) if host else contextlib.nullcontext()
+        with window:
+            n = _calls(client, rows, marks, samples, seconds, calls)
+    out = {"calls": n, "on_lanes": len(samples["pickup"]), "us": {k: _p50_p95(v) for k, v in samples.items() if v}}
+    if host:
+        out["host"] = window.report(n)
+    return out
+
+
+def _pids(client: Client) -> dict[str, int]:
+    """This process, the first ready worker's and the broker's (all on this host: the lanes need it)."""
+    st = client.status()
+    worker = next(w for w in st["workers"] if w["state"] == "ready")
+    return {"client": os.getpid(), f"worker {worker['id']}": worker["pid"], "broker": st["broker"]["pid"]}
+
+
+def _calls(client: Client, rows: list, marks: dict[str, float], samples: dict[str, list[float]],
+           seconds: float | None, calls: int | None) -> int:
+    """Back-to-back timed calls until `seconds` or `calls`, their parts into `samples`; how many were made."""
+    stop = time.monotonic() + (seconds if seconds is not None else 1e9)
+    n, last_done = 0, None
+    while time.monotonic() < stop and (calls is None or n < calls):
+        total, parts, metrics = timed_call(client, rows, marks)
+        n += 1
+        samples["total"].append(total)
+        if parts is None:
+            last_done = None
+            continue
+        for k, v in parts.items():
+            samples[k].append(v)
+        if last_done is not None:
+            samples["worker gap"].append(metrics["received_at"] - last_done)
+        last_done = metrics["done_at"]
+    return n
 
 
 def _p50_p95(values: list[float]) -> tuple[float, float]:
@@ -115,17 +138,33 @@ def _p50_p95(values: list[float]) -> tuple[float, float]:
     return round(v[len(v) // 2] * 1e6, 1), round(v[int(0.95 * (len(v) - 1))] * 1e6, 1)
 
 
+def print_host(h: dict[str, Any]) -> None:
+    print(f"per call, {h['calls']} calls in {h['seconds']} s: CPU us, voluntary / involuntary switches, CPUs seen on")
+    for name, rows in h["threads"].items():
+        for r in rows:
+            cpus = ", ".join(f"{c}:{n}" for c, n in list(r["cpus"].items())[:4])
+            print(f"{name:10s} {r['tid']:>8d} {r['cpu_us_per_call']:8.1f} {r['voluntary_per_call']:7.3f} "
+                  f"{r['involuntary_per_call']:7.3f}  [{cpus}]")
+    print(f"CPU  busy%  steal%   (steal over all CPUs: {h['steal_pct_all']:.2f}%)")
+    for c, v in h["cpus"].items():
+        print(f"{c:>3} {v['busy_pct']:6.1f} {v['steal_pct']:7.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frontend", required=True)
     ap.add_argument("--seconds", type=float, default=None, help="back-to-back calls for this long (default 3 s)")
     ap.add_argument("--calls", type=int, default=None, help="... or this many")
+    ap.add_argument("--host", action="store_true",
+                    help="also the window's cost to each process's busiest threads and their CPUs' steal (/proc)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    out = measure(a.frontend, a.seconds if a.seconds is not None or a.calls is not None else 3.0, a.calls)
+    out = measure(a.frontend, a.seconds if a.seconds is not None or a.calls is not None else 3.0, a.calls, a.host)
     print(f"{out['calls']} calls, {out['on_lanes']} on lanes; us p50 / p95")
     for k, (p50, p95) in out["us"].items():
         print(f"{k:14s} {p50:8.1f} {p95:8.1f}")
+    if a.host:
+        print_host(out["host"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
