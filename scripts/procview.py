@@ -14,10 +14,13 @@ Linux only. Pure parsing apart from the reads, so the parsing is tested alone (t
 """
 from __future__ import annotations
 
+import json
 import os
-import threading
+import select
+import subprocess
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -72,33 +75,38 @@ def read_cpus() -> dict[int, tuple[int, int, int]]:
     return parse_cpus(Path("/proc/stat").read_text())
 
 
-@dataclass
 class Sampler:
-    """While it runs, which CPU each thread of the watched processes is on, every `every_s`."""
-    pids: list[int]
-    every_s: float = 0.02
-    seen: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)   # (pid, tid) -> {cpu: samples}
+    """While it runs, which CPU each thread of the watched processes is on, every `every_s`: `seen[(pid, tid)]` is
+    {cpu: samples}. It samples from a process of its own: a thread in the measured client would change the client
+    (one with other threads does not spin on its lanes, client/state.py `alone`)."""
+
+    def __init__(self, pids: list[int], every_s: float = 0.02):
+        self.pids, self.every_s = pids, every_s
+        self.seen: dict[tuple[int, int], dict[int, int]] = {}
 
     def __enter__(self) -> Sampler:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="procview")
-        self._thread.start()
+        self._child = subprocess.Popen([sys.executable, __file__, str(self.every_s), *map(str, self.pids)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        out, _ = self._child.communicate("", timeout=30)      # its stdin closed: it prints what it saw and ends
+        for pid, tid, cpu, n in json.loads(out):
+            self.seen.setdefault((pid, tid), {})[cpu] = n
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            for pid in self.pids:
-                try:
-                    threads = read_threads(pid)
-                except FileNotFoundError:
-                    continue
-                for tid, t in threads.items():
-                    cpus = self.seen.setdefault((pid, tid), {})
-                    cpus[t.processor] = cpus.get(t.processor, 0) + 1
+
+def _sample(every_s: float, pids: list[int]) -> None:
+    """The sampler's process: sample until stdin closes, then print [[pid, tid, cpu, samples], ...] as JSON."""
+    seen: dict[tuple[int, int, int], int] = {}
+    while not select.select([sys.stdin], [], [], every_s)[0]:
+        for pid in pids:
+            try:
+                threads = read_threads(pid)
+            except FileNotFoundError:
+                continue
+            for tid, t in threads.items():
+                seen[(pid, tid, t.processor)] = seen.get((pid, tid, t.processor), 0) + 1
+    print(json.dumps([[*k, n] for k, n in seen.items()]))
 
 
 def thread_report(before: dict[int, ThreadStat], after: dict[int, ThreadStat], calls: int,
@@ -164,3 +172,7 @@ class Window:
         out["cpus"] = {c: cpus[c] for c in sorted(used) if c in cpus}
         out["steal_pct_all"] = round(sum(c["steal_pct"] for c in cpus.values()) / max(len(cpus), 1), 2)
         return out
+
+
+if __name__ == "__main__":
+    _sample(float(sys.argv[1]), [int(x) for x in sys.argv[2:]])
