@@ -551,8 +551,11 @@ def parse_request(msg: Message, need_cid: bool = False) -> Request:
 
 def request_header_for_worker(req: Request | RequestHead, job: int, budget_ms: int | None = None) -> dict[str, Any]:
     """The header the broker forwards: its own job id as rid, the client's cid dropped (its `CID:RID` kept as `req`,
-    for log lines), the time left."""
+    for log lines), the time left, and the worker a request is addressed to (a draining worker runs such a request
+    rather than hand it back: no other worker may)."""
     h = {"rid": job, "rows": req.rows, "tokens": req.tokens, "markers": req.n_markers, "req": req.tag}
+    if req.worker is not None:
+        h["worker"] = req.worker
     if req.mode is not None:
         h["mode"] = req.mode
     if req.taps:

@@ -64,6 +64,15 @@ def _leave_with_unread(runtime, requests: list[list]) -> dict:
         ctx.term()
 
 
+def _as_broker_sends(job: int, arrays: dict, worker: str | None = None) -> list:
+    """A client's request (addressed to `worker`) as the broker forwards it: its header rebuilt by the broker's own
+    function (a first version of this test sent the client's header, which the broker does not: it passed while the
+    worker never saw whom a request was addressed to)."""
+    msg = wire.decode(wire.encode_request(7, arrays, cid="c", worker=worker))
+    head = wire.parse_request_head(msg, need_cid=True)
+    return wire.encode(wire.Cmd.REQUEST, wire.request_header_for_worker(head, job), *msg.frames)
+
+
 @pytest.fixture(scope="module")
 def runtime(tiny_ckpt):
     return Runtime(load_checkpoint(tiny_ckpt), config=RuntimeConfig(capacity=CAP))
@@ -74,8 +83,8 @@ def test_a_draining_worker_runs_what_is_addressed_to_it_and_hands_back_the_rest(
     batches = [rows(rng, 2, 30, 3) for _ in range(4)]
     arrays = [{k: getattr(b, k) for k in wire.REQUEST_ARRAYS} for b in batches]
     # rid 0 and 2 for any worker, 1 addressed to this one, 3 to another
-    requests = [wire.encode_request(0, arrays[0]), wire.encode_request(1, arrays[1], worker="w0"),
-                wire.encode_request(2, arrays[2]), wire.encode_request(3, arrays[3], worker="w1")]
+    requests = [_as_broker_sends(0, arrays[0]), _as_broker_sends(1, arrays[1], worker="w0"),
+                _as_broker_sends(2, arrays[2]), _as_broker_sends(3, arrays[3], worker="w1")]
     got = _leave_with_unread(runtime, requests)
     for rid in (0, 2, 3):
         assert got[rid].status == wire.STATUS_RETRYABLE and got[rid].error["reason"] == Reason.STOPPING, rid
