@@ -32,6 +32,7 @@ class ThreadStat:
     voluntary: int        # context switches it asked for (a sleep, a blocking read)
     involuntary: int      # ... it was made to take (preempted)
     processor: int        # the CPU it last ran on
+    name: str = ""        # its name (the worker names its threads: "compute" is the data thread)
 
 
 def parse_thread(stat: str, status: str) -> ThreadStat:
@@ -45,7 +46,7 @@ def parse_thread(stat: str, status: str) -> ThreadStat:
         if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
             switches[key] = int(value)
     return ThreadStat((utime + stime) * TICK_S, switches["voluntary_ctxt_switches"],
-                      switches["nonvoluntary_ctxt_switches"], processor)
+                      switches["nonvoluntary_ctxt_switches"], processor, stat[stat.index("(") + 1:stat.rindex(")")])
 
 
 def parse_cpus(text: str) -> dict[int, tuple[int, int, int]]:
@@ -118,7 +119,7 @@ def thread_report(before: dict[int, ThreadStat], after: dict[int, ThreadStat], c
         b = before.get(tid)
         if b is None:
             continue
-        rows.append({"tid": tid, "cpu_us_per_call": round((a.cpu_s - b.cpu_s) / calls * 1e6, 1),
+        rows.append({"tid": tid, "name": a.name, "cpu_us_per_call": round((a.cpu_s - b.cpu_s) / calls * 1e6, 1),
                      "voluntary_per_call": round((a.voluntary - b.voluntary) / calls, 3),
                      "involuntary_per_call": round((a.involuntary - b.involuntary) / calls, 3),
                      "cpus": dict(sorted(seen.get(tid, {}).items(), key=lambda kv: -kv[1]))})

@@ -56,7 +56,8 @@ def test_a_command_name_with_spaces_and_parentheses_is_skipped_whole():
     stat = "4242 (a) b (c)) " + " ".join(fields)
     status = "Name:\tx\nvoluntary_ctxt_switches:\t12\nnonvoluntary_ctxt_switches:\t3\n"
     t = procview.parse_thread(stat, status)
-    assert (t.cpu_s, t.voluntary, t.involuntary, t.processor) == (300 * procview.TICK_S, 12, 3, 7)
+    assert (t.cpu_s, t.voluntary, t.involuntary, t.processor, t.name) == (300 * procview.TICK_S, 12, 3, 7,
+                                                                          "a) b (c)")
 
 
 def test_cpu_shares_count_steal_apart_from_busy_and_idle():
