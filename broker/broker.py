@@ -866,13 +866,9 @@ class Broker:
 
     def _bounce(self, job: Job, message: str) -> None:
         """`job` back to the queue as a hand-back, or failed once it has been handed back max_bounces times. One
-        addressed to a worker that is leaving fails at once, as a new one would (`_target_ready`): queued, it would
-        wait for that worker's return, and a drained worker does not return."""
-        target = self.workers.get(job.target) if job.target is not None else None
-        if target is not None and not target.state.dispatchable:
-            self._fail(job, wire.STATUS_RETRYABLE, f"worker {job.target!r} is {target.state}",
-                       reason=Reason.WORKER_UNAVAILABLE)
-            return
+        addressed to a worker waits there for that worker's return (a restart, a reload): failing it at once would
+        fail a call whose worker is back in seconds (a review of 3966d4f); one whose worker stays down fails when
+        its deadline or --queue-timeout runs out."""
         if not self._requeue(job, lost=False):
             self._fail(job, wire.STATUS_RETRYABLE, message, reason=Reason.BOUNCED)
 
