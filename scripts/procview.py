@@ -61,6 +61,20 @@ def parse_cpus(text: str) -> dict[int, tuple[int, int, int]]:
     return out
 
 
+def parse_mhz(text: str) -> dict[int, float]:
+    """/proc/cpuinfo: {cpu: its clock now, MHz} (a VM often shows one fixed number; a host with frequency scaling
+    shows a busy core's turbo, which more busy cores may lower)."""
+    out, cpu = {}, None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            cpu = int(value)
+        elif key == "cpu MHz" and cpu is not None:
+            out[cpu] = float(value)
+    return out
+
+
 def read_threads(pid: int) -> dict[int, ThreadStat]:
     """Every thread of `pid` now (a thread that ends while it is read is left out)."""
     out = {}
@@ -154,6 +168,7 @@ class Window:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.mhz = parse_mhz(Path("/proc/cpuinfo").read_text())      # as the window ends (the cores still busy)
         self.sampler.__exit__()
         self.seconds = time.monotonic() - self.t0
         self.cpus1 = read_cpus()
@@ -170,6 +185,9 @@ class Window:
             for r in rows:
                 used.update(r["cpus"])
         cpus = cpu_report(self.cpus0, self.cpus1)
+        for c, mhz in self.mhz.items():
+            if c in cpus:
+                cpus[c]["mhz"] = mhz
         out["cpus"] = {c: cpus[c] for c in sorted(used) if c in cpus}
         out["steal_pct_all"] = round(sum(c["steal_pct"] for c in cpus.values()) / max(len(cpus), 1), 2)
         return out

@@ -145,9 +145,9 @@ def print_host(h: dict[str, Any]) -> None:
             cpus = ", ".join(f"{c}:{n}" for c, n in list(r["cpus"].items())[:4])
             print(f"{name:10s} {r['tid']:>8d} {r['name'][:15]:15s} {r['cpu_us_per_call']:8.1f} "
                   f"{r['voluntary_per_call']:7.3f} {r['involuntary_per_call']:7.3f}  [{cpus}]")
-    print(f"CPU  busy%  steal%   (steal over all CPUs: {h['steal_pct_all']:.2f}%)")
+    print(f"CPU  busy%  steal%     MHz   (steal over all CPUs: {h['steal_pct_all']:.2f}%)")
     for c, v in h["cpus"].items():
-        print(f"{c:>3} {v['busy_pct']:6.1f} {v['steal_pct']:7.1f}")
+        print(f"{c:>3} {v['busy_pct']:6.1f} {v['steal_pct']:7.1f} {v.get('mhz', 0):7.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:

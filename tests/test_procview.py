@@ -66,3 +66,9 @@ def test_cpu_shares_count_steal_apart_from_busy_and_idle():
     report = procview.cpu_report(procview.parse_cpus(before), procview.parse_cpus(after))
     # cpu0: busy 40, idle 60 (iowait counts idle), steal 50 of 150 ticks; cpu1: busy 50 of 100
     assert report == {0: {"busy_pct": 26.7, "steal_pct": 33.3}, 1: {"busy_pct": 50.0, "steal_pct": 0.0}}
+
+
+def test_each_cpus_clock_is_read_from_its_own_block():
+    text = "processor\t: 0\nmodel name\t: x\ncpu MHz\t\t: 2596.130\n\nprocessor\t: 1\ncpu MHz\t\t: 3100.5\n"
+    assert procview.parse_mhz(text) == {0: 2596.13, 1: 3100.5}
+    assert set(procview.parse_mhz(Path("/proc/cpuinfo").read_text())) <= set(procview.read_cpus())
