@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip|ab]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -105,6 +105,9 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
               tcp://127.0.0.1:5597 2>&1 | grep -vE "Warning|warn" | tail -4
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
+    ab) # two trees' pools on this GPU at once, timed in alternation (scripts/ab_pools.sh; the base tree archived
+        # into devtools/base beforehand, see there)
+          timeout ${AB_TIMEOUT:-400} bash scripts/ab_pools.sh ${AB_BASE:-devtools/base} ${AB_ROUNDS:-3} ;;
     brokerrate) # the broker's routed ceiling on this host: a bare broker and a worker that answers at once
           timeout 120 python3 scripts/broker_rate.py --stub --kind ping,forward --seconds 5 2>&1 | tail -8 ;;
   esac
