@@ -101,6 +101,9 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
           if [ $up = 1 ]; then
             for i in 1 2; do timeout 60 python3 scripts/round_trip.py --frontend tcp://127.0.0.1:5597 --seconds 4 --host \
               --json "$OUT/roundtrip$i.json" 2>&1 | grep -vE "Warning|warn"; done
+            echo "-- the client asleep on its lane (one core polls, not two)"
+            timeout 60 python3 scripts/round_trip.py --frontend tcp://127.0.0.1:5597 --seconds 4 --host --spin-ms 0 \
+              --json "$OUT/roundtrip-sleep.json" 2>&1 | grep -vE "Warning|warn"
             [ -f devtools/pool_overhead.py ] && timeout 200 python3 devtools/pool_overhead.py /tmp/large \
               tcp://127.0.0.1:5597 2>&1 | grep -vE "Warning|warn" | tail -4
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi

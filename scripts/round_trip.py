@@ -87,14 +87,15 @@ def split(start: float, end: float, marks: dict[str, float], metrics: dict[str, 
 
 
 def measure(frontend: str, seconds: float | None = None, calls: int | None = None,
-            host: bool = False) -> dict[str, Any]:
+            host: bool = False, spin_ms: float | None = None) -> dict[str, Any]:
     """`host`: also what /proc says the window cost the client's, the worker's and the broker's threads and the CPUs
-    they ran on (scripts/procview.py)."""
+    they ran on (scripts/procview.py). `spin_ms`: the client's (0: it sleeps on the lane at once, so one core polls
+    where two did; only `total` is split then)."""
     rng = np.random.default_rng(0)
     rows = [(rng.integers(10, 1000, 48).astype(np.int32), np.array([5, 8, 11, 14], np.int32), 0)]
     marks: dict[str, float] = {}
     samples: dict[str, list[float]] = {p: [] for p in PARTS}
-    with hooked(marks), Client(frontend) as client:
+    with hooked(marks), Client(frontend, spin_ms=spin_ms) as client:
         for _ in range(WARMUP):
             client.forward(rows)
         window = procview.Window(_pids(client)) if host else contextlib.nullcontext()
@@ -157,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=None, help="... or this many")
     ap.add_argument("--host", action="store_true",
                     help="also the window's cost to each process's busiest threads and their CPUs' steal (/proc)")
+    ap.add_argument("--spin-ms", type=float, default=None,
+                    help="the client's spin_ms (default: its own choice; 0: it sleeps on the lane at once)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    out = measure(a.frontend, a.seconds if a.seconds is not None or a.calls is not None else 3.0, a.calls, a.host)
+    out = measure(a.frontend, a.seconds if a.seconds is not None or a.calls is not None else 3.0, a.calls, a.host,
+                  a.spin_ms)
     print(f"{out['calls']} calls, {out['on_lanes']} on lanes; us p50 / p95")
     for k, (p50, p95) in out["us"].items():
         print(f"{k:14s} {p50:8.1f} {p95:8.1f}")
