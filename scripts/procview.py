@@ -168,11 +168,12 @@ class Window:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.mhz = parse_mhz(Path("/proc/cpuinfo").read_text())      # as the window ends (the cores still busy)
-        self.sampler.__exit__()
+        # The readings first, the sampler's shutdown (a process's exit) after: it is not part of the window.
         self.seconds = time.monotonic() - self.t0
         self.cpus1 = read_cpus()
         self.threads1 = {name: read_threads(pid) for name, pid in self.pids.items()}
+        self.mhz = parse_mhz(Path("/proc/cpuinfo").read_text())      # as the window ends (the cores still busy)
+        self.sampler.__exit__()
 
     def report(self, calls: int, top: int = 3) -> dict:
         """Per process its `top` busiest threads; the CPUs those threads were seen on, with their steal."""

@@ -81,50 +81,73 @@ class Driven:
     def _run_sockets(self, items: list[Queued], gap_s: float) -> dict[Any, wire.Reply]:
         """As `run`, through a fresh Compute whose inbox is a data socket: a ROUTER (the broker's side) sends each
         request to identity w0/data; the stop sentinel goes in once the data thread has taken every request."""
-        ctx = zmq.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        inbox = SocketInbox(ctx, f"tcp://127.0.0.1:{port}", "w0/data", max_message_bytes=contract.MAX_BACKEND_BYTES)
-        compute = Compute(self.runtime, "w0", self.runtime.fingerprint, self.max_group, inbox.send, self.counts,
-                          self.faults, inbox=inbox)
-        inbox.open()
-        self.compute = compute
+        feed = DataSocket(self.runtime, self.max_group, self.counts, self.faults)
+        compute = self.compute = feed.compute
         requests = [wire.encode_request(x.req.rid, x.req.arrays(), mode=x.req.mode, taps=x.req.taps) for x in items]
 
-        def feed() -> None:
+        def send_all() -> None:
             for frames in requests:
-                while True:      # the DEALER's connection is made in the background: wait for the ROUTER to know it
-                    try:
-                        wire.send_frames(router, [b"w0/data", *frames])
-                        break
-                    except zmq.ZMQError:
-                        time.sleep(0.001)
+                feed.send(frames)
                 if gap_s > 0:
                     time.sleep(gap_s)
             deadline = time.monotonic() + 60
             while compute.taken < len(requests) and time.monotonic() < deadline:
                 time.sleep(0.001)
-            inbox.put(None)
-        feeder = threading.Thread(target=feed, daemon=True)
+            feed.inbox.put(None)
+        feeder = threading.Thread(target=send_all, daemon=True)
         feeder.start()
-        compute.loop()
-        feeder.join()
-        out: dict[Any, wire.Reply] = {}
-        router.setsockopt(zmq.RCVTIMEO, 10_000)
         try:
-            while len(out) < len(items):
-                frames = router.recv_multipart()
+            compute.loop()
+            feeder.join()
+            out = feed.replies(len(items))
+        finally:
+            feed.close()
+        missing = [x.req.rid for x in items if x.req.rid not in out]
+        assert not missing, f"requests never answered: {missing[:5]}"
+        return out
+
+
+class DataSocket:
+    """A Compute whose inbox is a worker's data socket (`SocketInbox`, identity w0/data), connected to a ROUTER on
+    loopback that plays the broker: `send` a request to it, read the `replies`."""
+
+    def __init__(self, runtime: Any, max_group: int, counts: dict[str, int], faults: FaultHooks = FaultHooks()):
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.inbox = SocketInbox(self.ctx, f"tcp://127.0.0.1:{port}", "w0/data",
+                                 max_message_bytes=contract.MAX_BACKEND_BYTES)
+        self.compute = Compute(runtime, "w0", runtime.fingerprint, max_group, self.inbox.send, counts, faults,
+                               inbox=self.inbox)
+        self.inbox.open()
+
+    def send(self, frames: list[Any]) -> None:
+        deadline = time.monotonic() + 10
+        while True:      # the DEALER's connection is made in the background: wait for the ROUTER to know it
+            try:
+                wire.send_frames(self.router, [b"w0/data", *frames])
+                return
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "the data socket never connected"
+                time.sleep(0.001)
+
+    def replies(self, n: int, timeout_s: float = 10.0) -> dict[Any, wire.Reply]:
+        """Up to `n` replies by rid, as they come within `timeout_s` each (a second reply to one rid fails)."""
+        self.router.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        out: dict[Any, wire.Reply] = {}
+        try:
+            while len(out) < n:
+                frames = self.router.recv_multipart()
                 assert frames[0] == b"w0/data", frames[0]
                 reply = wire.parse_any_reply(wire.decode(frames[1:]))
                 assert reply.rid not in out, f"request {reply.rid} answered twice"
                 out[reply.rid] = reply
         except zmq.Again:
             pass
-        finally:
-            inbox.wake_out.close(0)
-            router.close(0)
-            ctx.term()
-        missing = [x.req.rid for x in items if x.req.rid not in out]
-        assert not missing, f"requests never answered: {missing[:5]}"
         return out
+
+    def close(self) -> None:
+        self.inbox.wake_out.close(0)
+        self.router.close(0)
+        self.ctx.term()

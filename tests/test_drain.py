@@ -8,17 +8,13 @@ socket, the worker draining, the stop sentinel handed over first.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import zmq
-from compute_driver import COUNTS, rows
-from laya_pool.protocol import contract, wire
+from compute_driver import COUNTS, DataSocket, rows
+from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.worker.checkpoint import load_checkpoint
-from laya_pool.worker.compute import Compute
-from laya_pool.worker.inbox import SocketInbox
 from laya_pool.worker.runtime import Runtime, RuntimeConfig
 from laya_pool.worker.workspace import Capacity
 
@@ -28,40 +24,19 @@ CAP = Capacity(max_tokens=4096, max_rows=64, max_markers=1024, row_markers=32)
 def _leave_with_unread(runtime, requests: list[list]) -> dict:
     """Send `requests` to a data thread's socket, wait until they are there unread, drain (as the I/O thread does on
     SIGTERM), hand over the stop sentinel, run the data thread to its end; every reply by rid."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    inbox = SocketInbox(ctx, f"tcp://127.0.0.1:{port}", "w0/data", max_message_bytes=contract.MAX_BACKEND_BYTES)
-    counts = dict.fromkeys(COUNTS, 0)
-    compute = Compute(runtime, "w0", runtime.fingerprint, 4, inbox.send, counts, inbox=inbox)
-    inbox.open()
+    feed = DataSocket(runtime, 4, dict.fromkeys(COUNTS, 0))
     try:
         for frames in requests:
-            deadline = time.monotonic() + 10
-            while True:       # the DEALER connects in the background: wait until the ROUTER knows it
-                try:
-                    wire.send_frames(router, [b"w0/data", *frames])
-                    break
-                except zmq.ZMQError:
-                    assert time.monotonic() < deadline, "the data socket never connected"
-                    time.sleep(0.001)
-        assert inbox.sock.poll(10_000, zmq.POLLIN), "the requests never reached the data socket"
-        compute.stopping = True          # `Worker._drain`
-        inbox.put(None)                  # `Worker._leave`: nothing was in flight
-        compute.loop()
-        router.setsockopt(zmq.RCVTIMEO, 10_000)
-        out = {}
-        while len(out) < len(requests):
-            frames = router.recv_multipart()
-            reply = wire.parse_any_reply(wire.decode(frames[1:]))
-            assert reply.rid not in out, f"request {reply.rid} answered twice"
-            out[reply.rid] = reply
-        return out
+            feed.send(frames)
+        assert feed.inbox.sock.poll(10_000, zmq.POLLIN), "the requests never reached the data socket"
+        feed.compute.stopping = True     # `Worker._drain`
+        feed.inbox.put(None)             # `Worker._leave`: nothing was in flight
+        feed.compute.loop()
+        out = feed.replies(len(requests))
     finally:
-        inbox.wake_out.close(0)
-        router.close(0)
-        ctx.term()
+        feed.close()
+    assert len(out) == len(requests), f"answered {sorted(out)} of {len(requests)}"
+    return out
 
 
 def _as_broker_sends(job: int, arrays: dict, worker: str | None = None) -> list:
