@@ -19,9 +19,8 @@ for t in base new; do
     --frontend "${FE[$t]}" > "$OUT/ab-$t-pool.log" 2>&1) & PIDS+=($!)
 done
 for t in base new; do
-  up=0; for i in $(seq 300); do PYTHONPATH=$SITE:$NEW python3 -m laya_pool status --frontend "${FE[$t]}" --json \
-    2>/dev/null | grep -q '"state": "ready"' && { up=1; break; }; sleep 0.5; done
-  [ $up = 1 ] || { echo "the $t pool is NOT ready (see $OUT/ab-$t-pool.log)"; kill -TERM "${PIDS[@]}"; wait; exit 1; }
+  PYTHONPATH=$SITE:$NEW bash "$NEW/scripts/wait_ready.sh" "${FE[$t]}" 240 \
+    || { echo "the $t pool is NOT ready (see $OUT/ab-$t-pool.log)"; kill -TERM "${PIDS[@]}"; wait; exit 1; }
 done
 for r in $(seq "$ROUNDS"); do
   for t in base new; do

@@ -96,9 +96,7 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
           # preemption, migration: the slow hosts' +170 us, docs/PERF.md), then the judge's pool_overhead.py if carried
           python3 -m laya_pool up --model /tmp/large --devices cuda:0 --frontend tcp://127.0.0.1:5597 \
             > "$OUT/roundtrip-pool.log" 2>&1 & UP=$!
-          up=0; for i in $(seq 240); do python3 -m laya_pool status --frontend tcp://127.0.0.1:5597 --json 2>/dev/null \
-            | grep -q '"state": "ready"' && { up=1; break; }; sleep 0.5; done
-          if [ $up = 1 ]; then
+          if bash scripts/wait_ready.sh tcp://127.0.0.1:5597 200; then
             for i in 1 2; do timeout 60 python3 scripts/round_trip.py --frontend tcp://127.0.0.1:5597 --seconds 4 --host \
               --json "$OUT/roundtrip$i.json" 2>&1 | grep -vE "Warning|warn"; done
             echo "-- the client asleep on its lane (one core polls, not two)"
