@@ -93,7 +93,8 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
             TOKENIZERS_PARALLELISM=$par timeout 120 python3 scripts/host_split.py /tmp/large 2>&1 | grep -vE "Warning|warn"
           done ;;
     roundtrip) # a lane call's parts on one clock, and what /proc says each thread and CPU paid meanwhile (steal,
-          # preemption, migration: the slow hosts' +170 us, docs/PERF.md), then the judge's pool_overhead.py if carried
+          # preemption, migration: the slow hosts' +170 us, docs/PERF.md), the judge's pool_overhead.py if carried, then a
+          # mixed-shape load (MIX) and the graph cache's counters
           python3 -m laya_pool up --model /tmp/large --devices cuda:0 --frontend tcp://127.0.0.1:5597 \
             > "$OUT/roundtrip-pool.log" 2>&1 & UP=$!
           if bash scripts/wait_ready.sh tcp://127.0.0.1:5597 200; then
@@ -104,6 +105,12 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
               --json "$OUT/roundtrip-sleep.json" 2>&1 | grep -vE "Warning|warn"
             [ -f devtools/pool_overhead.py ] && timeout 200 python3 devtools/pool_overhead.py /tmp/large \
               tcp://127.0.0.1:5597 2>&1 | grep -vE "Warning|warn" | tail -4
+            echo "-- a mixed-shape load on the same pool (issue 12), then its graph cache's counters"
+            timeout 90 python3 scripts/load.py --frontend tcp://127.0.0.1:5597 --mix ${MIX:-1x48:8,4x256:2,16x128:1} \
+              --concurrency 1,64 --procs 4 --seconds 4 --quiet --out "$OUT/load-mixed.json" 2>&1 | grep -vE "Warning|warn"
+            python3 -m laya_pool status --frontend tcp://127.0.0.1:5597 --json > "$OUT/roundtrip-status.json"
+            grep -oE '"(request_path_captures|captures|idle_captures|deferred|hits|misses|covered|fallbacks)": [0-9]+' \
+              "$OUT/roundtrip-status.json" | tr '\n' ' '; echo
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
     ab) # two trees' pools on this GPU at once, timed in alternation (scripts/ab_pools.sh; the base tree archived
