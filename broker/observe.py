@@ -146,6 +146,7 @@ class PoolObserver:
             self._feed_histogram("worker_answer_seconds", {"worker": wid}, epoch, stats["answer_seconds"])
         t.feed("worker_merged_runs", {"worker": wid}, epoch, stats.get("merged_runs"))
         t.feed("worker_merged_requests", {"worker": wid}, epoch, stats.get("merged_requests"))
+        t.feed("worker_set_aside", {"worker": wid}, epoch, stats.get("set_aside"))
         for kind in WORKER_ERRORS:
             t.feed("worker_errors", {"worker": wid, "kind": kind}, epoch, stats.get(kind))
         for key, path in WORKER_PATHS.items():
@@ -218,6 +219,8 @@ class PoolObserver:
                 ("worker_tokens", "tokens a worker answered"),
                 ("worker_merged_runs", "forwards that merged more than one request"),
                 ("worker_merged_requests", "requests that ran inside merged forwards"),
+                ("worker_set_aside", "times a group set a request aside for a later one (its rows would have padded "
+                                     "the group's past --merge-waste tokens)"),
                 ("worker_errors", "errors inside a worker, by kind"),
                 ("worker_taken", "request messages a worker's data thread took other than from the broker's data "
                                  "socket, by path (direct: a client's on the direct socket; lane: a client's through "

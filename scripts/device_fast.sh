@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip|ab]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip|ab|mixed]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -113,6 +113,24 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
               "$OUT/roundtrip-status.json" | tr '\n' ' '; echo
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
+    mixed) # --merge-waste at its default against off (-1): two pools up at once on this GPU, a mixed-shape load and
+           # a 1x48 load at 64 in flight on each in alternation, then each worker's merge and graph-cache counters
+          declare -A MW=([off]=-1 [on]=512) MP=([off]=5593 [on]=5594); MPIDS=()
+          for k in off on; do LAYA_MERGE_WASTE=${MW[$k]} python3 -m laya_pool up --model ${MIXED_MODEL:-/tmp/large} \
+            --devices ${MIXED_DEVICES:-cuda:0} \
+            --frontend tcp://127.0.0.1:${MP[$k]} > "$OUT/mixed-$k-pool.log" 2>&1 & MPIDS+=($!); done
+          for k in off on; do bash scripts/wait_ready.sh tcp://127.0.0.1:${MP[$k]} 240 || echo "pool $k NOT ready"; done
+          for r in $(seq ${MIXED_ROUNDS:-2}); do for k in off on; do
+            for load in "--mix ${MIX:-1x48:8,4x256:2,16x128:1}" "--rows 1 --tokens 48"; do
+              echo "round $r, merge-waste $k, ${load}:"
+              timeout 60 python3 scripts/load.py --frontend tcp://127.0.0.1:${MP[$k]} $load --concurrency 64 --procs 4 \
+                --seconds 4 --quiet --out "$OUT/mixed-$k-$r-$(echo $load | tr -dc 'a-z0-9').json" 2>&1 \
+                | grep -E "in flight|device" | sed 's/^ *//'
+            done; done; done
+          for k in off on; do python3 -m laya_pool status --frontend tcp://127.0.0.1:${MP[$k]} --json > "$OUT/mixed-$k-status.json"
+            echo "merge-waste $k: $(grep -oE '"(set_aside|merged_runs|merged_requests|request_path_captures|captures|fallbacks|covered|hits)": [0-9]+' \
+              "$OUT/mixed-$k-status.json" | tr '\n' ' ')"; done
+          kill -TERM "${MPIDS[@]}"; wait "${MPIDS[@]}" ;;
     ab) # two trees' pools on this GPU at once, timed in alternation (scripts/ab_pools.sh; the base tree archived
         # into devtools/base beforehand, see there)
           timeout ${AB_TIMEOUT:-400} bash scripts/ab_pools.sh ${AB_BASE:-devtools/base} ${AB_ROUNDS:-3} ;;

@@ -16,11 +16,11 @@ import numpy as np
 import zmq
 from laya_pool.protocol import contract, wire
 from laya_pool.worker.batch import Batch
-from laya_pool.worker.compute import Compute, FaultHooks, Queued
+from laya_pool.worker.compute import MERGE_WASTE, Compute, FaultHooks, Queued
 from laya_pool.worker.inbox import SocketInbox
 
 COUNTS = ("received", "ok", "request_errors", "internal_errors", "upload_errors", "dropped", "protocol_errors",
-          "handed_back", "registrations", "merged_runs", "merged_requests", "bundles", "bundled")
+          "handed_back", "registrations", "merged_runs", "merged_requests", "set_aside", "bundles", "bundled")
 
 
 def queued(rid: int, batch: Batch, session: int = 0) -> Queued:
@@ -39,12 +39,15 @@ def rows(rng: np.random.Generator, n: int, length: int, markers: int, vocab: int
 class Driven:
     """A Compute over `runtime`, its replies parsed by request id, and its counters."""
 
-    def __init__(self, runtime: Any, max_group: int, faults: FaultHooks = FaultHooks(), sockets: bool = False):
+    def __init__(self, runtime: Any, max_group: int, faults: FaultHooks = FaultHooks(), sockets: bool = False,
+                 merge_waste: int | None = MERGE_WASTE):
         self.frames: list[list[Any]] = []
         self.counts = dict.fromkeys(COUNTS, 0)
         self.runtime, self.max_group, self.faults, self.sockets = runtime, max_group, faults, sockets
+        self.merge_waste = merge_waste
         self.compute = Compute(runtime, "w0", runtime.fingerprint, max_group,
-                               lambda frames, to=None: self.frames.append(frames), self.counts, faults)
+                               lambda frames, to=None: self.frames.append(frames), self.counts, faults,
+                               merge_waste=merge_waste)
 
     def run(self, items: list[Queued], gap_s: float = 0.0) -> dict[Any, wire.Reply]:
         """Feed `items` (all at once, or one every `gap_s` from a feeder thread), then the stop sentinel; run the
@@ -81,7 +84,7 @@ class Driven:
     def _run_sockets(self, items: list[Queued], gap_s: float) -> dict[Any, wire.Reply]:
         """As `run`, through a fresh Compute whose inbox is a data socket: a ROUTER (the broker's side) sends each
         request to identity w0/data; the stop sentinel goes in once the data thread has taken every request."""
-        feed = DataSocket(self.runtime, self.max_group, self.counts, self.faults)
+        feed = DataSocket(self.runtime, self.max_group, self.counts, self.faults, self.merge_waste)
         compute = self.compute = feed.compute
         requests = [wire.encode_request(x.req.rid, x.req.arrays(), mode=x.req.mode, taps=x.req.taps) for x in items]
 
@@ -111,7 +114,8 @@ class DataSocket:
     """A Compute whose inbox is a worker's data socket (`SocketInbox`, identity w0/data), connected to a ROUTER on
     loopback that plays the broker: `send` a request to it, read the `replies`."""
 
-    def __init__(self, runtime: Any, max_group: int, counts: dict[str, int], faults: FaultHooks = FaultHooks()):
+    def __init__(self, runtime: Any, max_group: int, counts: dict[str, int], faults: FaultHooks = FaultHooks(),
+                 merge_waste: int | None = MERGE_WASTE):
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -119,7 +123,7 @@ class DataSocket:
         self.inbox = SocketInbox(self.ctx, f"tcp://127.0.0.1:{port}", "w0/data",
                                  max_message_bytes=contract.MAX_BACKEND_BYTES)
         self.compute = Compute(runtime, "w0", runtime.fingerprint, max_group, self.inbox.send, counts, faults,
-                               inbox=self.inbox)
+                               inbox=self.inbox, merge_waste=merge_waste)
         self.inbox.open()
 
     def send(self, frames: list[Any]) -> None:

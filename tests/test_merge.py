@@ -165,3 +165,46 @@ def test_a_host_error_in_a_groups_check_refuses_only_its_owner(tiny_ckpt):
     # the others still share one forward (a failing run would have sent each alone: `_recover`)
     assert {answers[i].metrics["batched"] for i in range(8) if i != 3} == {7}
     assert d.counts["internal_errors"] == 1 and d.compute.fatal is None
+
+
+def test_waste_is_the_padding_a_request_adds_beyond_its_own():
+    short, long = Batch.from_rows(make_rows(1, 4, length=(16, 17))), Batch.from_rows(make_rows(2, 4, length=(200, 201)))
+    g = Group([short])
+    assert g.waste(Batch.from_rows(make_rows(3, 4, length=(16, 17)))) == 0
+    assert g.waste(long) == 8 * 200 - 4 * 16 - 4 * 200          # the short rows padded to 200
+    g = Group([long])
+    assert g.waste(short) == 4 * (200 - 16)                      # the same padding, whichever came first
+    g.add(short)
+    assert (g.row_len, g.area) == (200, 4 * 200 + 4 * 16)
+
+
+def _launched_lengths(rt: Runtime) -> list[list[int]]:
+    """Wrap rt.launch to record each launched group's row lengths."""
+    seen: list[list[int]] = []
+    launch = rt.launch
+
+    def recording(batch, *a, **kw):
+        seen.append(batch.lengths.tolist())
+        return launch(batch, *a, **kw)
+    rt.launch = recording
+    return seen
+
+
+@pytest.mark.parametrize("waste, groups", [(512, [[16, 17, 18], [200, 201]]), (None, [[16, 200, 17, 201, 18]])],
+                         ids=["bounded", "unbounded"])
+def test_a_request_that_would_pad_a_group_waits_first_in_line(tiny_ckpt, waste, groups):
+    """Queued in the order 16, 200, 17, 201, 18 (tokens a row, four rows each): with the bound, the long requests
+    are set aside by the first group and form the next, in order, and every request is answered (the stop
+    sentinel came before the second group formed); without it, one group pads all twenty rows to 201."""
+    from compute_driver import Driven, queued
+
+    rt = Runtime(load_checkpoint(tiny_ckpt))
+    seen = _launched_lengths(rt)
+    rng = np.random.default_rng(9)
+    batches = [Batch.from_rows([(rng.integers(5, 900, n).astype(np.int32), np.array([1, 3], np.int32), 0)
+                                for _ in range(4)]) for n in (16, 200, 17, 201, 18)]
+    d = Driven(rt, max_group=8, merge_waste=waste)
+    answers = d.run([queued(i, b) for i, b in enumerate(batches)])
+    assert all(a.status == "ok" for a in answers.values())
+    assert [sorted(set(g), key=g.index) for g in seen] == groups
+    assert d.counts["set_aside"] == (2 if waste else 0) and not d.compute.waiting

@@ -7,6 +7,10 @@ around it (batch-invariant GEMMs, per-row attention, padding-invariant reduction
 answer is byte-identical to its answer alone. CPU GEMMs are not batch-invariant (merged answers move
 in the 6th decimal), so CPU workers merge only when asked.
 
+A forward pads every row to the group's longest, so a short request beside a long one costs the long one's time:
+a group takes a request only while the padding that adds stays under a bound (`Group.waste`, the worker's
+--merge-waste, in tokens); one refused so waits, first in line for a later group (worker/compute.py `take_group`).
+
 Each request's structure is checked before it joins a group, and the group's values once before it runs; a
 group that fails is checked member by member (worker/compute.py `_valid`), so a bad request is refused alone.
 """
@@ -31,6 +35,8 @@ class Group:
     tokens: int = field(init=False, default=0)
     rows: int = field(init=False, default=0)
     n_markers: int = field(init=False, default=0)
+    row_len: int = field(init=False, default=0)      # the longest row: the forward pads every row to it
+    area: int = field(init=False, default=0)         # what the members pad to alone: sum of rows x longest row
     _merged: Batch | None = field(init=False, default=None, repr=False, compare=False)   # `merged`, until an `add`
 
     def __post_init__(self) -> None:
@@ -42,12 +48,21 @@ class Group:
         return (self.tokens + b.tokens <= cap.max_tokens and self.rows + b.rows <= cap.max_rows
                 and self.n_markers + b.n_markers <= cap.max_markers)
 
+    def waste(self, b: Batch) -> int:
+        """The padding tokens the group's forward would compute with `b` in it beyond what each member pads to
+        alone: rows shorter than the longest are padded to it (a 48-token row beside a 256-token one costs 208)."""
+        n = b.max_row_len
+        return (self.rows + b.rows) * max(self.row_len, n) - self.area - b.rows * n
+
     def add(self, b: Batch) -> None:
         self.batches.append(b)
         self._merged = None
         self.tokens += b.tokens
         self.rows += b.rows
         self.n_markers += b.n_markers
+        n = b.max_row_len
+        self.row_len = max(self.row_len, n)
+        self.area += b.rows * n
 
     def merged(self) -> Batch:
         """The members' rows back to back (made once: the worker checks the group's values, then launches it)."""

@@ -36,7 +36,7 @@ from laya_pool.protocol.contract import Leave
 from laya_pool.protocol.wire import Cmd
 
 from . import placement
-from .compute import Compute, FaultHooks
+from .compute import MERGE_WASTE, Compute, FaultHooks
 from .inbox import SocketInbox
 from .threadname import name_os_thread
 
@@ -60,6 +60,7 @@ class WorkerConfig:
     credit: int | None = None               # default: twice max_batch, at least 2
     compute_timeout: float | None = None    # default: 10 s on CUDA, 30 s on CPU (see `for_device`)
     max_batch: int | None = None            # default: 32 on CUDA (merging is byte-exact there), 1 on CPU
+    merge_waste: int = MERGE_WASTE          # padding tokens a request may add to a group; negative: no bound
     cpus: str | None = None                 # default: the CPUs near the GPU
     threads: int | None = None              # default: one per pinned CPU
     max_tokens: int | None = None
@@ -159,7 +160,7 @@ class Worker:
         # Written by the data thread only; the I/O thread's own counts are apart (one writer per counter).
         self.counts = {"received": 0, "ok": 0, "request_errors": 0, "internal_errors": 0, "upload_errors": 0,
                        "dropped": 0, "expired": 0, "protocol_errors": 0, "handed_back": 0,
-                       "merged_runs": 0, "merged_requests": 0, "bundles": 0, "bundled": 0}
+                       "merged_runs": 0, "merged_requests": 0, "set_aside": 0, "bundles": 0, "bundled": 0}
         self.io_counts = {"registrations": 0, "protocol_errors": 0}
         self.data_identity = f"{self.id}/data"
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
@@ -168,7 +169,7 @@ class Worker:
                                  direct=cfg.direct_endpoint.replace("{id}", cfg.id) if cfg.direct == "on" else None,
                                  lanes=cfg.lanes == "on")
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
-                               faults, inbox=self.inbox)
+                               faults, inbox=self.inbox, merge_waste=cfg.merge_waste if cfg.merge_waste >= 0 else None)
         self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
         self.last_sent = self.last_ready = self.broker_expiry = 0.0
         self.hung = False
@@ -414,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=None,
                    help="queued requests merged into one forward (default: 32 on CUDA, where merging is "
                         "byte-exact; 1 on CPU, where it moves answers in the 6th decimal)")
+    env_waste = os.environ.get("LAYA_MERGE_WASTE")
+    p.add_argument("--merge-waste", type=int, default=int(env_waste) if env_waste else d.merge_waste,
+                   help="padding tokens a queued request may add to a merged forward (every row is padded to the "
+                        "group's longest): one that would add more waits for the next group, first in line. "
+                        f"Default {MERGE_WASTE}, about what a forward's fixed cost buys; negative: no bound (every "
+                        "request that fits joins); env LAYA_MERGE_WASTE")
     p.add_argument("--cpus", default=None, help="CPU list to pin to (e.g. 0-7); default near the GPU")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the pinned CPUs)")
     p.add_argument("--max-tokens", type=int, default=None)
