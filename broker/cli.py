@@ -126,7 +126,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     from .broker import policy_argv
     broker_args = policy_argv(a) + (["--insecure-backend"] if a.insecure_backend else [])
     worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
-    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch", "compute_timeout"):
+    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch", "merge_waste", "compute_timeout"):
         v = getattr(a, name)
         if v is not None:
             worker_args += [f"--{name.replace('_', '-')}", str(v)]
@@ -440,6 +440,9 @@ def _add_up(up: argparse.ArgumentParser) -> None:
                     help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
     up.add_argument("--max-batch", type=_positive(int), default=None,
                     help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
+    up.add_argument("--merge-waste", type=int, default=None,
+                    help="padding tokens a request may add to a merged forward before it waits for the next group "
+                         "(default 512; negative: no bound)")
     up.add_argument("--max-tokens", type=_positive(int), default=None,
                     help="tokens one forward may hold (default: the worker's workspace size)")
     up.add_argument("--max-rows", type=_positive(int), default=None,

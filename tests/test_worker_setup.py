@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import ROOT, SUBPROCESS_ENV
 from laya_pool.protocol import contract
-from laya_pool.worker.compute import FaultHooks
+from laya_pool.worker.compute import MERGE_WASTE, FaultHooks
 from laya_pool.worker.server import WorkerConfig, build_parser
 
 CPU = [("cpu", None, None, None, ("eager", 1, 2)),
@@ -31,6 +31,14 @@ def test_device_defaults(device, mode, max_batch, credit, want):
 def test_parser_and_config_agree_on_every_field():
     a = build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0"])
     assert WorkerConfig.from_args(a) == WorkerConfig("m", "b", "0", log_level=a.log_level)
+
+
+def test_merge_waste_from_flag_or_environment(monkeypatch):
+    base = ["--model", "m", "--backend", "b", "--id", "0"]
+    assert WorkerConfig.from_args(build_parser().parse_args(base)).merge_waste == MERGE_WASTE
+    assert WorkerConfig.from_args(build_parser().parse_args([*base, "--merge-waste", "-1"])).merge_waste == -1
+    monkeypatch.setenv("LAYA_MERGE_WASTE", "1024")          # a whole pool switched for an A/B run
+    assert WorkerConfig.from_args(build_parser().parse_args(base)).merge_waste == 1024
 
 
 def test_gil_switch_interval_from_flag_or_environment(monkeypatch):
