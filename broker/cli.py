@@ -441,8 +441,8 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-batch", type=_positive(int), default=None,
                     help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
     up.add_argument("--merge-waste", type=int, default=None,
-                    help="padding tokens a request may add to a merged forward before it waits for the next group "
-                         "(default 512; negative: no bound)")
+                    help="padding tokens a merged forward may hold beyond what its requests pad to alone; a request "
+                         "that would take it past waits for the next group (default 512; negative: no bound)")
     up.add_argument("--max-tokens", type=_positive(int), default=None,
                     help="tokens one forward may hold (default: the worker's workspace size)")
     up.add_argument("--max-rows", type=_positive(int), default=None,

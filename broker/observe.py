@@ -219,8 +219,8 @@ class PoolObserver:
                 ("worker_tokens", "tokens a worker answered"),
                 ("worker_merged_runs", "forwards that merged more than one request"),
                 ("worker_merged_requests", "requests that ran inside merged forwards"),
-                ("worker_set_aside", "times a group set a request aside for a later one (its rows would have padded "
-                                     "the group's past --merge-waste tokens)"),
+                ("worker_set_aside", "times a group set a request aside for a later one (it would have taken the "
+                                     "group's padding past --merge-waste tokens)"),
                 ("worker_errors", "errors inside a worker, by kind"),
                 ("worker_taken", "request messages a worker's data thread took other than from the broker's data "
                                  "socket, by path (direct: a client's on the direct socket; lane: a client's through "

@@ -176,6 +176,9 @@ def test_waste_is_the_padding_a_request_adds_beyond_its_own():
     assert g.waste(short) == 4 * (200 - 16)                      # the same padding, whichever came first
     g.add(short)
     assert (g.row_len, g.area) == (200, 4 * 200 + 4 * 16)
+    # Where graphs are cached by bucket, rows of one 16-token step pad alike: 33 and 48 waste nothing together.
+    a, b = Batch.from_rows(make_rows(4, 4, length=(33, 34))), Batch.from_rows(make_rows(5, 4, length=(48, 49)))
+    assert Group([a], step=16).waste(b) == 0 and Group([a]).waste(b) == 4 * (48 - 33)
 
 
 def _launched_lengths(rt: Runtime) -> list[list[int]]:
@@ -208,3 +211,40 @@ def test_a_request_that_would_pad_a_group_waits_first_in_line(tiny_ckpt, waste, 
     assert all(a.status == "ok" for a in answers.values())
     assert [sorted(set(g), key=g.index) for g in seen] == groups
     assert d.counts["set_aside"] == (2 if waste else 0) and not d.compute.waiting
+
+
+def test_what_waits_goes_first_and_stays_in_arrival_order(tiny_ckpt):
+    """Two requests set aside before (400 and 200 tokens a row) and two new arrivals (16 and 201): the waiting ones
+    are offered first, the 201-token one joins the 200-token group, and what is set aside again stays ahead of the
+    new arrival set aside after it (the 400 before the 16)."""
+    from compute_driver import Driven, queued
+
+    rt = Runtime(load_checkpoint(tiny_ckpt))
+    rng = np.random.default_rng(10)
+    reqs = {n: queued(n, Batch.from_rows([(rng.integers(5, 900, n).astype(np.int32), np.array([1, 3], np.int32), 0)
+                                          for _ in range(4)])) for n in (200, 400, 16, 201)}
+    c = Driven(rt, max_group=8).compute
+    c.waiting.extend([reqs[200], reqs[400]])
+    for n in (16, 201):
+        c.inbox.put(reqs[n])
+    first = c.waiting.popleft()
+    members, group, stop = c.take_group(first)
+    assert [q.req.rid for q in members] == [200, 201] and not stop
+    assert [q.req.rid for q in c.waiting] == [400, 16]
+    assert c.counts["set_aside"] == 2
+
+
+def test_what_waits_is_handed_back_when_the_worker_is_fatal(tiny_ckpt):
+    """A worker that leaves broken answers what waited for a group `retryable`: another worker runs it."""
+    from compute_driver import Driven, queued
+    from laya_pool.protocol import wire
+
+    rt = Runtime(load_checkpoint(tiny_ckpt))
+    d = Driven(rt, max_group=8)
+    d.compute.waiting.extend(queued(i, Batch.from_rows(make_rows(20 + i, 2))) for i in range(3))
+    d.compute.fatal = "planted"
+    d.compute.inbox.put(None)
+    d.compute.loop()
+    replies = [wire.parse_any_reply(wire.decode(f)) for f in d.frames]
+    assert sorted(r.rid for r in replies) == [0, 1, 2] and {r.status for r in replies} == {"retryable"}
+    assert not d.compute.waiting

@@ -48,9 +48,9 @@ _DONE, _IDLE = object(), object()    # what `_next` returns besides a queued req
 # Nothing launched and nothing arriving for this long: idle enough to capture a missed bucket (a request that
 # arrives during the capture waits for it, tens of ms, once per bucket; a short gap in steady traffic does not count).
 IDLE_S = 0.005
-# Padding tokens a request may add to a group's forward before it waits for another (--merge-waste): about what a
-# forward's fixed cost buys in tokens (1x48 replays in ~1 ms; a token costs 1.3-1.9 us on an H100/H200), so a second
-# forward is cheaper than padding more.
+# Padding tokens a group's forward may hold beyond what its members pad to alone (--merge-waste); a request that would
+# take it past waits for another group. About what a forward's fixed cost buys (1x48 replays in ~1 ms; a token costs
+# 1.3-1.9 us on an H100), so past it a second forward is cheaper than more padding (docs/PERF.md, thirty-third session).
 MERGE_WASTE = 512
 BUNDLE_MOST = 64        # replies in one BUNDLE (--max-batch has no bound; a bundle's header grows ~66 bytes a reply)
 
@@ -103,7 +103,8 @@ class Compute:
                  faults: FaultHooks = FaultHooks(), inbox: Any = None, merge_waste: int | None = MERGE_WASTE):
         self.rt, self.id, self.fingerprint = runtime, worker_id, fingerprint
         self.max_group = max_group        # requests merged into one forward (--max-batch)
-        self.merge_waste = merge_waste    # padding tokens a request may add to a group (--merge-waste; None: any)
+        self.merge_waste = merge_waste    # padding tokens a group may hold (--merge-waste; None: any)
+        self.row_step = getattr(runtime, "row_len_step", 1)
         self._send, self.counts, self.faults = reply, counts, faults
         # Gives Queued requests, Landed groups (a launched group's answers are in) and None: stop once what is
         # before it is done. Default: a queue others fill, with a landing-watch thread.
@@ -309,7 +310,7 @@ class Compute:
                 continue           # a second sentinel, or a landing (every group was answered by `_settle`)
             batch = self.admit(item)
             if batch is not None:
-                group = Group()
+                group = Group(step=self.row_step)
                 group.add(batch)
                 self.run_group([item], group)
 
@@ -363,50 +364,51 @@ class Compute:
         what arrives (`more`: the sentinel is not read yet).
 
         Only requests in the worker's own mode without taps are merged; one that asks for something else
-        runs alone. A request that would overflow the workspace ends the group; one whose rows would pad the
-        group's by more than `merge_waste` tokens is set aside, and the group goes on without it. What is set aside
-        stays in arrival order, first in line for the next group."""
+        runs alone. A request that would overflow the workspace ends the group; one that would take the group's
+        padding (`Group.waste`) past `merge_waste` tokens is set aside, and the group goes on without it. What is
+        set aside stays in arrival order, first in line for the next group."""
         members: list[Queued] = []
-        group = Group()
+        group = Group(step=self.row_step)
         earlier, self.waiting = self.waiting, deque()
         kept: list[Queued] = []           # set aside from `earlier`: older than what is left there
         later: list[Queued] = []          # set aside from new arrivals
         stop = False
         q: Queued | None = first
-        from_earlier = False
-        while q is not None:
-            aside = kept if from_earlier else later
-            special = q.req.taps or q.req.mode not in (None, self.rt.config.mode)
-            if members and special:
-                aside.append(q)
-                break
-            batch = self.admit(q)
-            if batch is not None:
-                if members and not group.admits(batch, self.rt.capacity):
+        aside = later                     # where `q` goes if set aside (`first` is never: it leads the group)
+        try:
+            while q is not None:
+                special = q.req.taps or q.req.mode not in (None, self.rt.config.mode)
+                if members and special:
                     aside.append(q)
                     break
-                if members and self.merge_waste is not None and group.waste(batch) > self.merge_waste:
-                    self.counts["set_aside"] += 1
-                    aside.append(q)
-                else:
-                    group.add(batch)
-                    members.append(q)
-                    if special:
+                batch = self.admit(q)
+                if batch is not None:
+                    if members and not group.admits(batch, self.rt.capacity):
+                        aside.append(q)
                         break
-            # Enough set aside for a group of their own: launch this one, they come next.
-            if len(members) >= self.max_group or len(kept) + len(later) >= self.max_group:
-                break
-            from_earlier = bool(earlier)
-            nxt = earlier.popleft() if earlier else (self._more() if more else _DONE)
-            if nxt is _DONE:
-                break
-            if nxt is None:
-                stop = True
-                break
-            q = nxt
-        self.waiting.extend(kept)
-        self.waiting.extend(earlier)
-        self.waiting.extend(later)
+                    if members and self.merge_waste is not None and group.waste(batch) > self.merge_waste:
+                        self.counts["set_aside"] += 1
+                        aside.append(q)
+                    else:
+                        group.add(batch)
+                        members.append(q)
+                        if special:
+                            break
+                # Enough set aside for a group of their own: launch this one, they come next.
+                if len(members) >= self.max_group or len(kept) + len(later) >= self.max_group:
+                    break
+                aside = kept if earlier else later
+                nxt = earlier.popleft() if earlier else (self._more() if more else _DONE)
+                if nxt is _DONE:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                q = nxt
+        finally:                          # (an answer that raised must not drop what waits)
+            self.waiting.extend(kept)
+            self.waiting.extend(earlier)
+            self.waiting.extend(later)
         return members, group, stop
 
     def run_group(self, members: list[Queued], group: Group) -> None:

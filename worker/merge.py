@@ -8,8 +8,9 @@ answer is byte-identical to its answer alone. CPU GEMMs are not batch-invariant 
 in the 6th decimal), so CPU workers merge only when asked.
 
 A forward pads every row to the group's longest, so a short request beside a long one costs the long one's time:
-a group takes a request only while the padding that adds stays under a bound (`Group.waste`, the worker's
---merge-waste, in tokens); one refused so waits, first in line for a later group (worker/compute.py `take_group`).
+a group takes a request only while its padding stays under a bound (`Group.waste`, the worker's --merge-waste, in
+tokens, row lengths rounded to the runtime's bucket step); one refused so waits, first in line for a later group
+(worker/compute.py `take_group`).
 
 Each request's structure is checked before it joins a group, and the group's values once before it runs; a
 group that fails is checked member by member (worker/compute.py `_valid`), so a bad request is refused alone.
@@ -31,12 +32,13 @@ if TYPE_CHECKING:                      # the workspace module pulls in torch; th
 class Group:
     """Requests' batches packed back to back, and where each one's rows and markers sit."""
     batches: list[Batch] = field(default_factory=list)
+    step: int = 1              # row lengths as the forward pads them: rounded up to the runtime's bucket step
     # Running totals: admitting a request is O(1), not a sum over the group (32 requests a group at load).
     tokens: int = field(init=False, default=0)
     rows: int = field(init=False, default=0)
     n_markers: int = field(init=False, default=0)
-    row_len: int = field(init=False, default=0)      # the longest row: the forward pads every row to it
-    area: int = field(init=False, default=0)         # what the members pad to alone: sum of rows x longest row
+    row_len: int = field(init=False, default=0)      # the longest (padded) row: the forward pads every row to it
+    area: int = field(init=False, default=0)         # what the members pad to alone: sum of rows x (padded) longest
     _merged: Batch | None = field(init=False, default=None, repr=False, compare=False)   # `merged`, until an `add`
 
     def __post_init__(self) -> None:
@@ -50,9 +52,12 @@ class Group:
 
     def waste(self, b: Batch) -> int:
         """The padding tokens the group's forward would compute with `b` in it beyond what each member pads to
-        alone: rows shorter than the longest are padded to it (a 48-token row beside a 256-token one costs 208)."""
-        n = b.max_row_len
+        alone: rows shorter than the longest are padded to it (a 48-token row beside a 256-token one: 208)."""
+        n = self._padded(b)
         return (self.rows + b.rows) * max(self.row_len, n) - self.area - b.rows * n
+
+    def _padded(self, b: Batch) -> int:
+        return -(-b.max_row_len // self.step) * self.step
 
     def add(self, b: Batch) -> None:
         self.batches.append(b)
@@ -60,7 +65,7 @@ class Group:
         self.tokens += b.tokens
         self.rows += b.rows
         self.n_markers += b.n_markers
-        n = b.max_row_len
+        n = self._padded(b)
         self.row_len = max(self.row_len, n)
         self.area += b.rows * n
 

@@ -277,6 +277,11 @@ class Runtime:
         """Groups that may be launched and not yet finished at once."""
         return self.slots.n
 
+    @property
+    def row_len_step(self) -> int:
+        """What a row's length is padded to a multiple of: the bucket step where graphs are cached by bucket."""
+        return ROW_LEN_STEP if self.config.mode == "graph-cached" else 1
+
     def bucket(self, batch: Batch) -> Shape:
         return bucket_of(batch.rows, batch.max_row_len, batch.max_row_markers, self.capacity,
                          self.checkpoint.arch.max_len)

@@ -60,7 +60,7 @@ class WorkerConfig:
     credit: int | None = None               # default: twice max_batch, at least 2
     compute_timeout: float | None = None    # default: 10 s on CUDA, 30 s on CPU (see `for_device`)
     max_batch: int | None = None            # default: 32 on CUDA (merging is byte-exact there), 1 on CPU
-    merge_waste: int = MERGE_WASTE          # padding tokens a request may add to a group; negative: no bound
+    merge_waste: int = MERGE_WASTE          # padding tokens a merged forward may hold; negative: no bound
     cpus: str | None = None                 # default: the CPUs near the GPU
     threads: int | None = None              # default: one per pinned CPU
     max_tokens: int | None = None
@@ -417,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "byte-exact; 1 on CPU, where it moves answers in the 6th decimal)")
     env_waste = os.environ.get("LAYA_MERGE_WASTE")
     p.add_argument("--merge-waste", type=int, default=int(env_waste) if env_waste else d.merge_waste,
-                   help="padding tokens a queued request may add to a merged forward (every row is padded to the "
-                        "group's longest): one that would add more waits for the next group, first in line. "
+                   help="padding tokens a merged forward may hold beyond what its requests pad to alone (every row "
+                        "is padded to the group's longest): a request that would take it past waits for the next "
+                        "group, first in line. "
                         f"Default {MERGE_WASTE}, about what a forward's fixed cost buys; negative: no bound (every "
                         "request that fits joins); env LAYA_MERGE_WASTE")
     p.add_argument("--cpus", default=None, help="CPU list to pin to (e.g. 0-7); default near the GPU")
