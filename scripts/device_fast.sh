@@ -114,11 +114,13 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
     mixed) # --merge-waste at its default against off (-1): two pools up at once on this GPU, a mixed-shape load and
-           # a 1x48 load at 64 in flight on each in alternation, then each worker's merge and graph-cache counters
-          declare -A MW=([off]=-1 [on]=512) MP=([off]=5593 [on]=5594); MPIDS=()
-          for k in off on; do LAYA_MERGE_WASTE=${MW[$k]} python3 -m laya_pool up --model ${MIXED_MODEL:-/tmp/large} \
-            --devices ${MIXED_DEVICES:-cuda:0} \
-            --frontend tcp://127.0.0.1:${MP[$k]} > "$OUT/mixed-$k-pool.log" 2>&1 & MPIDS+=($!); done
+           # a 1x48 load at 64 in flight on each in alternation, then each worker's merge and graph-cache counters.
+           # MIXED_OFF=512 and MIXED_ON_TREE=devtools/next (a `git archive` of a branch) compare two trees instead
+          declare -A MW=([off]=${MIXED_OFF:--1} [on]=512) MP=([off]=5593 [on]=5594) MT=([off]=. [on]=${MIXED_ON_TREE:-.})
+          MPIDS=()
+          for k in off on; do (cd "${MT[$k]}" && PYTHONPATH=/tmp/site:$PWD LAYA_MERGE_WASTE=${MW[$k]} exec python3 -m \
+            laya_pool up --model ${MIXED_MODEL:-/tmp/large} --devices ${MIXED_DEVICES:-cuda:0} \
+            --frontend tcp://127.0.0.1:${MP[$k]}) > "$OUT/mixed-$k-pool.log" 2>&1 & MPIDS+=($!); done
           for k in off on; do bash scripts/wait_ready.sh tcp://127.0.0.1:${MP[$k]} 240 || echo "pool $k NOT ready"; done
           for r in $(seq ${MIXED_ROUNDS:-2}); do for k in off on; do
             for load in "--mix ${MIX:-1x48:8,4x256:2,16x128:1}" "--rows 1 --tokens 48"; do
