@@ -8,6 +8,7 @@ error and nothing else: the workspace and the device are untouched and the next 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from laya_pool.protocol import wire
@@ -35,12 +36,14 @@ class RequestError(ValueError):
 class Batch(wire.Rows):
     """One request's rows as the runtime takes them (`wire.Rows` plus what bucketing needs)."""
 
-    # A few dozen rows at most: a Python max over the list beats a numpy reduction's call overhead.
-    @property
+    # A few dozen rows at most: a Python max over the list beats a numpy reduction's call overhead. Cached: a
+    # request's longest row is read as it joins a group (its padding), by the group, and by its bucket (arrays are
+    # never written after a Batch is made).
+    @cached_property
     def max_row_len(self) -> int:
         return max(self.lengths.tolist()) if self.rows else 0
 
-    @property
+    @cached_property
     def max_row_markers(self) -> int:
         return max(self.marker_counts.tolist()) if self.rows else 0
 
