@@ -107,6 +107,19 @@ def _checkpoint_dir(flag: str, path: str) -> Path:
     return p.resolve()
 
 
+def worker_argv(a: argparse.Namespace) -> list[str]:
+    """The worker options `up` was given, as each worker's command line takes them (what was not given is left to
+    the worker's own default)."""
+    out: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
+    if a.warmup_merged is not None:          # '' too: no merged buckets
+        out += ["--warmup-merged", a.warmup_merged]
+    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch", "merge_waste", "compute_timeout"):
+        v = getattr(a, name)
+        if v is not None:
+            out += [f"--{name.replace('_', '-')}", str(v)]
+    return out
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     from .supervisor import Supervisor, SupervisorConfig
 
@@ -125,11 +138,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     model = _checkpoint_dir("--model", a.model)
     from .broker import policy_argv
     broker_args = policy_argv(a) + (["--insecure-backend"] if a.insecure_backend else [])
-    worker_args: list[str] = ["--warmup-shapes", a.warmup_shapes] if a.warmup_shapes else []
-    for name in ("max_tokens", "max_rows", "max_markers", "threads", "max_batch", "merge_waste", "compute_timeout"):
-        v = getattr(a, name)
-        if v is not None:
-            worker_args += [f"--{name.replace('_', '-')}", str(v)]
+    worker_args = worker_argv(a)
     cfg = SupervisorConfig(model=str(model), devices=devices, workers_per_device=a.workers_per_device,
                            frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                            mode=a.mode, credit=a.credit, keys=a.keys, broker_args=broker_args,
@@ -459,6 +468,12 @@ def _add_up(up: argparse.ArgumentParser) -> None:
                          "ROWSxROW_LENGTHxMARKERS_PER_ROW,... e.g. 4x256x8,16x512x8 (default: a common set, see "
                          "worker/runtime.py DEFAULT_WARMUP); more buckets mean a longer start and fewer captures "
                          "under traffic. Ignored in eager mode (the CPU default)")
+    up.add_argument("--warmup-merged", default=None, metavar="RxTxM,...",
+                    help="graph-cached mode: request classes (one request's rows x tokens per row x markers per row) "
+                         "whose merged groups each worker also captures before it reports ready, e.g. "
+                         "1x48x4,4x256x4 for a load of both; '' for none (default: one question over 48, 64 or 128 "
+                         "tokens, or none with --warmup-shapes). Buckets traffic missed show in `status --json` "
+                         "(a worker's stats.runtime.missed_shapes)")
     up.add_argument("--drain-timeout", type=_positive(float), default=5.0,
                     help="seconds a stopping worker may take to finish its in-flight work before it is killed "
                          "(default 5, so that a stop takes at most 10 s even with a hung device; a longer one lets "

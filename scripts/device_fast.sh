@@ -113,25 +113,32 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
               "$OUT/roundtrip-status.json" | tr '\n' ' '; echo
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
-    mixed) # --merge-waste at its default against off (-1): two pools up at once on this GPU, a mixed-shape load and
-           # a 1x48 load at 64 in flight on each in alternation, then each worker's merge and graph-cache counters.
-           # MIXED_OFF=512 and MIXED_ON_TREE=devtools/next (a `git archive` of a branch) compare two trees instead
-          declare -A MW=([off]=${MIXED_OFF:--1} [on]=512) MP=([off]=5593 [on]=5594) MT=([off]=. [on]=${MIXED_ON_TREE:-.})
-          MPIDS=()
-          for k in off on; do (cd "${MT[$k]}" && PYTHONPATH=/tmp/site:$PWD LAYA_MERGE_WASTE=${MW[$k]} exec python3 -m \
-            laya_pool up --model ${MIXED_MODEL:-/tmp/large} --devices ${MIXED_DEVICES:-cuda:0} \
-            --frontend tcp://127.0.0.1:${MP[$k]}) > "$OUT/mixed-$k-pool.log" 2>&1 & MPIDS+=($!); done
-          for k in off on; do bash scripts/wait_ready.sh tcp://127.0.0.1:${MP[$k]} 240 || echo "pool $k NOT ready"; done
-          for r in $(seq ${MIXED_ROUNDS:-2}); do for k in off on; do
+    mixed) # pools up at once on this GPU, each a mixed-shape load and a 1x48 load at 64 in flight in alternation, then
+           # each worker's merge and graph-cache counters. MIXED_POOLS: NAME=TREE:MERGE_WASTE[:WARMUP_MERGED] ... (a tree
+           # other than . is a `git archive` of a branch under devtools/); default: --merge-waste off (-1) against 512
+          read -ra specs <<< "${MIXED_POOLS:-off=.:-1 on=.:512}"
+          names=(); MPIDS=(); port=5590
+          for spec in "${specs[@]}"; do
+            name=${spec%%=*}; IFS=: read -r tree waste merged <<< "${spec#*=}"; port=$((port + 1)); names+=("$name:$port")
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD exec env LAYA_MERGE_WASTE=$waste ${merged:+LAYA_WARMUP_MERGED=$merged} \
+              python3 -m laya_pool up --model ${MIXED_MODEL:-/tmp/large} --devices ${MIXED_DEVICES:-cuda:0} \
+              --frontend tcp://127.0.0.1:$port) > "$OUT/mixed-$name-pool.log" 2>&1 & MPIDS+=($!)
+          done
+          for np in "${names[@]}"; do bash scripts/wait_ready.sh tcp://127.0.0.1:${np#*:} 300 || echo "pool ${np%:*} NOT ready"
+            grep -oE "warm-up [0-9]+ ms" "$OUT/mixed-${np%:*}-pool.log" | head -1; done
+          for r in $(seq ${MIXED_ROUNDS:-2}); do for np in "${names[@]}"; do
             for load in "--mix ${MIX:-1x48:8,4x256:2,16x128:1}" "--rows 1 --tokens 48"; do
-              echo "round $r, merge-waste $k, ${load}:"
-              timeout 60 python3 scripts/load.py --frontend tcp://127.0.0.1:${MP[$k]} $load --concurrency 64 --procs 4 \
-                --seconds 4 --quiet --out "$OUT/mixed-$k-$r-$(echo $load | tr -dc 'a-z0-9').json" 2>&1 \
+              echo "round $r, ${np%:*}, ${load}:"
+              timeout 60 python3 scripts/load.py --frontend tcp://127.0.0.1:${np#*:} $load --concurrency 64 --procs 4 \
+                --seconds 4 --quiet --out "$OUT/mixed-${np%:*}-$r-$(echo $load | tr -dc 'a-z0-9').json" 2>&1 \
                 | grep -E "in flight|device" | sed 's/^ *//'
             done; done; done
-          for k in off on; do python3 -m laya_pool status --frontend tcp://127.0.0.1:${MP[$k]} --json > "$OUT/mixed-$k-status.json"
-            echo "merge-waste $k: $(grep -oE '"(set_aside|merged_runs|merged_requests|request_path_captures|captures|fallbacks|covered|hits)": [0-9]+' \
-              "$OUT/mixed-$k-status.json" | tr '\n' ' ')"; done
+          for np in "${names[@]}"; do
+            python3 -m laya_pool status --frontend tcp://127.0.0.1:${np#*:} --json > "$OUT/mixed-${np%:*}-status.json"
+            echo "${np%:*}: $(grep -oE '"(set_aside|merged_runs|merged_requests|request_path_captures|captures|fallbacks|covered|hits|deferred)": [0-9]+' \
+              "$OUT/mixed-${np%:*}-status.json" | tr '\n' ' ')"
+            python3 -c "import json, sys; print('  missed:', [(w.get('stats') or {}).get('runtime', {}).get('missed_shapes')
+                        for w in json.load(open(sys.argv[1])).get('workers', [])])" "$OUT/mixed-${np%:*}-status.json"; done
           kill -TERM "${MPIDS[@]}"; wait "${MPIDS[@]}" ;;
     ab) # two trees' pools on this GPU at once, timed in alternation (scripts/ab_pools.sh; the base tree archived
         # into devtools/base beforehand, see there)

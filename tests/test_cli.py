@@ -121,6 +121,18 @@ def test_environment_gives_defaults_and_flags_beat_it(monkeypatch):
     assert a.log_level == "WARNING"
 
 
+def test_up_hands_its_worker_options_to_every_worker():
+    def argv(*args: str) -> list[str]:
+        return cli.worker_argv(cli.build_parser().parse_args(["up", "--model", "m", *args]))
+
+    given = argv("--merge-waste", "-1", "--warmup-merged", "1x48x4,4x256x4")
+    assert given[given.index("--merge-waste") + 1] == "-1"
+    assert given[given.index("--warmup-merged") + 1] == "1x48x4,4x256x4"
+    # '' is a choice (no merged buckets), not an absence; not given: the worker's default
+    assert argv("--warmup-merged", "")[-2:] == ["--warmup-merged", ""]
+    assert "--warmup-merged" not in argv()
+
+
 def test_log_format_json_is_one_object_per_line(tmp_path):
     fe, be = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/be"
     p = _spawn("broker", "--frontend", fe, "--backend", be, "--log-format", "json",

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, SUBPROCESS_ENV
 from laya_pool.protocol import contract
 from laya_pool.worker.compute import MERGE_WASTE, FaultHooks
-from laya_pool.worker.server import WorkerConfig, build_parser
+from laya_pool.worker.server import WorkerConfig, _config_problem, build_parser
 
 CPU = [("cpu", None, None, None, ("eager", 1, 2)),
        ("cpu", None, 4, None, ("eager", 4, 8)),
@@ -99,6 +99,32 @@ def test_bad_warmup_shapes_exit_config_before_the_model_loads(tmp_path):
                 "--warmup-shapes", "4x256")
     assert r.returncode == contract.EXIT_CONFIG, r.stderr
     assert "--warmup-shapes" in r.stderr and "checkpoint" not in r.stderr
+
+
+def test_bad_warmup_merged_exits_config_before_the_model_loads(tmp_path):
+    r = _worker("--model", str(tmp_path / "missing"), "--backend", f"ipc://{tmp_path}/be", "--mode", "graph-cached",
+                "--warmup-merged", "1x48")
+    assert r.returncode == contract.EXIT_CONFIG, r.stderr
+    assert "--warmup-merged" in r.stderr and "checkpoint" not in r.stderr
+
+
+def test_merged_classes_default_named_or_none(monkeypatch):
+    from laya_pool.worker.runtime import DEFAULT_MERGED, DEFAULT_WARMUP, parse_shapes
+
+    def classes(*argv: str) -> tuple:
+        cfg = WorkerConfig.from_args(build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0",
+                                                                "--mode", "graph-cached", *argv]))
+        problem, _, merged = _config_problem(cfg, parse_shapes, DEFAULT_WARMUP, DEFAULT_MERGED)
+        assert problem is None
+        return merged
+
+    assert classes() == parse_shapes(DEFAULT_MERGED)
+    assert classes("--warmup-shapes", "4x256x4") == ()           # named buckets alone, as before the flag
+    assert classes("--warmup-merged", "1x48x4,4x256x4") == parse_shapes("1x48x4,4x256x4")
+    assert classes("--warmup-shapes", "4x256x4", "--warmup-merged", "4x256x4") == parse_shapes("4x256x4")
+    assert classes("--warmup-merged", "") == ()
+    monkeypatch.setenv("LAYA_WARMUP_MERGED", "16x128x4")          # a whole pool switched for an A/B run
+    assert classes() == parse_shapes("16x128x4")
 
 
 def test_usage_problem_exits_usage(tmp_path):

@@ -68,6 +68,7 @@ class WorkerConfig:
     max_markers: int | None = None
     max_message_bytes: int = contract.MAX_BACKEND_BYTES
     warmup_shapes: str | None = None
+    warmup_merged: str | None = None        # classes whose merged groups are captured (None: see --warmup-merged)
     overlap: str = "on"                     # CUDA: launch the next group while the current one computes
     capture_misses: str = "idle"            # graph-cached: a missed bucket is captured when idle, or "inline"
     gil_switch_ms: float | None = None      # default: Python's own switch interval (5 ms)
@@ -430,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
     p.add_argument("--warmup-shapes", default=None,
                    help="graph-cached: buckets captured before READY, ROWSxLENGTHxMARKERS,... (default: a common set)")
+    p.add_argument("--warmup-merged", default=os.environ.get("LAYA_WARMUP_MERGED") or None, metavar="RxTxM,...",
+                   help="graph-cached: request classes (rows x tokens per row x markers per row of one request, as "
+                        "it arrives) whose merged groups of 1..--max-batch are captured before READY too, so a load "
+                        "of them never runs a group eager; '' for none. Default: one question over 48, 64 or 128 "
+                        "tokens, unless --warmup-shapes is given (then none). Buckets traffic missed show in status "
+                        "(stats.runtime.missed_shapes); env LAYA_WARMUP_MERGED")
     # Defaults from the environment too, so a whole pool (`laya-pool up`) can be switched for an A/B measurement.
     p.add_argument("--overlap", default=os.environ.get("LAYA_OVERLAP", d.overlap), choices=("on", "off"),
                    help="CUDA: pack and launch the next group while the current one computes (two staging slots); "
@@ -483,19 +490,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config_problem(cfg: WorkerConfig, parse_shapes: Any, default_warmup: str) -> tuple[str | None, tuple]:
-    """What is wrong with the keys or the options, found before the model loads: (problem, warm-up shapes).
-    Without --warmup-shapes the runtime also captures what merged groups of common requests produce."""
+def _config_problem(cfg: WorkerConfig, parse_shapes: Any, default_warmup: str,
+                    default_merged: str) -> tuple[str | None, tuple, tuple]:
+    """What is wrong with the keys or the options, found before the model loads: (problem, warm-up shapes, merged
+    classes). Without --warmup-shapes or --warmup-merged the runtime also captures what merged groups of common
+    requests produce."""
     if cfg.keys:
         try:
             wire.load_curve_keys(cfg.keys, role="worker")
         except (OSError, ValueError) as e:
-            return f"cannot use the CURVE keys: {e}", ()
+            return f"cannot use the CURVE keys: {e}", (), ()
+    if cfg.mode != "graph-cached":
+        return None, (), ()
     try:
-        warm = parse_shapes(cfg.warmup_shapes or default_warmup) if cfg.mode == "graph-cached" else ()
+        warm = parse_shapes(cfg.warmup_shapes or default_warmup)
     except ValueError as e:
-        return f"--warmup-shapes: {e}", ()
-    return None, warm
+        return f"--warmup-shapes: {e}", (), ()
+    merged = cfg.warmup_merged
+    if merged is None:
+        merged = default_merged if cfg.warmup_shapes is None else ""
+    try:
+        return None, warm, parse_shapes(merged)
+    except ValueError as e:
+        return f"--warmup-merged: {e}", (), ()
 
 
 class _Exit(Exception):
@@ -551,12 +568,12 @@ def _start_compilers(cfg: WorkerConfig, torch_device: str) -> list | None:
         return None
 
 
-def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: dict[str, float],
+def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, merged: tuple, phases: dict[str, float],
                    context: threading.Thread | None = None, compilers: list | None = None) -> tuple[Any, float]:
     """Load the checkpoint, build the runtime and warm it up: (runtime, warm-up ms); `phases` gets ms per step.
     `compilers` (`_start_compilers`) go to the warm-up, which reaps them."""
     from .checkpoint import CheckpointError, load_checkpoint
-    from .runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, parse_shapes
+    from .runtime import Runtime, RuntimeConfig
     from .workspace import Capacity
 
     log.info("worker %s: loading %s", cfg.id, cfg.model)
@@ -575,7 +592,6 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, phases: di
     cap = Capacity(max_tokens=cfg.max_tokens or d.max_tokens, max_rows=cfg.max_rows or d.max_rows,
                    max_markers=cfg.max_markers or d.max_markers, row_markers=d.row_markers)
     try:
-        merged = parse_shapes(DEFAULT_MERGED) if cfg.mode == "graph-cached" and cfg.warmup_shapes is None else ()
         rt = Runtime(ck, device=torch_device, config=RuntimeConfig(
             mode=cfg.mode, capacity=cap, warmup_shapes=warm, warmup_merged=merged, warmup_group=cfg.max_batch,
             capture=cfg.capture_misses, overlap=None if cfg.overlap == "on" else False,
@@ -654,12 +670,12 @@ def _start(cfg: WorkerConfig, torch_device: str, label: str, compilers: list | N
     try:
         import torch
 
-        from .runtime import DEFAULT_WARMUP, parse_shapes
+        from .runtime import DEFAULT_MERGED, DEFAULT_WARMUP, parse_shapes
     except Exception as e:  # noqa: BLE001
         log.error("cannot import the runtime: %s", e)
         return contract.EXIT_FATAL
     phases = {"imports": (time.monotonic() - _STARTED) * 1e3}
-    problem, warm = _config_problem(cfg, parse_shapes, DEFAULT_WARMUP)
+    problem, warm, merged = _config_problem(cfg, parse_shapes, DEFAULT_WARMUP, DEFAULT_MERGED)
     if problem:
         log.error("%s", problem)
         return contract.EXIT_CONFIG
@@ -668,7 +684,8 @@ def _start(cfg: WorkerConfig, torch_device: str, label: str, compilers: list | N
         if compilers:
             from laya_pool.kernels.compile import confine, procs_for
             compilers = confine(compilers, pinned, procs_for(cfg.compile_procs))
-        rt, warm_ms = _build_runtime(cfg, torch_device, warm, phases, _open_context(torch, torch_device), compilers)
+        rt, warm_ms = _build_runtime(cfg, torch_device, warm, merged, phases, _open_context(torch, torch_device),
+                                     compilers)
     except _Exit as e:
         return e.code
     log.info("worker %s: %s (%s), mode %s, forward %s, threads %s, cpus %s, GIL switch %.2f ms, warm-up %.0f ms",
