@@ -18,7 +18,15 @@ from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.compute import FaultHooks
 from laya_pool.worker.graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
 from laya_pool.worker.merge import Group
-from laya_pool.worker.runtime import DEFAULT_MERGED, Runtime, RuntimeConfig, bucket_of, merged_buckets, parse_shapes
+from laya_pool.worker.runtime import (
+    DEFAULT_MERGED,
+    Runtime,
+    RuntimeConfig,
+    bucket_of,
+    merged_buckets,
+    parse_shapes,
+    warmup_plan,
+)
 from laya_pool.worker.slots import SlotError, SlotLedger, SlotState
 from laya_pool.worker.workspace import Capacity, Shape
 
@@ -172,6 +180,29 @@ def test_default_warmup_covers_merged_small_requests(tiny_ckpt):
             else:
                 assert rt.bucket(merged) in plan, (length, n)
     assert rt.warmup_plan() == sorted(plan, reverse=True), "largest first"
+
+
+def test_settled_plan_leaves_out_what_a_planned_bucket_does_with_more_marker_slots():
+    """A bucket whose rows and length a planned bucket has (more marker slots: the same work) is not captured for an
+    idle-capture runtime, which serves it from that cover; one the cover would pad longer stays; an inline runtime,
+    which captures a miss instead of taking a cover, keeps them all."""
+    cap = Capacity()
+    shapes = (Shape(8, 256, 8), Shape(8, 256, 4), Shape(1, 64, 4), Shape(1, 64, 2))
+    classes = (Shape(1, 48, 4),)
+    full = warmup_plan(shapes, classes, 4, cap, 512)
+    settled = warmup_plan(shapes, classes, 4, cap, 512, settled=True)
+    assert set(full) - set(settled) == {Shape(8, 256, 4), Shape(1, 64, 2)}
+    assert Shape(1, 48, 4) in settled and Shape(4, 48, 4) in settled     # 1x64 would pad them: kept
+    assert all(smallest_cover(sh, settled) is not None for sh in full)
+    assert settled == sorted(settled, reverse=True)
+
+
+def test_runtime_plans_settled_only_when_it_takes_covers(tiny_ckpt):
+    def plan(capture: str) -> list[Shape]:
+        return Runtime(load_checkpoint(tiny_ckpt), config=RuntimeConfig(
+            capacity=CAP, capture=capture, warmup_shapes=(Shape(4, 64, 8), Shape(4, 64, 4)))).warmup_plan()
+
+    assert plan("idle") == [Shape(4, 64, 8)] and plan("inline") == [Shape(4, 64, 8), Shape(4, 64, 4)]
 
 
 # -- the two-group compute loop ------------------------------------------------------------------------------

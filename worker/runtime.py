@@ -27,7 +27,7 @@ from laya_pool.protocol.contract import MODES
 
 from .batch import Batch, Limits, RequestError, validate_structure, validate_values
 from .checkpoint import Checkpoint
-from .graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
+from .graphs import CachePolicy, GraphCache, GraphEntry, holds, smallest_cover
 from .slots import SlotLedger, SlotState
 from .workspace import Capacity, Shape, Workspace
 
@@ -114,12 +114,19 @@ def merged_buckets(classes: tuple[Shape, ...], max_group: int, cap: Capacity, ma
 
 
 def warmup_plan(shapes: tuple[Shape, ...], classes: tuple[Shape, ...], max_group: int, cap: Capacity,
-                max_len: int) -> list[Shape]:
+                max_len: int, settled: bool = False) -> list[Shape]:
     """Every bucket to capture before READY, largest first: the named shapes and the merged classes' buckets,
-    each within the capacity and the model's row length."""
+    each within the capacity and the model's row length. `settled`: without those whose rows and length another
+    planned bucket has, with more marker slots (8x256x4 beside 8x256x8: the same work, `settles`), for a runtime
+    that serves a miss from such a cover. (One of the same rows, only longer, would cost tokens: 1x48 stays beside
+    1x64.)"""
     named = [sh for sh in shapes if sh.rows <= cap.max_rows and sh.row_len <= max_len
              and sh.row_markers <= cap.row_markers]
-    return sorted(set(named) | set(merged_buckets(classes, max_group, cap, max_len)), reverse=True)
+    plan = sorted(set(named) | set(merged_buckets(classes, max_group, cap, max_len)), reverse=True)
+    if settled:
+        plan = [sh for sh in plan if not any(c != sh and holds(c, sh) and c.rows * c.row_len == sh.rows * sh.row_len
+                                             for c in plan)]
+    return plan
 
 
 @dataclass
@@ -289,8 +296,10 @@ class Runtime:
 
     def warmup_plan(self) -> list[Shape]:
         cfg = self.config
+        # A capture made only to be covered by a larger one costs start time and memory; an inline runtime captures
+        # a miss instead of taking a cover, so it keeps every bucket.
         return warmup_plan(cfg.warmup_shapes, cfg.warmup_merged, cfg.warmup_group, self.capacity,
-                           self.checkpoint.arch.max_len)
+                           self.checkpoint.arch.max_len, settled=cfg.capture == "idle")
 
     @staticmethod
     def exact(batch: Batch) -> Shape:
