@@ -472,8 +472,8 @@ def _add_up(up: argparse.ArgumentParser) -> None:
                     help="graph-cached mode: request classes (one request's rows x tokens per row x markers per row) "
                          "whose merged groups each worker also captures before it reports ready, e.g. "
                          "1x48x4,4x256x4 for a load of both; '' for none (default: one question over 48, 64 or 128 "
-                         "tokens, or none with --warmup-shapes). Buckets traffic missed show in `status --json` "
-                         "(a worker's stats.runtime.missed_shapes)")
+                         "tokens, or none with --warmup-shapes). The buckets traffic missed most show in `status "
+                         "--json` (a worker's stats.runtime.missed_shapes, with counts)")
     up.add_argument("--drain-timeout", type=_positive(float), default=5.0,
                     help="seconds a stopping worker may take to finish its in-flight work before it is killed "
                          "(default 5, so that a stop takes at most 10 s even with a hung device; a longer one lets "

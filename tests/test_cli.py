@@ -121,7 +121,9 @@ def test_environment_gives_defaults_and_flags_beat_it(monkeypatch):
     assert a.log_level == "WARNING"
 
 
-def test_up_hands_its_worker_options_to_every_worker():
+def test_up_hands_its_worker_options_to_every_worker(monkeypatch):
+    monkeypatch.delenv("LAYA_POOL_WARMUP_MERGED", raising=False)
+    monkeypatch.delenv("LAYA_POOL_MERGE_WASTE", raising=False)
     def argv(*args: str) -> list[str]:
         return cli.worker_argv(cli.build_parser().parse_args(["up", "--model", "m", *args]))
 

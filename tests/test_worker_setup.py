@@ -101,9 +101,10 @@ def test_bad_warmup_shapes_exit_config_before_the_model_loads(tmp_path):
     assert "--warmup-shapes" in r.stderr and "checkpoint" not in r.stderr
 
 
-def test_bad_warmup_merged_exits_config_before_the_model_loads(tmp_path):
+@pytest.mark.parametrize("bad", ["1x48", "1x0x4", "1x-48x4"])
+def test_bad_warmup_merged_exits_config_before_the_model_loads(tmp_path, bad):
     r = _worker("--model", str(tmp_path / "missing"), "--backend", f"ipc://{tmp_path}/be", "--mode", "graph-cached",
-                "--warmup-merged", "1x48")
+                "--warmup-merged", bad)
     assert r.returncode == contract.EXIT_CONFIG, r.stderr
     assert "--warmup-merged" in r.stderr and "checkpoint" not in r.stderr
 
@@ -118,8 +119,10 @@ def test_merged_classes_default_named_or_none(monkeypatch):
         assert problem is None
         return merged
 
+    monkeypatch.delenv("LAYA_WARMUP_MERGED", raising=False)
     assert classes() == parse_shapes(DEFAULT_MERGED)
     assert classes("--warmup-shapes", "4x256x4") == ()           # named buckets alone, as before the flag
+    assert classes("--warmup-shapes", "") == parse_shapes(DEFAULT_MERGED)     # '' shapes: the defaults, both
     assert classes("--warmup-merged", "1x48x4,4x256x4") == parse_shapes("1x48x4,4x256x4")
     assert classes("--warmup-shapes", "4x256x4", "--warmup-merged", "4x256x4") == parse_shapes("4x256x4")
     assert classes("--warmup-merged", "") == ()

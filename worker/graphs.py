@@ -12,6 +12,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+MISSED_KEPT = 256      # distinct missed buckets `GraphCache.missed` counts (the bucket rule makes far fewer)
+
 
 @dataclass(frozen=True)
 class CachePolicy:
@@ -120,6 +122,8 @@ class GraphCache:
         self.uncacheable: set[Hashable] = set()   # oversized or failed: run eager, never re-capture
         self.last_error: str | None = None          # the last failed capture, for status and the log
         self.pending: dict[Hashable, None] = {}     # missed buckets waiting for an idle-time capture, in order
+        # Every bucket traffic missed and how often, kept after its capture: what an operator's warm-up could name.
+        self.missed: dict[Hashable, int] = {}
 
     @property
     def policy(self) -> CachePolicy:
@@ -137,9 +141,14 @@ class GraphCache:
         self.ledger.touch(key)
         return self.graphs[key]
 
+    def _miss(self, key: Hashable) -> None:
+        self.counters.misses += 1
+        if key in self.missed or len(self.missed) < MISSED_KEPT:
+            self.missed[key] = self.missed.get(key, 0) + 1
+
     def defer(self, key: Hashable) -> bool:
         """Count a miss and queue `key` for `capture_pending`; False if it can never be cached."""
-        self.counters.misses += 1
+        self._miss(key)
         if self.policy.disabled or key in self.uncacheable:
             return False
         if key not in self.pending:
@@ -168,7 +177,7 @@ class GraphCache:
                 c.hits += 1
             return self.graphs[key]
         if count:
-            c.misses += 1
+            self._miss(key)
         if self.policy.disabled or key in self.uncacheable:
             if count:
                 c.fallbacks += 1

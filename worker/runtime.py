@@ -45,7 +45,7 @@ DEFAULT_WARMUP = "1x64x2,1x64x4,1x128x4,2x128x4,4x256x4,4x256x8,8x256x8,16x512x8
 # of them runs buckets of 1, 2, 4, ... rows.
 DEFAULT_MERGED = "1x48x4,1x64x4,1x128x4"
 CAPTURE_MODES = ("idle", "inline")    # a missed bucket: captured when no request waits, or by the request
-MISSED_LISTED = 16                    # missed buckets status lists (the oldest first)
+MISSED_LISTED = 16                    # missed buckets status lists (the most missed first)
 
 
 def parse_shapes(text: str) -> tuple[Shape, ...]:
@@ -56,6 +56,8 @@ def parse_shapes(text: str) -> tuple[Shape, ...]:
             rows, row_len, markers = (int(x) for x in part.lower().split("x"))
         except ValueError as e:
             raise ValueError(f"bad shape {part!r}: expected ROWSxLENGTHxMARKERS, e.g. 4x256x8") from e
+        if min(rows, row_len, markers) < 1:
+            raise ValueError(f"bad shape {part!r}: rows, length and markers must be positive")
         out.append(Shape(rows, row_len, markers))
     return tuple(out)
 
@@ -664,8 +666,9 @@ class Runtime:
                 "uploads": None if self.upload is None else {"submitted": self.upload.submitted,
                                                              "drains": self.upload.drains},
                 "slots": self.slots.n, "launched": self.slots.launched, "pending_captures": len(self.cache.pending),
-                # What traffic missed and no idle moment captured yet: what --warmup-shapes/--warmup-merged could name.
-                "missed_shapes": [_shape_text(k) for k in list(self.cache.pending)[:MISSED_LISTED]],
+                # The buckets traffic missed most, captured since or not: what the warm-up options could name.
+                "missed_shapes": [[_shape_text(k), n] for k, n in sorted(self.cache.missed.items(),
+                                                                          key=lambda kv: -kv[1])[:MISSED_LISTED]],
                 "graph_launch": self.graph_launch, "direct_launches": self.direct_launches}
 
     def close(self) -> None:

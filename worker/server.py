@@ -434,9 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-merged", default=os.environ.get("LAYA_WARMUP_MERGED") or None, metavar="RxTxM,...",
                    help="graph-cached: request classes (rows x tokens per row x markers per row of one request, as "
                         "it arrives) whose merged groups of 1..--max-batch are captured before READY too, so a load "
-                        "of them never runs a group eager; '' for none. Default: one question over 48, 64 or 128 "
-                        "tokens, unless --warmup-shapes is given (then none). Buckets traffic missed show in status "
-                        "(stats.runtime.missed_shapes); env LAYA_WARMUP_MERGED")
+                        "of them normally runs no group eager; '' for none. Default: one question over 48, 64 or "
+                        "128 tokens, unless --warmup-shapes is given (then none). The buckets traffic missed most, "
+                        "with counts, show in status (stats.runtime.missed_shapes); env LAYA_WARMUP_MERGED (empty: "
+                        "the default)")
     # Defaults from the environment too, so a whole pool (`laya-pool up`) can be switched for an A/B measurement.
     p.add_argument("--overlap", default=os.environ.get("LAYA_OVERLAP", d.overlap), choices=("on", "off"),
                    help="CUDA: pack and launch the next group while the current one computes (two staging slots); "
@@ -508,7 +509,7 @@ def _config_problem(cfg: WorkerConfig, parse_shapes: Any, default_warmup: str,
         return f"--warmup-shapes: {e}", (), ()
     merged = cfg.warmup_merged
     if merged is None:
-        merged = default_merged if cfg.warmup_shapes is None else ""
+        merged = "" if cfg.warmup_shapes else default_merged     # ('' shapes: not given, as for the shapes above)
     try:
         return None, warm, parse_shapes(merged)
     except ValueError as e:
