@@ -27,7 +27,7 @@ from laya_pool.protocol.contract import MODES
 
 from .batch import Batch, Limits, RequestError, validate_structure, validate_values
 from .checkpoint import Checkpoint
-from .graphs import CachePolicy, GraphCache, GraphEntry, holds, smallest_cover
+from .graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
 from .slots import SlotLedger, SlotState
 from .workspace import Capacity, Shape, Workspace
 
@@ -126,8 +126,8 @@ def warmup_plan(shapes: tuple[Shape, ...], classes: tuple[Shape, ...], max_group
              and sh.row_markers <= cap.row_markers]
     plan = sorted(set(named) | set(merged_buckets(classes, max_group, cap, max_len)), reverse=True)
     if settled:
-        plan = [sh for sh in plan if not any(c != sh and holds(c, sh) and c.rows * c.row_len == sh.rows * sh.row_len
-                                             for c in plan)]
+        plan = [sh for sh in plan if not any((c.rows, c.row_len) == (sh.rows, sh.row_len)
+                                             and c.row_markers > sh.row_markers for c in plan)]
     return plan
 
 
