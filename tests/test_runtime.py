@@ -6,7 +6,7 @@ from conftest import make_rows
 from laya_pool.worker.batch import Batch, Limits, RequestError, validate
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.graphs import CachePolicy, GraphCache, GraphEntry
-from laya_pool.worker.runtime import Runtime
+from laya_pool.worker.runtime import ROW_STEP, Runtime, bucket_of, bucket_rows
 from laya_pool.worker.workspace import Capacity, Shape
 
 LIMITS = Limits(vocab_size=100, max_len=32, max_tokens=64, max_rows=4, max_markers=16)
@@ -134,6 +134,15 @@ def test_bucket_rounding(runtime):
     assert runtime.bucket(b) == Shape(4, 80, 4)         # rows to a power of two, length to a multiple of 16
     b = Batch.from_rows([(np.arange(64) + 5, [1, 2], 0)])
     assert runtime.bucket(b) == Shape(1, 64, 2)
+    # past 8 rows, steps of 8: 20 rows (five merged 4x256 requests) pad to 24, not 32
+    assert bucket_of(20, 250, 3, Capacity(), 8192) == Shape(24, 256, 4)
+
+
+def test_bucket_rows_pad_at_most_a_step_past_it():
+    got = [bucket_rows(n) for n in range(1, 65)]
+    assert got[:8] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert all(n <= b <= max(8, n + ROW_STEP - 1) and (b <= 8 or b % ROW_STEP == 0) for n, b in zip(range(1, 65), got))
+    assert sorted(set(got[8:])) == list(range(16, 65, ROW_STEP))
 
 
 class RealBytes:
