@@ -42,7 +42,7 @@ DEFAULT_WARMUP = "1x64x2,1x64x4,1x128x4,2x128x4,4x256x4,4x256x8,8x256x8,16x512x8
 # Request classes whose merged groups the default warm-up also captures (ROWSxTOKENSxMARKERS of one request, as
 # it arrives): one question over a short or a medium state (bench.py's and load.py's 1x48 and 1x128 both carry a
 # four-option question; 64: what 49-64 tokens make since buckets step by 16). A worker merging up to --max-batch
-# of them runs buckets of 1, 2, 4, ... rows.
+# of them runs buckets of 1, 2, 4, 8, 16, 24, ... rows (`bucket_rows`).
 DEFAULT_MERGED = "1x48x4,1x64x4,1x128x4"
 CAPTURE_MODES = ("idle", "inline")    # a missed bucket: captured when no request waits, or by the request
 MISSED_LISTED = 16                    # missed buckets status lists (the most missed first)
