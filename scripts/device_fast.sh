@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip|ab|mixed]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip|spread|ab|mixed]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -112,6 +112,18 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
             grep -oE '"(request_path_captures|captures|idle_captures|deferred|hits|misses|covered|fallbacks)": [0-9]+' \
               "$OUT/roundtrip-status.json" | tr '\n' ' '; echo
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
+          kill -TERM $UP; wait $UP ;;
+    spread) # one pool, SPREAD_RUNS fresh client processes: each run's parts against where its client and data threads
+            # ran (NUMA node, L3), for the judge's overhead that moves 0.19-0.50 ms between runs on one host
+          python3 -m laya_pool up --model /tmp/large --devices cuda:0 --frontend tcp://127.0.0.1:5596 \
+            > "$OUT/spread-pool.log" 2>&1 & UP=$!
+          if bash scripts/wait_ready.sh tcp://127.0.0.1:5596 200; then
+            for i in $(seq ${SPREAD_RUNS:-8}); do timeout 30 python3 scripts/round_trip.py --frontend tcp://127.0.0.1:5596 \
+              --seconds 2 --host --json "$OUT/spread$i.json" > /dev/null 2>&1; done
+            python3 scripts/spread_summary.py "$OUT"/spread[0-9]*.json
+            [ -f devtools/pool_overhead.py ] && timeout 100 python3 devtools/pool_overhead.py /tmp/large \
+              tcp://127.0.0.1:5596 2>&1 | grep -vE "Warning|warn" | tail -3
+          else echo "pool NOT ready (see $OUT/spread-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
     mixed) # pools up at once on this GPU, each a mixed-shape load and a 1x48 load at 64 in flight in alternation, then
            # each worker's merge and graph-cache counters. MIXED_POOLS: NAME=TREE:MERGE_WASTE[:WARMUP_MERGED] ... (a tree
