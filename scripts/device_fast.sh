@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fast path: probe (invariance, accuracy, speed of each kernel and the whole), gpu tests.
 #   bash scripts/device_fast.sh [probe|tests|peer|profile|parity|paritytest|rowexact|cold|debug|overhead|serving|load|
-#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip|spread|ab|mixed]...
+#                                brokerrate|attnbits|launch|ready|topology|awake|hostsplit|ncu|lanes|chain|roundtrip|spread|cpus|ab|mixed]...
 #   (default: probe tests; the fast path is the default forward, LAYA_FORWARD=reference the reference one)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -113,6 +113,9 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
               "$OUT/roundtrip-status.json" | tr '\n' ' '; echo
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
+    cpus) # each CPU's speed at a fixed piece of Python, twice, and which pairs slow each other (hidden hyperthreads or
+          # a shared core: scripts/cpu_speed.py), for the spread step's runs
+          timeout ${CPUS_TIMEOUT:-120} python3 scripts/cpu_speed.py --pairs --json "$OUT/cpu_speed.json" ;;
     spread) # one pool, SPREAD_RUNS fresh client processes: each run's parts against where its client and data threads
             # ran (NUMA node, L3), for the judge's overhead that moves 0.19-0.50 ms between runs on one host
           python3 -m laya_pool up --model /tmp/large --devices cuda:0 --frontend tcp://127.0.0.1:5596 \
