@@ -118,11 +118,12 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
           timeout ${CPUS_TIMEOUT:-120} python3 scripts/cpu_speed.py --pairs --json "$OUT/cpu_speed.json" ;;
     spread) # one pool, SPREAD_RUNS fresh client processes: each run's parts against where its client and data threads
             # ran (NUMA node, L3), for the judge's overhead that moves 0.19-0.50 ms between runs on one host
+            # (SPREAD_ARGS: round_trip.py's, e.g. --spin-ms 0 for a client asleep on its lane)
           python3 -m laya_pool up --model /tmp/large --devices cuda:0 --frontend tcp://127.0.0.1:5596 \
             > "$OUT/spread-pool.log" 2>&1 & UP=$!
           if bash scripts/wait_ready.sh tcp://127.0.0.1:5596 200; then
             for i in $(seq ${SPREAD_RUNS:-8}); do timeout 30 python3 scripts/round_trip.py --frontend tcp://127.0.0.1:5596 \
-              --seconds 2 --host --json "$OUT/spread$i.json" > /dev/null 2>&1; done
+              --seconds 2 --host ${SPREAD_ARGS:-} --json "$OUT/spread$i.json" > /dev/null 2>&1; done
             python3 scripts/spread_summary.py "$OUT"/spread[0-9]*.json
             [ -f devtools/pool_overhead.py ] && timeout 100 python3 devtools/pool_overhead.py /tmp/large \
               tcp://127.0.0.1:5596 2>&1 | grep -vE "Warning|warn" | tail -3
