@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def topology() -> dict[str, str]:
@@ -26,23 +27,22 @@ def topology() -> dict[str, str]:
     return out
 
 
-def busiest(threads: list[dict]) -> str:
-    """The thread that spent most CPU per call, as name@cpu (its most seen CPU)."""
+def busiest(threads: list[dict]) -> tuple[str, str]:
+    """(name, CPU) of the thread that spent most CPU per call, at the CPU it was seen on most ("-" where none)."""
     if not threads:
-        return "-"
+        return "-", "-"
     t = max(threads, key=lambda x: x["cpu_us_per_call"])
-    cpu = max(t["cpus"], key=t["cpus"].get) if t["cpus"] else "?"
-    return f"{t['name']}@{cpu}"
+    return t["name"], (max(t["cpus"], key=t["cpus"].get) if t["cpus"] else "?")
 
 
 def line(path: str, topo: dict[str, str]) -> str:
-    d = json.load(open(path))
+    d = json.loads(Path(path).read_text())
     us = {k: v[0] for k, v in d["us"].items()}
     threads = d.get("host", {}).get("threads", {})
     placed = []
     for proc in ("client", "worker 0"):
-        where = busiest(threads.get(proc, []))
-        cpu = where.rsplit("@", 1)[-1]
+        name, cpu = busiest(threads.get(proc, []))
+        where = f"{name}@{cpu}" if name != "-" else "-"
         placed.append(f"{proc.split()[0]} {where} ({topo.get(cpu, '?')})")
     parts = " ".join(f"{k.replace(' ', '_')} {v:.0f}" for k, v in us.items() if k != "worker gap")
     return f"{path.rsplit('/', 1)[-1]}: {parts}; " + ", ".join(placed)
