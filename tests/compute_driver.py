@@ -112,15 +112,22 @@ class Driven:
 
 class DataSocket:
     """A Compute whose inbox is a worker's data socket (`SocketInbox`, identity w0/data), connected to a ROUTER on
-    loopback that plays the broker: `send` a request to it, read the `replies`."""
+    loopback that plays the broker: `send` a request to it, read the `replies`.
+
+    `inproc=True` joins the two in-process instead: a message sent is then in the data socket's queue when `send`
+    returns, where over TCP it is still on its way (a test that needs requests there unread needs that)."""
 
     def __init__(self, runtime: Any, max_group: int, counts: dict[str, int], faults: FaultHooks = FaultHooks(),
-                 merge_waste: int | None = MERGE_WASTE):
+                 merge_waste: int | None = MERGE_WASTE, *, inproc: bool = False):
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.inbox = SocketInbox(self.ctx, f"tcp://127.0.0.1:{port}", "w0/data",
+        if inproc:
+            endpoint = f"inproc://broker-{id(self)}"
+            self.router.bind(endpoint)
+        else:
+            endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.inbox = SocketInbox(self.ctx, endpoint, "w0/data",
                                  max_message_bytes=contract.MAX_BACKEND_BYTES)
         self.compute = Compute(runtime, "w0", runtime.fingerprint, max_group, self.inbox.send, counts, faults,
                                inbox=self.inbox, merge_waste=merge_waste)
