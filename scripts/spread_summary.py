@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 
-def topology() -> dict[str, str]:
-    """CPU -> "node N L3 M" (empty where lscpu is missing or says less)."""
+def topology() -> dict[str, tuple[str, str]]:
+    """CPU -> (NUMA node, L3 cache) (empty where lscpu is missing or says less)."""
     try:
         text = subprocess.run(["lscpu", "-e=CPU,NODE,CACHE"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
@@ -22,8 +22,7 @@ def topology() -> dict[str, str]:
     for line in text.splitlines()[1:]:
         cols = line.split()
         if len(cols) >= 3:
-            l3 = cols[2].split(":")[-1]
-            out[cols[0]] = f"n{cols[1]}/L3 {l3}"
+            out[cols[0]] = (cols[1], cols[2].split(":")[-1])
     return out
 
 
@@ -35,7 +34,7 @@ def busiest(threads: list[dict]) -> tuple[str, str]:
     return t["name"], (max(t["cpus"], key=t["cpus"].get) if t["cpus"] else "?")
 
 
-def line(path: str, topo: dict[str, str]) -> str:
+def line(path: str, topo: dict[str, tuple[str, str]]) -> str:
     d = json.loads(Path(path).read_text())
     us = {k: v[0] for k, v in d["us"].items()}
     threads = d.get("host", {}).get("threads", {})
@@ -43,15 +42,15 @@ def line(path: str, topo: dict[str, str]) -> str:
     for proc in ("client", "worker 0"):
         name, cpu = busiest(threads.get(proc, []))
         where = f"{name}@{cpu}" if name != "-" else "-"
-        placed.append(f"{proc.split()[0]} {where} ({topo.get(cpu, '?')})")
+        node, l3 = topo.get(cpu, ("?", "?"))
+        placed.append(f"{proc.split()[0]} {where} (n{node}/L3 {l3})")
     parts = " ".join(f"{k.replace(' ', '_')} {v:.0f}" for k, v in us.items() if k != "worker gap")
     return f"{path.rsplit('/', 1)[-1]}: {parts}; " + ", ".join(placed)
 
 
 def main(paths: list[str]) -> None:
     topo = topology()
-    nodes = sorted(set(v.split("/")[0] for v in topo.values()))
-    l3s = sorted(set(v.split()[-1] for v in topo.values()))
+    nodes, l3s = sorted({n for n, _ in topo.values()}), sorted({c for _, c in topo.values()})
     print(f"{len(topo)} CPUs, NUMA nodes {nodes}, L3 caches {l3s}")
     for p in paths:
         print(line(p, topo))
