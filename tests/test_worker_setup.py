@@ -133,3 +133,15 @@ def test_merged_classes_default_named_or_none(monkeypatch):
 def test_usage_problem_exits_usage(tmp_path):
     r = _worker("--model", str(tmp_path), "--backend", f"ipc://{tmp_path}/be", "--credit", "0")
     assert r.returncode == contract.EXIT_USAGE and "must be positive" in r.stderr
+
+
+@pytest.mark.parametrize("value,device,problem", [
+    ("off", "cpu", False), ("off", "cuda:0", False), ("quickest", "cuda:0", False), ("3", "cuda:0", False),
+    ("fastest", "cuda:0", True), ("-1", "cuda:0", True), ("", "cuda:0", True),
+    ("quickest", "cpu", True), ("3", "cpu", True),             # a CPU forward's torch threads would share its CPU
+])
+def test_data_cpu_values(value, device, problem, monkeypatch):
+    monkeypatch.setenv("LAYA_DATA_CPU", value)             # a whole pool switched for an A/B run
+    argv = ["--model", "m", "--backend", "b", "--id", "0", "--device", device]
+    found = WorkerConfig.from_args(build_parser().parse_args(argv)).for_device(device == "cuda:0").usage_problem()
+    assert (found is not None and "--data-cpu" in found) if problem else found is None, found
