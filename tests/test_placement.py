@@ -1,24 +1,9 @@
-"""worker/placement.py's choice of a CPU for the data thread: the pure pick, and the timing on this machine's CPUs."""
+"""worker/placement.py's pin of one thread (the data thread's --data-cpu)."""
 import os
 import threading
 
 import pytest
 from laya_pool.worker import placement
-
-
-def test_quickest_is_the_least_time_and_the_lower_number_on_a_tie():
-    assert placement.quickest({0: 9.0, 1: 5.0, 2: 7.0}) == 1
-    assert placement.quickest({4: 5.0, 2: 5.0, 3: 6.0}) == 2
-    assert placement.quickest({}) is None
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
-def test_every_allowed_cpu_is_timed_at_once():
-    cpus = sorted(os.sched_getaffinity(0))
-    speeds = placement.cpu_speeds(cpus, seconds=0.2)
-    assert sorted(speeds) == cpus
-    assert all(v > 0 for v in speeds.values())
-    assert placement.cpu_speeds([max(cpus) + 4096], seconds=0.1) == {}     # a CPU the process may not use
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")

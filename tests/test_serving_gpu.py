@@ -6,6 +6,8 @@ compute thread (tests/compute_driver.py: the wire codec both ways; through a que
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from compute_driver import Driven, queued, rows
@@ -147,11 +149,23 @@ def test_failed_upload_with_a_group_in_flight(ckpt):
     assert d.counts["upload_errors"] == 1 and rt.slots.in_flight == 0
 
 
+def thread_cpus(pid: int) -> dict[str, str]:
+    """Each named thread of process `pid` and the CPUs it may run on (/proc)."""
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/comm") as f:
+            name = f.read().strip()
+        with open(f"/proc/{pid}/task/{task}/status") as f:
+            out[name] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("Cpus_allowed_list"))
+    return out
+
+
 def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
     """A real pool on the device (`laya-pool up`: broker + one CUDA worker, real sockets): requests reach the worker's
     data thread directly (its I/O thread hands over none), from the clients themselves (a CUDA worker's default:
     client/direct.py) or through the broker, answers equal an in-process eager runtime's bit for bit, and a burst
-    from several threads merges there."""
+    from several threads merges there. The data thread runs on the CPU `--data-cpu` names (LAYA_DATA_CPU), the rest
+    of the worker where it was."""
     import concurrent.futures as cf
 
     from laya_pool.client.pool import local_pool
@@ -162,7 +176,10 @@ def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
     as_rows = [[(b.ids[s:s + n], b.markers[m:m + c], int(t)) for s, n, m, c, t in
                 zip(np.cumsum([0, *b.lengths[:-1]]), b.lengths, np.cumsum([0, *b.marker_counts[:-1]]),
                     b.marker_counts, b.types)] for b in batches]
-    with local_pool(tiny_ckpt, "cuda:0", startup_timeout=240) as pool:
+    data_cpu = max(os.sched_getaffinity(0))
+    with local_pool(tiny_ckpt, "cuda:0", startup_timeout=240, env={"LAYA_DATA_CPU": str(data_cpu)}) as pool:
+        pinned = thread_cpus(pool.status()["workers"][0]["pid"])
+        assert pinned["compute"] == str(data_cpu) and pinned["io"] != str(data_cpu), pinned
         with pool.client() as c, pool.client(direct=False) as via_broker:
             for i in range(4):        # one at a time first, both ways
                 np.testing.assert_array_equal(c.forward(as_rows[i]).flat, want[i].logits)

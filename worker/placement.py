@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 
 log = logging.getLogger("laya-pool.worker")
 
@@ -70,43 +68,10 @@ def pin(cpus: list[int] | None) -> list[int] | None:
         return None
 
 
-# How fast each CPU runs Python now. The device hosts' vCPUs run a fixed loop at two speeds ~1.8x apart, changing every
-# 10-40 ms, each CPU fast between 4% and 54% of a 20 s window and steady in that share (scripts/cpu_speed.py --phases,
-# docs/PERF.md, thirty-sixth session): a core shared with a tenant outside the VM. The data thread launches every
-# group and answers every request, so the CPU it spins on is the one worth choosing.
-_LOOP = """import os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[1])})
-t0 = time.perf_counter(); end = t0 + float(sys.argv[2]); n = 0; x = 0
-while time.perf_counter() < end:
-    for i in range(2000):
-        x = (x + i) & 0xFFFF
-    n += 1
-print((time.perf_counter() - t0) / max(n, 1) * 1e6)
-"""
-
-
-def cpu_speeds(cpus: list[int], seconds: float = 0.5) -> dict[int, float]:
-    """Microseconds a fixed loop took on each CPU, all timed at once over the same `seconds` (one fresh interpreter
-    per CPU: no fork of a process that holds a CUDA context); CPUs whose timing failed are left out."""
-    procs = {c: subprocess.Popen([sys.executable, "-c", _LOOP, str(c), str(seconds)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True) for c in cpus}
-    out: dict[int, float] = {}
-    for c, p in procs.items():
-        try:
-            text, _ = p.communicate(timeout=seconds + 10)
-            out[c] = float(text)
-        except (subprocess.TimeoutExpired, ValueError):
-            p.kill()
-    return out
-
-
-def quickest(speeds: dict[int, float]) -> int | None:
-    """The CPU whose loop took least (the lower number on a tie); None without any."""
-    return min(speeds, key=lambda c: (speeds[c], c)) if speeds else None
-
 
 def pin_thread(cpu: int) -> bool:
-    """Pin the calling thread (alone: Linux's affinity is per thread) to `cpu`; whether it took."""
+    """Pin the calling thread (alone: Linux's affinity is per thread; threads it starts later inherit it) to `cpu`;
+    whether it took."""
     try:
         os.sched_setaffinity(0, {cpu})
         return True

@@ -63,7 +63,7 @@ class WorkerConfig:
     merge_waste: int = MERGE_WASTE          # padding tokens a merged forward may hold; negative: no bound
     cpus: str | None = None                 # default: the CPUs near the GPU
     threads: int | None = None              # default: one per pinned CPU
-    data_cpu: str = "off"                   # the data thread's own CPU: off, quickest (timed at start) or a number
+    data_cpu: str = "off"                   # the data thread's own CPU: off (the scheduler's choice) or its number
     max_tokens: int | None = None
     max_rows: int | None = None
     max_markers: int | None = None
@@ -121,8 +121,8 @@ class WorkerConfig:
         if self.direct == "on" and self.keys and not self.admits_clients():
             return (f"--direct on with --keys: {self.keys}/authorized is missing (the client keys the direct socket "
                     "admits, as the broker's frontend does; `laya-pool keys` writes it)")
-        if self.data_cpu not in ("off", "quickest") and not self.data_cpu.isdigit():
-            return f"--data-cpu must be off, quickest or a CPU number (got {self.data_cpu!r}); check LAYA_DATA_CPU"
+        if self.data_cpu != "off" and not self.data_cpu.isdigit():
+            return f"--data-cpu must be off or a CPU number (got {self.data_cpu!r}); check LAYA_DATA_CPU"
         if self.data_cpu != "off" and not self.device.startswith("cuda"):
             # Threads inherit their creator's CPUs: a CPU forward's torch threads would all share the data thread's.
             return "--data-cpu is for CUDA workers (a CPU worker's forward runs torch's threads on the data thread)"
@@ -434,9 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus", default=None, help="CPU list to pin to (e.g. 0-7); default near the GPU")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the pinned CPUs)")
     p.add_argument("--data-cpu", default=os.environ.get("LAYA_DATA_CPU", d.data_cpu),
-                   help="pin the data thread (which launches every group and answers every request) to one CPU: off, "
-                        "quickest (the pinned CPU that runs a loop fastest, timed for 0.5 s before serving) or its "
-                        "number; env LAYA_DATA_CPU")
+                   help="pin the data thread (it launches every group and answers every request, spinning while "
+                        "a group computes) to one CPU, e.g. a core the host keeps for it (isolcpus): off or its "
+                        "number; env LAYA_DATA_CPU. Choosing the quickest vCPU at start did not pay on the device "
+                        "hosts (docs/PERF.md, thirty-sixth session)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--max-markers", type=int, default=None)
@@ -634,18 +635,6 @@ def _build_runtime(cfg: WorkerConfig, torch_device: str, warm: tuple, merged: tu
     return rt, phases["warm-up"]
 
 
-def _data_cpu(cfg: WorkerConfig, pinned: list[int] | None) -> WorkerConfig:
-    """`--data-cpu quickest` made a number: the pinned CPUs timed at once, now that the warm-up no longer runs."""
-    if cfg.data_cpu != "quickest":
-        return cfg
-    t = time.perf_counter()
-    speeds = placement.cpu_speeds(pinned or sorted(os.sched_getaffinity(0)))
-    cpu = placement.quickest(speeds)
-    log.info("worker %s: data thread on CPU %s, the quickest (%.0f ms): loop us %s", cfg.id, cpu,
-             (time.perf_counter() - t) * 1e3, {c: round(v) for c, v in sorted(speeds.items())})
-    return dataclasses.replace(cfg, data_cpu="off" if cpu is None else str(cpu))
-
-
 def _serve(cfg: WorkerConfig, rt: Any, label: str) -> int:
     # The hooks are read here, once, and handed in: the serving code reads no environment.
     worker = Worker(cfg, rt, label, FaultHooks.from_env())
@@ -713,7 +702,6 @@ def _start(cfg: WorkerConfig, torch_device: str, label: str, compilers: list | N
                                      compilers)
     except _Exit as e:
         return e.code
-    cfg = _data_cpu(cfg, pinned)
     log.info("worker %s: %s (%s), mode %s, forward %s, threads %s, cpus %s, GIL switch %.2f ms, warm-up %.0f ms",
              cfg.id, label, torch_device, cfg.mode, rt.forward_detail, torch.get_num_threads(), pinned,
              sys.getswitchinterval() * 1e3, warm_ms)
