@@ -113,9 +113,11 @@ with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep($
               "$OUT/roundtrip-status.json" | tr '\n' ' '; echo
           else echo "pool NOT ready (see $OUT/roundtrip-pool.log)"; fi
           kill -TERM $UP; wait $UP ;;
-    cpus) # each CPU's speed at a fixed piece of Python, twice, and which pairs slow each other (hidden hyperthreads or
-          # a shared core: scripts/cpu_speed.py), for the spread step's runs
-          timeout ${CPUS_TIMEOUT:-120} python3 scripts/cpu_speed.py --pairs --json "$OUT/cpu_speed.json" ;;
+    cpus) # each CPU's speed at a fixed piece of Python, twice, then every CPU at once for PHASES_S seconds: how long
+          # each stays at one speed (the device hosts' vCPUs change speed every 10-40 ms: docs/PERF.md, thirty-sixth
+          # session); CPUS_ARGS=--pairs adds which pairs slow each other
+          timeout ${CPUS_TIMEOUT:-150} python3 scripts/cpu_speed.py --phases ${PHASES_S:-20} ${CPUS_ARGS:-} \
+            --json "$OUT/cpu_speed.json" ;;
     spread) # one pool, SPREAD_RUNS fresh client processes: each run's parts against where its client and data threads
             # ran (NUMA node, L3), for the judge's overhead that moves 0.19-0.50 ms between runs on one host
             # (SPREAD_ARGS: round_trip.py's, e.g. --spin-ms 0 for a client asleep on its lane)
