@@ -68,7 +68,6 @@ def pin(cpus: list[int] | None) -> list[int] | None:
         return None
 
 
-
 def pin_thread(cpu: int) -> bool:
     """Pin the calling thread (alone: Linux's affinity is per thread; threads it starts later inherit it) to `cpu`;
     whether it took."""
