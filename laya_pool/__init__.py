@@ -6,17 +6,14 @@ Everything a decision loop needs is importable from here: the clients, `local_po
 error a pool call raises. The names are loaded on first use, so `import laya_pool` costs nothing and a broker
 or worker process (which imports this package as its parent) loads no client code it does not use.
 
-Layout: the rooms (protocol, client, kernels, worker, broker, tools) are installed as `laya_pool.<room>`. In the
-repository they stay at the top level beside this directory (the design's layout); there this package finds
-them through its `__path__`, so a checkout imports them under the same names as an installed wheel.
+Layout: the rooms (protocol, client, kernels, worker, broker, tools) are this package's subpackages; `client` and
+`kernels` depend on nothing of ours but `protocol`, `worker` uses `kernels` and `protocol`, `broker` uses
+`protocol`, and `tools` may use every room.
 """
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
-
-ROOMS = ("protocol", "client", "kernels", "worker", "broker", "tools")
 
 # public name -> the module under this package that defines it
 _EXPORTS = {
@@ -53,17 +50,6 @@ if TYPE_CHECKING:       # what type checkers see (py.typed); at run time __getat
     from .client.semantics import QuestionError
     from .client.structured import DecisionResult, SchemaError
     from .protocol.wire import ProtocolError
-
-
-def _find_rooms_in_checkout() -> None:
-    # Installed, the rooms are subdirectories of this package. In the repository they sit one level up.
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    if not os.path.isdir(os.path.join(here, "protocol")) and os.path.isfile(os.path.join(root, "protocol", "wire.py")):
-        __path__.append(root)
-
-
-_find_rooms_in_checkout()
 
 
 def __getattr__(name: str) -> Any:

@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from laya_pool.tools.broker_rate import main  # noqa: E402

@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 MODES = ("alone", "bundles", "together")
@@ -34,6 +34,7 @@ def client(endpoint: str, mode: str, window: int, until: float) -> None:
     """Keep `window` requests in flight until `until` (monotonic), sending as `mode` says."""
     import numpy as np
     import zmq
+
     from laya_pool.protocol import wire
     from laya_pool.protocol.wire import Cmd
 
@@ -67,6 +68,7 @@ def client(endpoint: str, mode: str, window: int, until: float) -> None:
 def measure(model: str, mode: str, procs: int, window: int, seconds: float, max_group: int) -> dict:
     import torch
     import zmq
+
     from laya_pool.protocol import contract
     from laya_pool.worker.checkpoint import load_checkpoint
     from laya_pool.worker.compute import Compute

@@ -7,14 +7,15 @@ and retries the copy from other staging buffers, so the failing party can be nam
 import os
 import sys
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from test_runtime_gpu import CAP, frozen_batches  # noqa: E402
+
 from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
 from laya_pool.worker.runtime import Runtime, RuntimeConfig  # noqa: E402
-from test_runtime_gpu import CAP, frozen_batches  # noqa: E402
 
 
 def diagnose(rts):

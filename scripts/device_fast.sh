@@ -70,7 +70,7 @@ for step in ${*:-probe tests}; do
     topology) # the bare transport: broker/direct, hand-off/inline, a GPU-long think, the cores kept from idling
           timeout ${TOPOLOGY_TIMEOUT:-120} python3 scripts/topology.py --samples 800 --spin-us ${SPIN_US:-0} \
             --think-us 0,1300 --awake ${AWAKE:-none,idle} --json "$OUT/topology.json" 2>&1 | tail -24 ;;
-    awake) # the pool's overhead with one SCHED_IDLE spinner per core (tools/topology.py idle_spinners): is the
+    awake) # the pool's overhead with one SCHED_IDLE spinner per core (laya_pool/tools/topology.py idle_spinners): is the
            # after-idle wake-up the pool's cost on this host?
           python3 -c "import time; from laya_pool.tools.topology import idle_spinners
 with idle_spinners() as ok: print('idle spinners', ok, flush=True); time.sleep(${AWAKE_S:-150})" & AW=$!

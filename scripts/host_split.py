@@ -9,10 +9,11 @@ import statistics
 import sys
 import time
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+
 from laya_pool.client.card import ModelCard  # noqa: E402
 from laya_pool.client.decode import decode_answers  # noqa: E402
 from laya_pool.client.semantics import encode_request  # noqa: E402

@@ -27,12 +27,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from probe_parity import LayerInputs, batch  # noqa: E402
+
 from laya_pool.kernels import attention as at  # noqa: E402
 from laya_pool.kernels.attention import Rows, attention, attention_sdpa  # noqa: E402
 from laya_pool.kernels.fast import FastModel  # noqa: E402
 from laya_pool.kernels.reference import ReferenceModel  # noqa: E402
 from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
-from probe_parity import LayerInputs, batch  # noqa: E402
 
 LENS = [512] * 6 + [300, 200, 130, 96, 48] + [128, 100, 77, 64, 33] * 4
 # How our kernel came to cuDNN's order (device calls of 2026-12-04, docs/PERF.md, tenth and eleventh sessions; the

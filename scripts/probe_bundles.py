@@ -21,7 +21,7 @@ import time
 import numpy as np
 import zmq
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from laya_pool.protocol import contract, wire  # noqa: E402

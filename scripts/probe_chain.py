@@ -29,10 +29,11 @@ import sys
 
 import torch
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import probe_fast  # noqa: E402  (beside this script)
+
 from laya_pool.kernels.gemm import Epi, Tiles, fill_tiles, gemm, pick_tiles  # noqa: E402
 from laya_pool.kernels.launch import sms  # noqa: E402
 

@@ -25,7 +25,6 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from laya_pool.kernels.fast import FastModel  # noqa: E402
 from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
-
 from scripts.probe_fast import _family, _inputs, capture, graph_time  # noqa: E402
 
 

@@ -24,7 +24,6 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from laya_pool.kernels.gemm import Epi, Tiles, geglu_pairs, gemm, pick_tiles  # noqa: E402
 from laya_pool.kernels.launch import forget  # noqa: E402
-
 from scripts.probe_fast import _inputs, capture, replay_ms  # noqa: E402
 
 COPIES = 8
@@ -76,7 +75,6 @@ def step_gemm(ff: int, d: int) -> None:
 def step_model(model_dir: str) -> None:
     from laya_pool.kernels.fast import FastModel
     from laya_pool.worker.checkpoint import load_checkpoint
-
     from scripts.probe_fast import graph_time
     ck = load_checkpoint(model_dir)
     os.environ["LAYA_GEGLU"] = "two"

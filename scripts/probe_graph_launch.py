@@ -17,10 +17,11 @@ import statistics
 import sys
 import time
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
+
 from laya_pool.worker.batch import Batch  # noqa: E402
 from laya_pool.worker.checkpoint import load_checkpoint  # noqa: E402
 from laya_pool.worker.runtime import Runtime, RuntimeConfig  # noqa: E402

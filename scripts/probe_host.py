@@ -40,7 +40,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SHORT = ("ticket customer refund invoice urgent billing account password reset login error timeout "

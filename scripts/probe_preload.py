@@ -74,11 +74,12 @@ import triton.language as tl  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
+from probe_fast import graph_time, replay_ms  # noqa: E402
+from probe_wsgemm import jit_compiled  # noqa: E402
+
 import laya_pool.kernels.gemm as gm  # noqa: E402
 from laya_pool.kernels.gemm import Epi, Tiles, early_epilogue, fill_tiles, gemm, pick_tiles, residual  # noqa: E402
 from laya_pool.kernels.launch import launch, prefetch, prefetching, wait_turn  # noqa: E402
-from probe_fast import graph_time, replay_ms  # noqa: E402
-from probe_wsgemm import jit_compiled  # noqa: E402
 
 
 @triton.jit

@@ -24,6 +24,7 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")) 
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
 from laya_pool.kernels import exact  # noqa: E402
 from laya_pool.kernels import rows as rk  # noqa: E402
 

@@ -28,9 +28,9 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..")]
+sys.path[:0] = [os.path.join(HERE, "..")]
 
-from probe_fast import _family, _inputs, capture  # noqa: E402
+from scripts.probe_fast import _family, _inputs, capture  # noqa: E402
 
 REPLAYS = 5
 

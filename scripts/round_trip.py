@@ -32,12 +32,11 @@ from typing import Any
 
 import numpy as np
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from laya_pool.client import direct  # noqa: E402
 from laya_pool.client.pool import Client  # noqa: E402
-
 from scripts import procview  # noqa: E402
 
 PARTS = ("total", "client before", "pickup", "worker", "notice", "client after", "worker gap")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Last: the top-level rooms (kernels/, ...) must not shadow installed packages of the same name.
+# The checkout root, for laya_pool where it is not installed.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from laya_pool.protocol import wire  # noqa: E402

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from laya_pool.protocol import contract, wire
 from laya_pool.worker.batch import Batch
 from laya_pool.worker.compute import MERGE_WASTE, Compute, FaultHooks, Queued

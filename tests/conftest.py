@@ -27,10 +27,6 @@ def _cuda() -> bool:
 # this when a kernel is defined, so it is set here, before any test module imports kernels/.
 if not _cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The root is on the path for `laya_pool` where it is not installed (the device), and only last: the rooms are
-# top-level directories there (kernels/, worker/, ...), and ahead of site-packages they shadow installed packages
-# of the same names (transformers imports the PyPI package `kernels`; `python -m pytest` puts the root first).
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(ROOT)] + [str(ROOT)]
 # Operator secrets (broker.operator) of the pools tests start go to a private directory, not the user's.
 os.environ.setdefault("LAYA_POOL_RUNTIME_DIR", tempfile.mkdtemp(prefix="laya-pool-test-run-"))
 
@@ -44,9 +40,8 @@ def _installed() -> bool:
         return False
 
 
-# For the broker and worker processes tests start: this checkout where laya_pool is not installed (ahead of
-# site-packages there, so nothing installed may share a room's name), then whatever PYTHONPATH held (on the
-# device, that is where pyzmq and laya are carried).
+# For the broker and worker processes tests start: this checkout where laya_pool is not installed (the device),
+# then whatever PYTHONPATH held (on the device, that is where pyzmq and laya are carried).
 _CHECKOUT = None if _installed() else str(ROOT)
 SUBPROCESS_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_CHECKOUT, os.environ.get("PYTHONPATH")])))
 
@@ -167,6 +162,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_runtime(tiny_ckpt):
     """The tiny checkpoint's runtime on the CPU, in this process: what a pool's answers are checked against."""
     import torch
+
     from laya_pool.worker.checkpoint import load_checkpoint
     from laya_pool.worker.runtime import Runtime
     torch.set_num_threads(1)

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 from conftest import SUBPROCESS_ENV, wait_until
+
 from laya_pool.client.pool import Client
 from laya_pool.protocol import wire
 

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from conftest import make_rows, wait_until
+
 from laya_pool.client.pool import AsyncClient, Client, local_pool
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from laya_pool.broker.broker import Broker, BrokerConfig, Job
 from laya_pool.broker.replies import ReplyCache
 from laya_pool.protocol import wire
@@ -131,6 +132,7 @@ def _register(broker, worker, max_tokens: int) -> None:
 
 def test_a_lost_job_fails_as_workers_lost_after_max_attempts(broker, tmp_path):
     import zmq
+
     from laya_pool.broker.broker import WorkerInfo
     ctx = zmq.Context()
     client = _dealer(ctx, b"client", f"ipc://{tmp_path}/fe")

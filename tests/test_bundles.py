@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 from conftest import make_rows, wait_until
+
 from laya_pool.client.pool import AsyncClient, local_pool
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,6 +29,7 @@ def pool(tiny_ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runtime(tiny_ckpt):
     import torch
+
     from laya_pool.worker.checkpoint import load_checkpoint
     from laya_pool.worker.runtime import Runtime
     torch.set_num_threads(1)
@@ -132,6 +134,7 @@ def test_requests_together_are_answered_one_by_one_and_a_bad_one_alone(pool, run
     outside the vocabulary is refused naming `ids` and its row, the others answered (bundled: this raw client asks
     for it); a REQUESTS whose buffer does not add up is refused, each of its requests told why; the worker serves on."""
     import zmq
+
     from laya_pool.protocol import wire
     from laya_pool.protocol.wire import Cmd
     from laya_pool.worker.batch import Batch

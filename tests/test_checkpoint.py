@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_ckpt
+
 from laya_pool.worker.checkpoint import CheckpointError, load_checkpoint
 
 QUESTIONS = {

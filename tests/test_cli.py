@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, free_port
+
 from laya_pool.broker import cli
 
 ROOT = Path(__file__).resolve().parents[1]

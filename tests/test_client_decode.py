@@ -17,11 +17,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from laya_pool.client.card import ModelCard
 from laya_pool.client.decode import answer_confidence, decode_answers, entropy_confidence, temp_bucket
 from laya_pool.client.semantics import encode_request
 
-CASES = json.loads((Path(__file__).parents[1] / "tools/cases/requests.json").read_text(encoding="utf-8"))["cases"]
+CASES_FILE = Path(__file__).parents[1] / "laya_pool" / "tools" / "cases" / "requests.json"
+CASES = json.loads(CASES_FILE.read_text(encoding="utf-8"))["cases"]
 CASE = {c["name"]: c for c in CASES}
 
 

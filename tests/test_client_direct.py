@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zmq
 from conftest import wait_until
+
 from laya_pool.client.direct import Route, Routes, Target, pick, usable
 from laya_pool.protocol import wire
 

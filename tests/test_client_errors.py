@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import zmq
+
 from laya_pool.client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
 from laya_pool.client.pool import AsyncClient, Client
 from laya_pool.protocol import wire

@@ -4,6 +4,7 @@ markers) than the pool takes, which the client learns with the model card."""
 from __future__ import annotations
 
 import pytest
+
 from laya_pool.client.pool import Client, RequestFailed, local_pool
 from laya_pool.client.semantics import QuestionError
 from laya_pool.protocol.contract import Reason

@@ -35,7 +35,7 @@ def test_client_modules_name_no_heavy_imports():
     # a lazy `import torch` inside a function would pass the probe above and still cost a user later
     for name in ("card.py", "semantics.py", "decode.py", "errors.py", "retry.py", "__init__.py", "abstain.py",
                  "batching.py", "calibration.py", "scan.py", "structured.py", "pool.py"):
-        text = (ROOT / "client" / name).read_text(encoding="utf-8")
+        text = (ROOT / "laya_pool" / "client" / name).read_text(encoding="utf-8")
         for heavy in ("import torch", "from torch", "import transformers", "from transformers",
                       "laya_pool.kernels", "laya_pool.worker", "from ..", "import laya_pool"):
             assert heavy not in text, (name, heavy)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+
 from laya_pool.client.errors import PoolBusy, PoolError, PoolNoWorker, PoolTimeout, PoolUnavailable, PoolUnreachable
 from laya_pool.client.retry import Action, Attempts, RetryPolicy, Step, reply_error
 from laya_pool.protocol import wire

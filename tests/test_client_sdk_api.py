@@ -20,6 +20,7 @@ from typing import Literal, Optional
 import numpy as np
 import pytest
 from conftest import assert_answers_close
+
 from laya_pool.client import abstain, batching, scan, structured
 from laya_pool.client.card import ModelCard
 from laya_pool.client.decode import resolve_lang_temperatures
@@ -248,6 +249,7 @@ def test_calibration_files_read_as_sdk():
     from types import SimpleNamespace
 
     from laya.calibrate import apply_calibration_payload
+
     from laya_pool.client.calibration import load_calibration
 
     def sdk(payload):

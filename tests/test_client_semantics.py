@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from laya_pool.client.card import CardError, ModelCard, clamp_temperature, directory_fingerprint
 from laya_pool.client.semantics import QuestionError, encode_request, to_internal
 
-CASES = json.loads((Path(__file__).parents[1] / "tools/cases/requests.json").read_text(encoding="utf-8"))["cases"]
+CASES_FILE = Path(__file__).parents[1] / "laya_pool" / "tools" / "cases" / "requests.json"
+CASES = json.loads(CASES_FILE.read_text(encoding="utf-8"))["cases"]
 
 
 @pytest.fixture(scope="module")

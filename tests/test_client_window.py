@@ -14,11 +14,12 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_client_semantics import assert_same_rows
+
 from laya_pool.client import state as state_module
 from laya_pool.client.card import ModelCard
 from laya_pool.client.semantics import encode_request
 from laya_pool.client.state import WindowPolicy, in_parts, split, tokenize_state
-from test_client_semantics import assert_same_rows
 
 PIECES = ["ticket", "refund", "a", "the", "it's", "we'll", "I'm", "x" * 40, "supercalifragilistic" * 8,
           "Grüße", "Zürich", "東京注文返金緊急", "Привет", "مرحبا", "🙂", "👩‍💻", "🇩🇪", "e\u0301", "€100", "42",
@@ -242,6 +243,7 @@ def test_alone_says_whether_another_thread_could_want_the_gil():
     import threading
 
     from conftest import wait_until
+
     from laya_pool.client.state import alone, in_background
     in_background(lambda: None).result()        # the tokenizing thread exists from here on, idle
     wait_until(lambda: alone() or threading.active_count() > 2, 5, "the tokenizing thread never went idle")

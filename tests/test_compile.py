@@ -4,6 +4,7 @@ import os
 import signal
 
 import pytest
+
 from laya_pool.kernels.compile import Spec, compile_in_processes, confine, deal, marker, procs_for, release, spawn
 
 

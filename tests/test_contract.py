@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from laya_pool.protocol import contract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ def _reason_literals(path: Path) -> list[str]:
 
 
 def test_no_reason_is_spelled_out_as_a_string():
-    files = [p for room in ("broker", "client", "worker", "protocol") for p in (ROOT / room).glob("*.py")]
+    files = [p for room in ("broker", "client", "worker", "protocol") for p in (ROOT / "laya_pool" / room).glob("*.py")]
     assert [hit for p in files for hit in _reason_literals(p)] == []
 
 

@@ -1,10 +1,7 @@
 """scripts/cpu_speed.py's pure part: which pairs of CPUs slow each other."""
-import sys
 
-from conftest import ROOT
 
-sys.path.append(str(ROOT))
-from scripts import cpu_speed  # noqa: E402
+from scripts import cpu_speed
 
 
 def test_only_pairs_past_the_threshold_are_named_with_their_ratio():

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+
 from laya_pool.kernels import cublas
 
 

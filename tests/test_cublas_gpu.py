@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from laya_pool.kernels import cublas
 from laya_pool.kernels.fast import FastModel
 from laya_pool.worker.checkpoint import load_checkpoint

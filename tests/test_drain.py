@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 from compute_driver import COUNTS, DataSocket, rows
+
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.worker.checkpoint import load_checkpoint

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
+
 from laya_pool.kernels.arch import parse_arch
 from laya_pool.kernels.gemm import Epi, Tiles, early_epilogue, fill_tiles, geglu_pairs, pick_tiles
 from laya_pool.kernels.reference import ReferenceModel

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from conftest import ROOT, SUBPROCESS_ENV, free_port, wait_until
+
 from laya_pool.client.pool import Client
 
 pytestmark = pytest.mark.timeout(60)

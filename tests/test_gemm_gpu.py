@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from laya_pool.kernels.gemm import Epi, Tiles, geglu_pairs, gemm
 from laya_pool.worker.checkpoint import load_checkpoint
 
@@ -132,6 +133,7 @@ def test_a_gemm_compiled_before_any_model_gives_torchs_gelu():
     from pathlib import Path
 
     import triton
+
     from laya_pool.kernels.launch import toolkit_libdevice
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import make_rows, wait_until
+
 from laya_pool.worker.batch import Batch, Limits, validate
 
 

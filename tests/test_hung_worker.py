@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
+
 from laya_pool.client.pool import Client
 
 ROOT = Path(__file__).resolve().parents[1]

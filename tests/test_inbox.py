@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import zmq
+
 from laya_pool.protocol import contract, wire
 from laya_pool.worker import inbox as inbox_module
 from laya_pool.worker.inbox import NOTHING, SocketInbox

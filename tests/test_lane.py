@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_rows, reference_logits, wait_until
+
 from laya_pool.client.pool import Client, local_pool
 from laya_pool.protocol import lane as ln
 from laya_pool.protocol import wire
@@ -84,6 +85,7 @@ def test_the_flags_are_seen_across_the_mappings(pair):
 
 def test_a_retried_or_abandoned_request_stops_the_wait_on_its_lane(pair):
     import zmq
+
     from laya_pool.client.direct import Route, Routes
     client, worker = pair
     routes = Routes(zmq.Context.instance(), None, 1 << 20, host="here", lanes=True)
@@ -246,6 +248,7 @@ def test_the_inbox_refuses_a_lane_it_has_no_room_for_as_busy_and_keeps_serving()
     """worker/inbox.py: a LANE beyond the worker's room is answered retryable (busy), on a live inbox whose data
     thread goes on taking lanes and requests."""
     import zmq
+
     from laya_pool.worker.inbox import SocketInbox
     ctx = zmq.Context()
     inbox = SocketInbox(ctx, "tcp://127.0.0.1:1", "w1", max_message_bytes=1 << 22, direct="tcp://127.0.0.1:*",
@@ -289,6 +292,7 @@ def test_the_inbox_refuses_a_lane_it_has_no_room_for_as_busy_and_keeps_serving()
 
 def test_a_lane_refused_for_want_of_room_is_asked_for_again_and_one_refused_for_good_is_not():
     import zmq
+
     from laya_pool.client.direct import Route, Routes
     from laya_pool.protocol.lane import lane_rid
     routes = Routes(zmq.Context.instance(), None, 1 << 20, host="here", lanes=True)
@@ -303,6 +307,7 @@ def test_a_worker_that_fell_asleep_as_the_request_was_written_is_rung_on_the_soc
     """`Routes.send` finds the worker polling, writes, then sees it asleep (protocol/lane.py: AWAKE is not exact):
     the request stays on the lane and a LANE ring goes on the route's socket to wake the worker."""
     import zmq
+
     from laya_pool.client.direct import Route, Routes
     ctx = zmq.Context()
     worker_sock = ctx.socket(zmq.ROUTER)
@@ -332,6 +337,7 @@ def test_a_request_on_a_lane_its_worker_closed_is_lost_and_resent():
     """client/direct.py's side of GONE: the request comes back from `take_lost` (the client re-sends it through the
     broker at once) and the route asks for a lane again with the next table."""
     import zmq
+
     from laya_pool.client.direct import Route, Routes
     routes = Routes(zmq.Context.instance(), None, 1 << 20, host="here", lanes=True)
     mine = Lane.create()

@@ -6,6 +6,7 @@ compares its bits with Triton's dispatch on every frozen batch.
 import os
 
 import torch
+
 from laya_pool.kernels import launch
 
 

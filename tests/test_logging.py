@@ -6,6 +6,7 @@ import json
 import logging
 
 from conftest import make_rows
+
 from laya_pool.protocol import logs, wire
 
 

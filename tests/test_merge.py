@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 from conftest import make_rows
+
 from laya_pool.client.pool import AsyncClient, RequestFailed, local_pool
 from laya_pool.worker.batch import Batch
 from laya_pool.worker.checkpoint import load_checkpoint
@@ -97,6 +98,7 @@ def test_a_groups_values_are_checked_once_and_a_bad_member_is_refused_as_alone(t
     `check_values` a group). A group with bad members is checked member by member: each bad one is refused with the
     field and row it gets alone (`Runtime.check`), the rest are answered, and nothing bad reaches the forward."""
     from compute_driver import Driven, queued, rows
+
     from laya_pool.worker.batch import RequestError
     from laya_pool.worker.runtime import RuntimeConfig
 
@@ -237,6 +239,7 @@ def test_what_waits_goes_first_and_stays_in_arrival_order(tiny_ckpt):
 def test_what_waits_is_handed_back_when_the_worker_is_fatal(tiny_ckpt):
     """A worker that leaves broken answers what waited for a group `retryable`: another worker runs it."""
     from compute_driver import Driven, queued
+
     from laya_pool.protocol import wire
 
     rt = Runtime(load_checkpoint(tiny_ckpt))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from conftest import SUBPROCESS_ENV, free_port, make_rows, stop_all, wait_until
+
 from laya_pool.broker.supervisor import Supervisor, SupervisorConfig
 from laya_pool.worker.placement import cuda_local_device as _cuda_local_device
 

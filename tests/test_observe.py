@@ -6,13 +6,14 @@ their shape is the one `status` ships.
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
 from laya_pool.broker.metering import Meter
 from laya_pool.broker.observe import PoolObserver, Totals, readiness
 from laya_pool.broker.ops_http import is_loopback_host, parse_listen, refusal
 from laya_pool.protocol.histogram import Histogram
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 
 def _status(broker_pid: int, meter: Meter, counters: dict, workers: list[dict] | None = None) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, make_rows, wait_until
+
 from laya_pool.broker import operator
 from laya_pool.client.pool import Client, RequestFailed, local_pool
 from laya_pool.protocol.contract import Reason

@@ -16,9 +16,10 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
 from laya_pool.broker import operator
 from laya_pool.client.pool import Client, PoolUnavailable, RequestFailed, local_pool
-from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(180)
 OK = ("laya_pool_requests_total", (("outcome", "ok"), ("reason", "")))

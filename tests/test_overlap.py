@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from compute_driver import Driven, queued, rows
+
 from laya_pool.worker.batch import Batch
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.compute import FaultHooks

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
+
 from laya_pool.broker.overload import DrainRate, retry_after
 from laya_pool.client.pool import (
     AsyncClient,

@@ -3,6 +3,7 @@ import os
 import threading
 
 import pytest
+
 from laya_pool.worker import placement
 
 

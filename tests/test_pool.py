@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
+
 from laya_pool.client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
 from laya_pool.protocol import contract, wire
 from laya_pool.protocol.wire import Cmd
@@ -126,6 +127,7 @@ def expected(sdk_agent):
 @pytest.fixture(scope="module")
 def runtime(tiny_ckpt):
     import torch
+
     from laya_pool.worker.checkpoint import load_checkpoint
     from laya_pool.worker.runtime import Runtime
     torch.set_num_threads(1)

@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
+
 from laya_pool.broker import operator
 from laya_pool.client.pool import Client, PoolUnavailable, local_pool
 

@@ -3,17 +3,8 @@ cases; the device run gives it real ones."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
-# The probe puts scripts/ and the repository's root ahead on the path when imported; the root there would shadow the
-# PyPI package `kernels` (transformers imports it) with ours for every later test (conftest.py): the path is put back.
-_path = list(sys.path)
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-try:
-    import probe_timeline as timeline  # noqa: E402
-finally:
-    sys.path[:] = _path
+from scripts import probe_timeline as timeline
 
 
 def k(name: str, start: float, end: float) -> dict:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+
 from laya_pool.kernels.reference import ABSENT_LOGIT, ReferenceModel
 from laya_pool.worker.checkpoint import load_checkpoint
 

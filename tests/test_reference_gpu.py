@@ -20,10 +20,11 @@ import warnings
 import pytest
 import torch
 from conftest import make_ckpt
+from test_reference import REQUESTS, encode, flat_rows, make_requests, pack
+
 from laya_pool.kernels.fast import FastModel
 from laya_pool.kernels.reference import ABSENT_LOGIT, ReferenceModel
 from laya_pool.worker.checkpoint import load_checkpoint
-from test_reference import REQUESTS, encode, flat_rows, make_requests, pack
 
 pytestmark = pytest.mark.gpu
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, make_ckpt, wait_until
+
 from laya_pool.client.pool import Client, PoolUnavailable, local_pool
 from laya_pool.protocol import contract
 

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_rows
+
 from laya_pool.worker.batch import Batch, Limits, RequestError, validate
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.graphs import CachePolicy, GraphCache, GraphEntry

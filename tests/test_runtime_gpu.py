@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from laya_pool.worker.batch import Batch
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.graphs import CachePolicy
@@ -18,7 +19,7 @@ from laya_pool.worker.upload import UploadError
 from laya_pool.worker.workspace import Capacity, Shape
 
 pytestmark = pytest.mark.gpu
-CASES = Path(__file__).parents[1] / "tools/cases/requests.json"
+CASES = Path(__file__).parents[1] / "laya_pool/tools/cases/requests.json"
 CAP = Capacity(max_tokens=16 * 512, max_rows=16, max_markers=1024, row_markers=64)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import zmq
 from conftest import SUBPROCESS_ENV, free_port, wait_until
+
 from laya_pool.broker.security import generate
 from laya_pool.client.pool import Client
 from laya_pool.protocol import wire

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 from conftest import SUBPROCESS_ENV, free_port, wait_until
+
 from laya_pool.broker.security import generate
 from laya_pool.client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed
 from laya_pool.protocol import wire

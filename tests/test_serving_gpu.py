@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from compute_driver import Driven, queued, rows
 from conftest import wait_until
+
 from laya_pool.worker.batch import Batch
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.runtime import DEFAULT_MERGED, DEFAULT_WARMUP, Runtime, RuntimeConfig, parse_shapes

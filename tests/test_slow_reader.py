@@ -13,6 +13,7 @@ import psutil
 import pytest
 import zmq
 from conftest import make_rows, wait_until
+
 from laya_pool.client.pool import Client, local_pool
 from laya_pool.protocol import wire
 

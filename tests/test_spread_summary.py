@@ -1,11 +1,7 @@
 """scripts/spread_summary.py: a run's line names its parts and where its busiest client and worker threads ran."""
 import json
-import sys
 
-from conftest import ROOT
-
-sys.path.append(str(ROOT))
-from scripts import spread_summary as summary  # noqa: E402
+from scripts import spread_summary as summary
 
 
 def thread(name, us, cpus):

@@ -6,6 +6,7 @@ import os
 import pytest
 import zmq
 from conftest import free_port
+
 from laya_pool.tools import topology
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
+
 from laya_pool.client.pool import Client, PoolError, local_pool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from laya_pool.protocol import wire
 from laya_pool.protocol.wire import Cmd, ProtocolError
 

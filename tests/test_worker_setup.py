@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from conftest import ROOT, SUBPROCESS_ENV
+
 from laya_pool.protocol import contract
 from laya_pool.worker.compute import MERGE_WASTE, FaultHooks
 from laya_pool.worker.server import WorkerConfig, _config_problem, build_parser

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
 from laya_pool.protocol import wire
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.lane import NAP_MS, Lane, lane_rid

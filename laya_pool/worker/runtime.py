@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from laya_pool.kernels import cublas
 from laya_pool.kernels.compile import procs_for, release
 from laya_pool.kernels.fast import FastModel, supports

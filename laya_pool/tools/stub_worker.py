@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 import zmq
+
 from laya_pool.protocol import wire
 from laya_pool.protocol.wire import Cmd
 

@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+
     from laya_pool.worker.batch import Batch
     from laya_pool.worker.checkpoint import load_checkpoint
     from laya_pool.worker.runtime import Runtime, RuntimeConfig

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from laya_pool.protocol.contract import fingerprint
 from tokenizers import Tokenizer
+
+from laya_pool.protocol.contract import fingerprint
 
 from .state import WindowPolicy
 

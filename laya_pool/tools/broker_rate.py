@@ -43,6 +43,7 @@ def _load(endpoint: str, kind: str, window: int, warmup: float, seconds: float, 
 
     import numpy as np
     import zmq
+
     from laya_pool.protocol import wire
     from laya_pool.protocol.wire import Cmd
 

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.lane import Lane, lane_of, lane_rid, supported
-from zmq.utils.monitor import recv_monitor_message
 
 from .retry import reply_error
 

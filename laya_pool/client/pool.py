@@ -46,11 +46,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from laya_pool.protocol import contract, wire
 from laya_pool.protocol.contract import Reason, WorkerState
 from laya_pool.protocol.lane import NAP_MS
 from laya_pool.protocol.wire import Cmd
-from zmq.utils.monitor import recv_monitor_message
 
 from . import batching, scan
 from .abstain import apply_confidence_gate, check_min_confidence

@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 import numpy as np
+
 from laya_pool.protocol.contract import QType
 
 from .calibration import Calibration, apply_binning

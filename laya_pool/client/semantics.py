@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from laya_pool.protocol.contract import QTYPES
 
 from . import text

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+
 from laya_pool.protocol import contract, logs, wire
 from laya_pool.protocol.contract import Leave, Reason, WorkerState
 from laya_pool.protocol.wire import Cmd

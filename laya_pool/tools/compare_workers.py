@@ -73,6 +73,7 @@ class Reference:
 
     def __init__(self, model_dir: str):
         import torch
+
         from laya_pool.kernels.reference import ReferenceModel
         from laya_pool.worker.checkpoint import load_checkpoint
         ck = load_checkpoint(model_dir)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from laya_pool.kernels.arch import Arch, ConfigError, parse_arch
 from laya_pool.protocol.contract import FINGERPRINT_FILES, fingerprint
 

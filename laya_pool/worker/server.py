@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
 from laya_pool.protocol import contract, lane, logs, wire
 from laya_pool.protocol.contract import Leave
 from laya_pool.protocol.wire import Cmd

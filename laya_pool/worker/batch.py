@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import QType
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from laya_pool.client.pool import AsyncClient, Client, local_pool  # noqa: E402
 from laya_pool.protocol import contract  # noqa: E402
 

@@ -149,6 +149,7 @@ def build_configs(args, card, requests) -> dict[str, Callable[[int], Callable[[]
 
 def run(args) -> dict:
     import torch
+
     from laya_pool.client.card import ModelCard
 
     card = ModelCard.from_dir(args.model)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from laya_pool.kernels.arch import parse_arch  # noqa: E402
 
 SPECIALS = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
