@@ -268,9 +268,11 @@ def test_pack_rows_one_row_and_many_agree():
 
 
 def test_no_pickle_and_no_torch():
-    code = ("import sys, client, protocol.wire, client.pool, broker.broker, broker.cli, broker.supervisor; "
+    code = ("import sys, laya_pool.client, laya_pool.protocol.wire, laya_pool.client.pool, laya_pool.broker.broker, "
+            "laya_pool.broker.cli, laya_pool.broker.supervisor; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
-            "import inspect; src = inspect.getsource(protocol.wire) + inspect.getsource(client.pool); "
+            "from laya_pool.protocol import wire; from laya_pool.client import pool; "
+            "import inspect; src = inspect.getsource(wire) + inspect.getsource(pool); "
             "assert 'import pickle' not in src and 'recv_pyobj' not in src and 'send_pyobj' not in src")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
 
