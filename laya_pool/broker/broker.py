@@ -868,7 +868,7 @@ class Broker:
     def _bounce(self, job: Job, message: str) -> None:
         """`job` back to the queue as a hand-back, or failed once it has been handed back max_bounces times. One
         addressed to a worker waits there for that worker's return (a restart, a reload): failing it at once would
-        fail a call whose worker is back in seconds (a review of 3966d4f); one whose worker stays down fails when
+        fail a call whose worker is back in seconds; one whose worker stays down fails when
         its deadline or --queue-timeout runs out."""
         if not self._requeue(job, lost=False):
             self._fail(job, wire.STATUS_RETRYABLE, message, reason=Reason.BOUNCED)

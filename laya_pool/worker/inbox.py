@@ -272,7 +272,7 @@ class SocketInbox:
 
         A REQUESTS message's requests (`pending`, from the direct socket) count as hot reads of that socket: HOT_READS
         of them, then the data socket and the lanes get a read, so one client's message of 64 does not keep the
-        broker's requests or a lane's waiting behind all of them (a review found 1,023 taken before the broker's one).
+        broker's requests or a lane's waiting behind all of them (taken whole, 1,023 could go before the broker's one).
         Other clients' messages on the direct socket wait for the message before theirs, as ZeroMQ queues them."""
         if self.pending:
             if self.hot_reads < HOT_READS:
