@@ -236,8 +236,8 @@ def test_a_worker_leaving_in_good_order_hands_back_what_was_on_its_way(broker, t
 def test_a_request_addressed_to_a_restarting_worker_waits_for_it_and_says_whom_it_is_for(broker, tmp_path, how):
     """A request addressed to a worker that leaves to restart, handed back by it (it came after the worker stopped
     reading) or held as it left, waits in the queue and goes to that worker when it is back, its header naming the
-    worker (a draining worker runs what is addressed to it: worker/compute.py `intake`). A version that failed such a
-    request at once failed calls whose worker was back in seconds (a review of 3966d4f)."""
+    worker (a draining worker runs what is addressed to it: worker/compute.py `intake`). Failing such a request at
+    once would fail calls whose worker is back in seconds."""
     import zmq
     ctx = zmq.Context()
     worker = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")

@@ -208,7 +208,7 @@ def test_an_asyncio_client_keeps_going_direct_under_load():
     """Many concurrent calls over one AsyncClient(direct=True) to an instant worker: every attempt but the first
     few goes direct and is answered there. Sent through the socket's plain view, a reply could wait for the next
     event on its descriptor (ZeroMQ's edge-triggered readiness), its attempt time out, the worker be blamed and the
-    traffic move to the broker: 197 of ~13,000 calls went direct that way (fourteenth session)."""
+    traffic move to the broker: 197 of ~13,000 calls went direct that way."""
     import asyncio
     import socket
     import threading

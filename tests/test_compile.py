@@ -117,7 +117,7 @@ print(gemm._gemm_kernel.cache_key, rows._layer_norm_kernel.cache_key, attention.
 def test_kernel_keys_do_not_depend_on_which_kernel_a_process_touched_first():
     """Triton folds a helper's constants into its caller's key only if the helper's key came first, so a worker
     (GELU checked at load) and a compile-ahead child (a GEMM first) named the same kernel differently, and the
-    warm-up compiled again what the children had compiled (H200, fourteenth session). Each process starts from
+    warm-up compiled again what the children had compiled (31 of 35 kernels on an H200). Each process starts from
     another kernel; every key must agree (without kernels/launch.py settle_keys the GEMM's differs)."""
     pytest.importorskip("triton")
     import subprocess
@@ -156,7 +156,7 @@ def test_a_warm_up_without_kernels_to_compile_lets_early_children_go(tiny_ckpt):
 def test_a_worker_starts_children_early_only_on_cuda_and_when_asked(monkeypatch, device, early, want):
     from laya_pool.worker.server import WorkerConfig, _start_compilers, build_parser
     if early is None:
-        monkeypatch.delenv("LAYA_COMPILE_EARLY", raising=False)        # the default: off (docs/PERF.md)
+        monkeypatch.delenv("LAYA_COMPILE_EARLY", raising=False)        # the default: off (decision 0016)
     else:
         monkeypatch.setenv("LAYA_COMPILE_EARLY", early)
     cfg = WorkerConfig.from_args(build_parser().parse_args(["--model", "m", "--backend", "b", "--id", "0"]))

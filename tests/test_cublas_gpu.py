@@ -81,7 +81,8 @@ def test_cublas_keeps_the_bits_merged_alone_and_captured(ckpt, monkeypatch):
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     if ckpt.arch.hidden >= 1024:
         # The large preset's shapes are where the speed-up was measured; there cuBLAS has given our bits on the
-        # H100 and the H200 (docs/PERF.md). If this fails the bits still hold, but the speed-up is gone.
+        # H100 and the H200 (docs/decisions/0003-our-gemms-cublas-where-proven.md). If this fails the bits still
+        # hold, but the speed-up is gone.
         assert summary["proven"] >= 1, summary
 
 

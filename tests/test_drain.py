@@ -1,6 +1,6 @@
 """A draining worker's data thread: what reached it before it stopped reading.
 
-The race CI met (2026-12-06, tests/test_pool.py::test_sigterm_finishes_in_flight_work_and_exits_0 on a loaded 2-core
+The race (seen by tests/test_pool.py::test_sigterm_finishes_in_flight_work_and_exits_0 on a loaded 2-core
 machine): the broker had routed a request to worker 1 (addressed to it), SIGTERM came before the data thread read it,
 the I/O thread found nothing in flight and left, and the request, handed back, waited in the broker for a worker 1
 that never came back. Here the same moment is set up for real, deterministically: requests unread in the data
@@ -26,7 +26,7 @@ def _leave_with_unread(runtime, requests: list[list]) -> dict:
     """Send `requests` to a data thread's socket, wait until they are there unread, drain (as the I/O thread does on
     SIGTERM), hand over the stop sentinel, run the data thread to its end; every reply by rid."""
     # In-process: every request is in the data socket's queue once sent. Over TCP the poll below woke on the first
-    # to arrive and the drain could read before the rest came (CI, 2026-12-06: "answered [0] of 4").
+    # to arrive and the drain could read before the rest came ("answered [0] of 4" on a loaded machine).
     feed = DataSocket(runtime, 4, dict.fromkeys(COUNTS, 0), inproc=True)
     try:
         for frames in requests:

@@ -1,4 +1,4 @@
-"""What several devices need, checked where no second GPU exists (issue 7 runs the rest on nvidia-h200-x2).
+"""What several devices need, checked where no second GPU exists (the rest needs a host with two GPUs).
 
 - the supervisor gives each GPU worker its own GPU (CUDA_VISIBLE_DEVICES) and the worker maps it back;
 - a worker started apart, on another "host", joins a broker over TCP and serves;

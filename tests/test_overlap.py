@@ -1,4 +1,4 @@
-"""Issue 12's worker side on the CPU: the staging-slot ledger, the warm-up plan from the merge policy, missed
+"""The worker's device path on the CPU: the staging-slot ledger, the warm-up plan from the merge policy, missed
 buckets served by a larger captured one and captured when idle, and the compute thread's two-group loop.
 
 The two-group loop runs for real here: a CPU runtime built with `overlap=True` has two slots, and the compute

@@ -120,7 +120,7 @@ def test_no_worker_and_a_full_queue_that_does_not_drain(bare_broker):
 def test_busy_expired_and_other_callers_on_a_real_pool(tiny_ckpt):
     """One CPU worker holding 2 requests (credit 2), a broker queue of 1. The slow request (the workspace's
     whole capacity, raised to 65,536 tokens) takes ~3.6 s on one thread of the 2-core development machine (16,384
-    tokens took 0.9 s there in 2026-12: too close to the 1 s deadline below, and the test failed once), so it stays
+    tokens took 0.9 s there: too close to the 1 s deadline below, and the test could fail), so it stays
     well past every short deadline on a machine a few times faster."""
     slow = make_rows(11, 128, length=512)
     with local_pool(tiny_ckpt, "cpu", extra_args=["--threads", "1", "--credit", "2", "--queue-size", "1",

@@ -624,7 +624,7 @@ def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
 @contextlib.contextmanager
 def _brought_back(pool, wid: str):
     """Worker `wid` is up again after the block, also when the block failed: the module's pool is shared, and a test
-    that left a worker down would fail the tests after it (CI, 2026-12-06: one failure read as three)."""
+    that left a worker down would fail the tests after it (one failure would read as three)."""
     try:
         yield
     finally:
@@ -695,7 +695,7 @@ def test_broker_killed_and_restarted(ipc_pool, runtime):
     rows = make_rows(11)
     want, _ = _reference(runtime, rows)
     # The deadline bounds the wait, it is not what is tested: 2 s was once too short for the supervisor to start a
-    # new broker on a loaded 2-core machine (a clean-clone `make test`, 2026-12-04); alone the test takes 3.6 s.
+    # new broker on a loaded 2-core machine (a clean-clone `make test`); alone the test takes 3.6 s.
     with ipc_pool.client(timeout=10, retries=30, direct=False) as c:     # (a direct forward needs no broker)
         c.forward(rows)
         os.kill(old, signal.SIGKILL)

@@ -87,7 +87,7 @@ def _our_probs(ref: ReferenceModel | FastModel, rows, chunk: int = 48) -> list[t
         inputs, slots = pack(part, device="cuda", pad_rows=(len(part),), extra_k=1)
         logits, act = ref.forward(**inputs)
         # Real rows only: a padding row's outputs are never read, and the fast path computes it from token slots
-        # that belong to no row (uninitialised attention output; NaN seen there, device run 2026-12-04).
+        # that belong to no row (uninitialised attention output; NaN has been seen there).
         real = list(slots[:len(part)])
         assert torch.isfinite(logits[real]).all() and torch.isfinite(act[real]).all()
         logits = logits.cpu()

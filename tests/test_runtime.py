@@ -251,7 +251,8 @@ def _forward_may_read(views, shape: Shape) -> bool:
 
 def test_a_capture_warms_up_on_a_mirror_with_no_request():
     """The warm-up forward before a capture reads blank views: the live mirror holds the last group laid out
-    for its own shape, whose rows reach past a smaller shape's tokens (the cold-cache fault of docs/PERF.md)."""
+    for its own shape, whose rows reach past a smaller shape's tokens (attention then reads and writes past its
+    buffers: a fault from a cold Triton cache, where the allocator's layout differs)."""
     from laya_pool.worker.workspace import Workspace
     ws = Workspace(Capacity(max_tokens=256, max_rows=8, max_markers=64, row_markers=8), 4, torch.device("cpu"))
     long = Batch.from_rows(make_rows(3, n=4, length=60, markers=(2, 6)))

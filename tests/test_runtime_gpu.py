@@ -50,8 +50,8 @@ def runtime(ckpt, mode, dtype="bf16", **kw) -> Runtime:
 
 
 def test_a_cuda_worker_runs_the_fast_path_with_its_own_attention_by_default(ckpt, monkeypatch):
-    """The default on CUDA in bf16 (docs/PERF.md, eleventh session); LAYA_FORWARD=reference and LAYA_ATTN=sdpa
-    choose otherwise, and the runtime says so."""
+    """The default on CUDA in bf16 (docs/decisions/0004-attention-in-cudnns-order.md); LAYA_FORWARD=reference and
+    LAYA_ATTN=sdpa choose otherwise, and the runtime says so."""
     for env, want in (({}, "fast (attention triton"), ({"LAYA_ATTN": "sdpa"}, "fast (attention sdpa"),
                       ({"LAYA_FORWARD": "reference"}, "reference (LAYA_FORWARD=reference)")):
         for k in ("LAYA_ATTN", "LAYA_FORWARD"):
@@ -351,8 +351,8 @@ def test_kernels_compiled_ahead_leave_nothing_for_the_warm_up_to_compile(tiny_ck
 
 def test_a_recording_launches_nothing_not_even_a_kernel_compiled_already(monkeypatch):
     """kernels/compile.py `recorded`: the warm-up's compile-ahead runs forwards whose launches are only recorded. A
-    kernel this process had compiled already used to run there for real, on buffers that the skipped kernels before
-    it never wrote (the twenty-first session's "cuBLAS fault": a RoPE table indexed by garbage positions). Through
+    kernel this process had compiled already would run there for real, on buffers that the skipped kernels before
+    it never wrote (a RoPE table indexed by garbage positions faults the context). Through
     both of our launch caches (a GEMM's plan; `dispatch`) and Triton's own dispatch (the cache off), nothing may
     change, and only the specialization not compiled yet is recorded."""
     from laya_pool.kernels import cublas

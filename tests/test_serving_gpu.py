@@ -1,4 +1,4 @@
-"""Issue 12's worker side on a real GPU (tiny preset, ~30 s): overlap on == off, merged == alone, no captures on the
+"""The worker's serving path on a real GPU (tiny preset, ~30 s): overlap on == off, merged == alone, no captures on the
 request path after READY, a failed upload with a group in flight.
 
 Run on the device: `python -m pytest -q -m gpu tests/test_serving_gpu.py -s`. Requests go through the worker's real
@@ -79,8 +79,8 @@ def test_overlap_on_equals_off_and_merged_equals_alone(ckpt, mode):
             got = d.run(items(), gap_s=gap_s)
             bad = [i for i in range(len(batches)) if not same(got[i], alone[i])]
             assert not bad, (mode, overlap, gap_s, sockets, bad[:5])
-            # All queued at once must merge; a stream may find the device done before the next request arrives (the
-            # fast forward on the H200 did, 2026-12-03), and then the feed shows overlap == alone only.
+            # All queued at once must merge; a stream may find the device done before the next request arrives (a
+            # fast forward on an H200 does), and then the feed shows overlap == alone only.
             assert gap_s or d.counts["merged_runs"] > 0, "nothing merged: the test would not show merged == alone"
         assert max(depth) == (2 if overlap else 1), (mode, overlap, max(depth))
         print(f"\n{mode}, overlap {'on' if overlap else 'off'}: {len(batches)} requests x 2 feeds byte-identical to "

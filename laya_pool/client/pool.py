@@ -588,11 +588,11 @@ class Client(_Base):
         by `drain`; `key_role="operator"` connects with the operator CURVE key pair in `keys`;
         `lang_temperatures` (per-language temperatures for `predict(..., lang=)`) and `calibration` (a file
         `Agent.save_calibration` wrote) as `laya.load` takes them: they change how answers are decoded here.
-        `spin_ms`: wait for a reply by polling without sleeping for up to this long first (0: sleep at once). A
-        thread that sleeps through a forward may wake 0.1-0.2 ms late (measured on our H200 host, docs/PERF.md,
-        eleventh session); polling keeps it awake, at the price of a core (and of the GIL, in turns) while a call
-        waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if no other thread of this process could
-        want the GIL (which the polling would keep from it), sleep at once for anything else.
+        `spin_ms`: wait for a reply by polling without sleeping for up to this long first (0: sleep at once). A thread
+        that sleeps through a forward may wake 0.1-0.2 ms late (measured on VM hosts whose idle is the hypervisor's;
+        docs/decisions/0015-poll-windows.md); polling keeps it awake, at the price of a core (and of the GIL, in turns)
+        while a call waits. None (default): poll a request on a lane for up to LANE_SPIN_MS if no other thread of this
+        process could want the GIL (which the polling would keep from it), sleep at once for anything else.
         `direct`: send a request's first attempt to a worker that takes requests itself, if the pool has any (on
         this host; in a pool with keys, on any host: client/direct.py); every other attempt, and every other call,
         goes through the broker.
@@ -1087,19 +1087,19 @@ class AsyncClient(_Base):
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True,
                  lanes: bool = True, bundles: bool = True, together: bool = False):
-        """As `Client`'s. `direct` on by default since the fifteenth session's device run: 64 requests of 1x48 in flight
-        from 8 processes, 5,436 req/s direct (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine
-        (docs/PERF.md, fifteenth session, call 1). `lanes`: a first attempt to a worker on this host goes through
-        shared memory when its lane is free and the worker polls (protocol/lane.py), if other calls of this client
-        are out (a lone call goes on the socket); the event loop never polls or sleeps on a lane, so the worker also
-        rings each answer on the route's socket, which the loop reads. `bundles`: a worker may answer several of this
-        client's direct requests of one forward in one message (a BUNDLE, docs/protocol.md), which halves the worker's
-        host time a reply and cuts this client's by a fifth; off, every reply comes alone (for A/B runs).
+        """As `Client`'s. `direct` on by default: 64 requests of 1x48 in flight from 8 processes, 5,436 req/s direct
+        (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine (H200;
+        docs/decisions/0014-clients-straight-to-the-workers.md). `lanes`: a first attempt to a worker on this host goes
+        through shared memory when its lane is free and the worker polls (protocol/lane.py), if other calls of this
+        client are out (a lone call goes on the socket); the event loop never polls or sleeps on a lane, so the worker
+        also rings each answer on the route's socket, which the loop reads. `bundles`: a worker may answer several of
+        this client's direct requests of one forward in one message (a BUNDLE, docs/protocol.md), which halves the
+        worker's host time a reply and cuts this client's by a fifth; off, every reply comes alone (for A/B runs).
         `together` (off by default): with other calls out, the direct requests of one turn of the event loop go to their
-        worker in one REQUESTS message (`_send_together`). It cuts the worker's host time a request, but on the device
-        it gained no throughput and widened the tail (H100, 2026-12-06: 256 in flight p95 34.9-69.8 ms against 26.9-27.0
-        alone, the same req/s; 64 in flight the same, or 10% fewer req/s on a slower host; docs/PERF.md, twenty-seventh
-        session): the requests of one turn wait for the turn to end."""
+        worker in one REQUESTS message (`_send_together`). It cuts the worker's host time a request, but on a GPU
+        it gained no throughput and widened the tail (H100: 256 in flight p95 34.9-69.8 ms against 26.9-27.0 alone,
+        the same req/s; 64 in flight the same, or 10% fewer req/s on a slower host;
+        docs/decisions/0017-bundles-on-requests-opt-in.md): the requests of one turn wait for the turn to end."""
         super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
         self.operator, self.key_role = operator, key_role
         self.bundles, self.together = bundles, together
@@ -1324,8 +1324,8 @@ class AsyncClient(_Base):
         # A lane only with other calls of this client out (`_waiters` holds this one too). The event loop cannot wait
         # on a lane, so a lane's answer comes as a ring on this very socket and then a read of the lane: for a lone
         # call that costs more than the answer on the socket (1x48 at 1 in flight, H200 host: 2.01 against 1.88 ms
-        # p50), while with calls out together lanes win (at 64: 7,595 against 6,403 req/s; docs/PERF.md, nineteenth
-        # session, call 2).
+        # p50), while with calls out together lanes win (at 64: 7,595 against 6,403 req/s;
+        # docs/decisions/0014-clients-straight-to-the-workers.md).
         if len(self._waiters) > 1 and r.lane_open and r.lane_rid is None:
             took = self._routes.on_lane(r, rid, framed)
             if took is RING_IT:

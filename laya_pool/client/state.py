@@ -45,7 +45,7 @@ _GROW = 1.05                    # a window sized for 5% more tokens than asked: 
 # A window piece is tokenized in parts of at least this many characters, cut at safe cuts and given to the tokenizer
 # as one batch, which it spreads over its threads (`in_parts`). Below ~2,000 characters two parts cost what one does
 # (2-core CPU: a 16x512 request's 3,900-character window 0.48 -> 0.30 ms in 2-4 parts; 1,500 characters no gain). On a
-# 16-core device host a 16x512 request's whole encode went 0.77 -> 0.46 ms (docs/PERF.md, twenty-seventh session).
+# 16-core H100 host a 16x512 request's whole encode went 0.77 -> 0.46 ms.
 _PART_CHARS = 1024
 
 

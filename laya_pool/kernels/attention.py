@@ -6,12 +6,12 @@ walks that row's keys in blocks; a local layer walks only the blocks that meet t
 queries, a global layer (and the decision head) every block of the row's real length. Padding tokens and
 other rows are never read.
 
-Bits: this is SDPA's (cuDNN's, the SDK's attention) online softmax in cuDNN's own order, which the device probes
-found piece by piece (scripts/probe_attn_bits.py, docs/PERF.md, tenth and eleventh sessions): scores in log2 units,
+Bits: this is SDPA's (cuDNN's, the SDK's attention) online softmax in cuDNN's own order, found piece by piece against
+the SDK's SDPA call on the device (docs/decisions/0004-attention-in-cudnns-order.md): scores in log2 units,
 blocks of 128 keys from the row's start, and cuDNN's row sum: each thread of an MMA quad carries its own sum of its
 columns (8j + 2t + c) across key blocks, the block's partial added to the rescaled carry in one FMA, the quad's four
 joined (t0 + t1) + (t2 + t3) only at the end. 0 of 11.2 M outputs differ from the SDK's SDPA call on a global and a
-local layer (eleventh session, call 3). The order holds for the tiles measured (64 queries, 128 keys, 4 warps).
+local layer (H200, cuDNN 9.19). The order holds for the tiles measured (64 or 128 queries, 128 keys, 4 or 8 warps).
 
 Batch invariance: key blocks are aligned to the row's own start (keys 0..BN-1 of the row, then BN..2BN-1,
 ...), so a query's keys are reduced in one order whatever else is in the batch and wherever the row sits
@@ -35,9 +35,9 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
 
 LOG2E = 1.4426950408889634
 # Keys are reduced in blocks of 128 from the row's start: the block torch's SDPA kernels use, so a query's online
-# softmax rescales at the same keys as the SDK's attention and rounds to the same bits (device probe of
-# 2026-12-03, scripts/probe_parity.py: 0 of 512x1024 outputs differ from SDPA's on a local layer, 4e-6 on a
-# global one; blocks of 64 left 12-15% of the outputs one bf16 ulp apart, and the answers 8x further from the SDK).
+# softmax rescales at the same keys as the SDK's attention and rounds to the same bits (with blocks of 128 alone, 0
+# of 512x1024 outputs differed from SDPA's on a local layer; blocks of 64 left 12-15% of the outputs one bf16 ulp
+# apart, and the answers 8x further from the SDK).
 KEY_BLOCK = 128
 # Queries per program, warps, pipeline stages. The query block never changes a bit (module docstring); 8 warps keep
 # the MMA's column-to-thread map (two warpgroups stacked over the queries), so the row sum keeps cuDNN's order.
@@ -56,8 +56,8 @@ if triton is not None:
                           WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           USE_GDC: tl.constexpr):
         r, qb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        # The rows' bounds are inputs no kernel writes: read while the kernels before finish, not after them (device
-        # run of 2026-12-04, seventeenth session, call 4: attention 116 -> 105 us a 1x48 replay, 277 -> 265 at 32x48).
+        # The rows' bounds are inputs no kernel writes: read while the kernels before finish, not after them
+        # (attention 116 -> 105 us a 1x48 replay, 277 -> 265 at 32x48, H200).
         n = tl.load(len_ptr + r)
         start = tl.load(start_ptr + r).to(tl.int64)
         wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
@@ -158,11 +158,11 @@ def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def attention_sdpa(qkv: torch.Tensor, out: torch.Tensor, rows: Rows, heads: int, head_dim: int,
                    scale: float, local: bool = False) -> torch.Tensor:
     """out[:T] <- softmax(q k^T * scale) v over each row's real keys (the band's, `local`), by torch's own SDPA on
-    the [R, H, L, D] layout and masks the SDK's attention gets (`Rows`): the SDK's bits, as `attention`'s (device
-    probes of 2026-12-04), slower (it reads every key block of the padded row, and the masks). `qkv` is
-    [T + 1, 3 * H * D] with row T zero: padding slots read it, so a masked key's value is finite (its weight is
-    exactly 0, and 0 times a stale NaN would not be); `out` is [T + 1, H * D], row T takes the padding slots'
-    outputs."""
+    the [R, H, L, D] layout and masks the SDK's attention gets (`Rows`): the SDK's bits, as `attention`'s
+    (docs/decisions/0004-attention-in-cudnns-order.md), slower (it reads every key block of the padded row, and the
+    masks). `qkv` is [T + 1, 3 * H * D] with row T zero: padding slots read it, so a masked key's value is finite
+    (its weight is exactly 0, and 0 times a stale NaN would not be); `out` is [T + 1, H * D], row T takes the padding
+    slots' outputs."""
     R, L = rows.valid.shape
     x = qkv.index_select(0, rows.slot).view(R, L, 3, heads, head_dim)
     q, k, v = (x[:, :, n].transpose(1, 2) for n in range(3))                          # [R, H, L, D]

@@ -1,28 +1,28 @@
 """Compiling the fast path's kernels before their first launch, in several processes at once.
 
-A worker on a fresh machine (Triton's on-disk cache empty) spent ~30 s of its start compiling the kernel
-specializations of its warm-up one after another (device run of 2026-12-04: READY 43.9 s after `up`, warm-up
-30.7 s of it). Triton compiles holding the GIL, so threads do not help; processes might:
+A worker on a fresh machine (Triton's on-disk cache empty) would spend ~30 s of its start compiling the kernel
+specializations of its warm-up one after another (READY 43.9 s after `up` on an H200, the warm-up 30.7 s of it).
+Triton compiles holding the GIL, so threads do not help; processes might:
 
 1. `recorded()` runs the warm-up's forwards with every launch of a kernel that is not compiled yet recorded and
    skipped (Triton's `jit_cache_hook`): the list of what the warm-up needs, in well under a second, nothing launched.
 2. `compile_in_processes` deals the list out to child processes, each compiling its share into the shared on-disk
    cache, for the worker's device's target, from the signature, constants, attributes and options the hook saw, and
    building each kernel's launcher (a C module Triton compiles with the host's compiler and caches on disk beside it).
-3. The warm-up proper then finds every kernel on disk. Until the fifteenth session it did not (it compiled 31 of 35
-   again): a Triton function's key depended on which kernel the process had touched first (kernels/launch.py
-   `settle_keys`, which every kernel module now calls at import). `log_keys` (LAYA_COMPILE_KEYS=FILE) logs each
-   key's parts in the parent and the children, which is how that was found.
+3. The warm-up proper then finds every kernel on disk, because a Triton function's key does not depend on which
+   kernel the process touched first (kernels/launch.py `settle_keys`, which every kernel module calls at import;
+   without it the warm-up compiled 31 of 35 again). `log_keys` (LAYA_COMPILE_KEYS=FILE) logs each key's parts in the
+   parent and the children, to compare them.
 
 A failed child costs nothing but time: whatever it did not compile, the warm-up compiles as before.
 
-A child's own start bounded the compile phase as much as its kernels did (sixteenth session: 15 processes took as long
-as 8): Python, torch's import and a CUDA context, ~4-5 s on the device hosts. A child needs neither torch nor a device
-to compile (Triton compiles for a named target and builds a launcher without either), so it defers torch
-(`defer_torch`) and starts in Python and Triton's time (~0.1-0.5 s). The children may also be started before the work
-is known (`spawn` first, `compile_in_processes(..., children=)`; a worker's LAYA_COMPILE_EARLY): they wait for their
-share on stdin, and one given none leaves at once (a warm cache, or a forward without Triton kernels). This module
-imports nothing heavy at its own import, so a worker can spawn before it imports torch.
+A child's own start bounds the compile phase as much as its kernels do (15 processes took as long as 8 when each
+imported torch and opened a CUDA context, ~4-5 s on the device hosts; docs/decisions/0016-compile-ahead.md). A child
+needs neither torch nor a device to compile (Triton compiles for a named target and builds a launcher without either),
+so it defers torch (`defer_torch`) and starts in Python and Triton's time (~0.1-0.5 s). The children may also be started
+before the work is known (`spawn` first, `compile_in_processes(..., children=)`; a worker's LAYA_COMPILE_EARLY): they
+wait for their share on stdin, and one given none leaves at once (a warm cache, or a forward without Triton kernels).
+This module imports nothing heavy at its own import, so a worker can spawn before it imports torch.
 """
 from __future__ import annotations
 
@@ -220,8 +220,7 @@ def _finish(children: list[subprocess.Popen], target: tuple, shares: list[list[S
 
 def log_keys(path: str) -> None:
     """Diagnostic (LAYA_COMPILE_KEYS=FILE): append the parts of every on-disk cache key this process computes to FILE,
-    one JSON line each, so the parent's and the children's keys of one kernel can be compared part by part (the
-    open question of docs/PERF.md, twelfth session)."""
+    one JSON line each, so the parent's and the children's keys of one kernel can be compared part by part."""
     import triton.compiler.compiler as cc
     from triton.runtime.cache import triton_key
     original = cc.get_cache_key
@@ -264,8 +263,8 @@ def defer_torch() -> None:
     """Make `import torch` cost nothing in this process until torch is used. A child compiles with Triton alone, for a
     target its worker names: no torch, no CUDA context. Our kernels' modules import torch at the top but use it only in
     functions (none imports a torch submodule at its top), so a child that imports them to compile their kernels never
-    loads it: its start is Python and Triton (~0.1-0.5 s), not torch's import and a context (~4-5 s on the device hosts:
-    docs/PERF.md, twenty-seventh session). Anything that does use torch gets the real module, only later."""
+    loads it: its start is Python and Triton (~0.1-0.5 s), not torch's import and a context (~4-5 s on the device hosts;
+    the compile phase 11.4 -> 6.0 s on an H100). Anything that does use torch gets the real module, only later."""
     if "torch" not in sys.modules:
         stub = _Deferred("torch")
         stub.__spec__ = importlib.util.find_spec("torch")
@@ -304,7 +303,7 @@ def _child() -> int:
     for module, name, data in todo:
         try:
             # What JITFunction._do_compile does with the same objects (Triton's JSON `preload` does not give the
-            # same on-disk cache key: device run of 2026-12-04, the warm-up compiled 31 of 35 kernels again).
+            # same on-disk cache key: the warm-up then compiled 31 of 35 kernels again).
             fn = getattr(importlib.import_module(module), name)
             signature, constants, attrs, options = pickle.loads(data)
             options = backend.parse_options(options)

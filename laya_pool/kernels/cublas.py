@@ -1,8 +1,8 @@
 """cuBLAS's product for the encoder's QKV and residual GEMMs, where it is proven on this device to give our bits.
 
-Why: at M = 1,536 (a merged group of 32x48) our fused QKV and residual GEMMs take 1.7-1.8x cuBLAS's plain product
-(docs/PERF.md, seventeenth session), and the whole forward with cuBLAS there ran 13% faster with the same bits
-(twentieth session: 32x48 3.200 against 3.687 ms on an H100). cuBLAS promises no K order, so its bits are never taken
+Why: at M = 1,536 (a merged group of 32x48) our fused QKV and residual GEMMs take 1.7-1.8x cuBLAS's plain product,
+and the whole forward with cuBLAS there runs 17% faster with the same bits (32x48 3.051 against 3.666 ms on an H100;
+docs/decisions/0003-our-gemms-cublas-where-proven.md). cuBLAS promises no K order, so its bits are never taken
 on trust: before a shape first uses it, `Products.use` runs both ways on this device (our fused kernel, and cuBLAS's
 product with the fused work done by the next kernel) and takes cuBLAS only where every output bit is equal. Our
 kernels reduce each output in one K order whatever M is (kernels/gemm.py), so a shape proven equal to ours is
@@ -15,14 +15,12 @@ worker's capture does first (worker/runtime.py `_capture`). What cuBLAS's produc
   epilogue's arithmetic (kernels/gemm.py: the product rounded to bf16, each product with the tables rounded alone);
 - residual: the bf16 product is left as a one-chunk `Pending` that the next LayerNorm adds to the fp32 stream
   (kernels/rows.py), the RESIDUAL epilogue's rounding when there is no bias.
-On by default; LAYA_CUBLAS=0 turns it off. It was opt-in for one session: on the device (twenty-first session, H100)
-a process that ran tests/test_cublas_gpu.py's forwards faulted at the next Runtime's warm-up ("operation not
-supported on global/shared address space"), and cuBLAS's 32 MiB workspace, made at a stream's first product, counted
-as a leak in a runtime's memory accounting. Both are understood (twenty-second session): the fault was a compile-ahead
-recording that launched the kernels the process had compiled already, on buffers that the kernels it skipped never
-wrote (here `rotate` read RoPE tables at garbage positions; kernels/launch.py `through_triton` launches nothing while
-recording now), and a runtime makes its stream's workspace at start (`workspace`). Graph replay, same call, on
-against off (H100): 32x48 3.051 / 3.666 ms, 4x256 2.415 / 2.600, 16x512 14.958 / 15.510, the same bits.
+On by default; LAYA_CUBLAS=0 turns it off. Two things keep it safe in a process that builds several runtimes: a
+compile-ahead recording launches nothing, not even a kernel compiled already (kernels/launch.py `through_triton`; a
+launched `rotate` would read RoPE tables at positions the skipped embedding never wrote, and fault the context), and a
+runtime makes its stream's cuBLAS workspace at start (`workspace`), so memory accounting does not count it as a leak.
+Graph replay, on against off (H100): 32x48 3.051 / 3.666 ms, 4x256 2.415 / 2.600, 16x512 14.958 / 15.510, the same
+bits.
 """
 from __future__ import annotations
 
@@ -43,7 +41,7 @@ try:
 except ImportError:  # CPU-only installs have no Triton
     triton = None
 
-LOW = 256         # below it cuBLAS splits K = 2,624 (fourteenth session) and gains nothing at K = 1,024
+LOW = 256         # below it cuBLAS splits K = 2,624 (not our bits) and gains nothing at K = 1,024
 MAX_PROOFS = 4096  # eager mode meets a new M on every request: a bound, then prove again
 
 
@@ -55,7 +53,7 @@ def wanted(m: int) -> bool:
 def workspace(stream: torch.cuda.Stream) -> None:
     """cuBLAS's workspace for `stream` made now, if cuBLAS may be used: torch makes it at a stream's first product
     (32 MiB on Hopper) and keeps it, which a runtime's memory accounting would otherwise count as a leak of whatever
-    ran first at M >= LOW (the twenty-first session's failing capture test)."""
+    ran first at M >= LOW (tests/test_runtime_gpu.py's capture-failure test)."""
     if not wanted(LOW):
         return
     with torch.cuda.stream(stream):

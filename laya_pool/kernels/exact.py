@@ -1,7 +1,8 @@
 """Rounding where torch rounds: the small pieces that make the fast path's row ops give the SDK's bits.
 
 A 28-layer model carries a one-ulp difference anywhere to the whole fp32-vs-bf16 distance by its last layer
-(docs/PERF.md, "parity"), so every op between GEMMs reproduces the torch op the SDK runs, bit for bit:
+(docs/decisions/0001-one-k-chain-per-output.md), so every op between GEMMs reproduces the torch op the SDK runs, bit
+for bit:
 
 - `mul`: a product rounded on its own. Triton (like nvcc) fuses a multiply into the add that follows it; where
   torch runs the two as separate kernels (RoPE's `x * cos + rotate_half(x) * sin`, a LayerNorm's output before
@@ -10,7 +11,7 @@ A 28-layer model carries a one-ulp difference anywhere to the whole fp32-vs-bf16
 - `gelu`: torch's erf-GELU. The libdevice Triton ships and the CUDA toolkit's (whose erff torch's kernels were
   compiled with) differ in the last bit of erff for 12% of fp32 arguments in [-6, 6]; on bf16 inputs that changed 11
   of 65,280 GELU outputs, all in [-5.4, -3.1]. Triton linked against the toolkit's own libdevice gives torch's bits
-  on all of them (device probe, scripts/probe_rowexact.py, 2026-12-04), so Triton is pointed there before any kernel
+  on all of them (docs/decisions/0005-row-ops-in-torchs-bits.md), so Triton is pointed there before any kernel
   of ours compiles (kernels/launch.py `link_libdevice`) and `prepare` checks every bf16 input against F.gelu on the
   device; only where some differ (another toolkit than torch's, or
   none) does the GELU take its [-16, -1) tail from a 512-entry table of torch's own outputs (`gelu_table`), which

@@ -6,7 +6,7 @@ Same inputs and outputs as `kernels.reference.ReferenceModel.forward` (docs/inte
 inside a row. Per encoder layer seven kernels: LayerNorm, QKV GEMM with RoPE in its epilogue, banded or global
 attention, output GEMM adding into the residual, LayerNorm, GeGLU GEMM, down GEMM adding into the residual.
 Attention is ours by default (`attention="triton"`, kernels/attention.py: packed, no masks, a local layer only its
-band), in the SDK's bits (cuDNN's order, found by the device probes: docs/PERF.md, eleventh session);
+band), in the SDK's bits (cuDNN's order: docs/decisions/0004-attention-in-cudnns-order.md);
 `attention="sdpa"` runs torch's SDPA itself on the SDK's padded layout and masks (the same bits, 0.25 ms slower at
 1x48 and 2.2 ms at 16x512). The decision head follows the same pattern with biases; the scorer and the act head
 close with a handful of small kernels.

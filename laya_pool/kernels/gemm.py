@@ -4,9 +4,9 @@ Batch invariance. Every output element is accumulated over K in one order: k-ste
 each a tensor-core MMA into one fp32 accumulator that starts at zero (per K chunk, see below). Tile shapes in
 M and N, the K tile (how many 16-steps one loop iteration issues), warps and pipeline stages change with M,
 because none of them changes that chain; the K split never changes with M (it is fixed by K alone: `k_chunk`).
-Whether the hardware keeps its promise for every configuration this module picks is not taken on trust: the
-device probe (`scripts/probe_fast.py`, gemm step) runs each (N, K) of a checkpoint at every configuration and
-compares rows bit for bit. All configurations keep
+Whether the hardware keeps its promise for every configuration this module picks is not taken on trust: each
+(N, K) of the large checkpoint was run at every configuration and every prefix M from 48 to 8,192, rows compared bit
+for bit, and the gpu tests hold whole forwards to it (eager = graph replay, merged = alone). All configurations keep
 BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction (wgmma on Hopper).
 
 K chunks (`k_chunk`, opt-in: LAYA_K_CHUNKS=1; one chain is the default, and `fill_tiles` narrows the tiles of small
@@ -26,13 +26,13 @@ Epilogues (`Epi`), each rounding where the SDK's op-by-op bf16 forward rounds:
   bf16(bf16(gelu(bf16(inp))) * bf16(gate)), so the [T, 2F] product never reaches memory.
 - GEGLU_PAIRS (the forward's): GEGLU on w in `geglu_pairs` order (input row f, gate row f, ...), so one accumulator
   and one weight tile hold both columns of a pair, one thread's neighbours (as ROPE's pairs): the same bits, 7-9% less
-  time at M = 8,192 and 3-7% at M = 48 (H200, H100; docs/PERF.md, twenty-fourth session). GEGLU stays as the form
+  time at M = 8,192 and 3-7% at M = 48 (H200, H100; docs/decisions/0006-geglu-pairs.md). GEGLU stays as the form
   whose bits it matches (tests/test_gemm_gpu.py) and for LAYA_GEGLU=two.
 - ROPE: w's rows in `rope_pairs` order, so each column c < D/2 of a head and its partner c + D/2 are neighbours
   in one tile and in one thread's accumulator: a plain one-accumulator GEMM (any tile) whose epilogue rotates query
   and key heads by their row-relative position (cos/sin tables in fp32, the rotate-half layout) and writes both
-  columns back to their own places; value heads pass through. (Until 2026-12-04 the program ran the partner
-  columns as a second accumulator over a second read of W, which cost 1.6x cuBLAS's time at M = 8,192.)
+  columns back to their own places; value heads pass through. (Partner columns as a second accumulator over a
+  second read of W cost 1.6x cuBLAS's time at M = 8,192; docs/decisions/0007-rope-in-the-qkv-epilogue.md.)
 """
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
     the programs' output columns (paired epilogues compute two columns per output column).
     """
     if epi == Epi.GEGLU_PAIRS:
-        # One accumulator over interleaved (input, gate) rows; BN counts both. Device sweep (probe_geglu.py, H100,
-        # twenty-fourth session), us a GEMM with its weights cold: M = 48 7.36 against 7.88 for two accumulators,
+        # One accumulator over interleaved (input, gate) rows; BN counts both. Tile sweep on an H100, us a GEMM with
+        # its weights cold: M = 48 7.36 against 7.88 for two accumulators,
         # M = 128 8.99 / 9.71, M = 1,536 30.3 / 31.3, M = 8,192 159.5 / 171.3.
         if m <= 64:
             return Tiles(64, 64, 128 if k >= 128 else 64, 4, 4)
@@ -115,8 +115,8 @@ def pick_tiles(m: int, n_out: int, k: int, epi: Epi, sms: int = 132) -> Tiles:
         while bn < 64 and (n_out // bn) > 2 * sms:
             bn *= 2
         if epi == Epi.GEGLU:
-            # 32-wide pairs, three stages: 5.2 us against 7.4 for 16-wide at M=48, N=2x2624 (device sweep,
-            # probe_fast.py tiles step, 2026-12-03); a 16-wide tiling leaves 164 programs for 132 SMs.
+            # 32-wide pairs, three stages: 5.2 us against 7.4 for 16-wide at M=48, N=2x2624 (tile sweep on an
+            # H200); a 16-wide tiling leaves 164 programs for 132 SMs.
             return Tiles(bm, 32, 128 if k >= 128 else 64, warps, 3)
         return Tiles(bm, bn, 128 if k >= 128 else 64, warps, 4)
     if m <= 512:
@@ -132,10 +132,10 @@ def fill_tiles(t: Tiles, m: int, n_out: int, sms: int) -> Tiles:
     1024 columns in 128-wide tiles leave SMs idle up to M ~ 2,000 (and at small M in any tiling). Tiles never change
     the bits, so this is free to depend on M. Order: N to 64, then M to 64 (one warpgroup), then N to 16.
 
-    Tried and dropped (2026-12-04, thirteenth session): stopping at one wave from M = 1,024 on. Alone, a 128x128
-    residual GEMM at M = 1,536 (96 programs) beat 128x64 (192) by 12-26%; in a forward the single-wave grid is
-    launched early under PDL (kernels/launch.py) and its waiting blocks hold SMs the kernels before it need: 32x48
-    3.91 ms against 3.60, 4x256 2.97 against 2.64 (same call)."""
+    Not done: stopping at one wave from M = 1,024 on. Alone, a 128x128 residual GEMM at M = 1,536 (96 programs) beat
+    128x64 (192) by 12-26%; in a forward the single-wave grid is launched early under PDL (kernels/launch.py) and its
+    waiting blocks hold SMs the kernels before it need: 32x48 3.91 ms against 3.60, 4x256 2.97 against 2.64 (same
+    run; docs/decisions/0010-gemm-tiles-and-operand-loads.md)."""
     def programs(t: Tiles) -> int:
         return -(-m // t.bm) * -(-n_out // t.bn)
     while programs(t) < sms:
@@ -188,7 +188,7 @@ if triton is not None:
                      GELU_TABLE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                      W_BYTES: tl.constexpr = 2, PIECES: tl.constexpr = 128, EARLY: tl.constexpr = False):
         # TMA: a_ptr and w_ptr are tensor descriptors (blocks [BM, BK] and [BN, BK]) and the copy engine
-        # loads the tiles; the MMA chain is the same, so are the bits (the device probe checks it).
+        # loads the tiles; the MMA chain is the same, so are the bits (checked on the device, tiling by tiling).
         CD: tl.constexpr = bias_ptr.dtype.element_ty    # the compute dtype (bias_ptr is w itself without a bias)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if PREFETCH:
@@ -401,9 +401,9 @@ def k_chunk(k: int) -> int:
     Two chunks: enough programs at small M (1024 columns in tiles of 16, twice), and the unsplit kernel runs both
     chains in one loop, so large M pays only a second accumulator."""
     if k < 1024 or env("LAYA_K_CHUNKS") != "1":
-        # One chain, the default since 2026-12-04: cuBLAS's order at the M the SDK runs (a few hundred tokens and
-        # up), so the residual GEMMs give the SDK's bits (probe_parity's gemm_residual: 5.1e-4 of outputs differed
-        # with chunks, 0 without); `fill_tiles` gives small M its programs back. LAYA_K_CHUNKS=1: two chunks.
+        # One chain, the default: cuBLAS's order at the M the SDK runs (a few hundred tokens and up), so the
+        # residual GEMMs give the SDK's bits (5.1e-4 of their outputs differ with chunks, 0 without); `fill_tiles`
+        # gives small M its programs back. LAYA_K_CHUNKS=1: two chunks (docs/decisions/0002-k-chunks-opt-in.md).
         return 0
     return -(-k // 256) * 128          # half of K, rounded up to whole K tiles of 128
 
@@ -520,9 +520,9 @@ def _pointers(a, w, out, bias, rope, blocks, table) -> tuple:
     return (a, w_arg, bias if bias is not None else w, out, pos, cos, sin, table if table is not None else w)
 
 
-# Device run of 2026-12-04 (fifteenth session, call 2), graph replay with every GEMM's epilogue operands read before
-# its K loop against after it: 1x48 0.945 against 0.973 ms, 32x48 3.623 / 3.593, 4x256 2.753 / 2.632, 16x512 16.82 /
-# 14.87 (a 128x128 tile holding its residual tile through the loop spills); same bits at every shape.
+# Graph replay on an H200 with every GEMM's epilogue operands read before its K loop against after it: 1x48 0.945
+# against 0.973 ms, 32x48 3.623 / 3.593, 4x256 2.753 / 2.632, 16x512 16.82 / 14.87 (a 128x128 tile holding its
+# residual tile through the loop spills); same bits at every shape.
 EARLY_MAX_M = 64
 
 
@@ -535,7 +535,8 @@ def early_epilogue(m: int, epi: Epi) -> bool:
     return m <= EARLY_MAX_M or (forced == "rope" and epi == Epi.ROPE)
 
 
-TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off
+# TMA 20-40% faster a GEMM at M = 1,536 on an H200 (docs/decisions/0010-gemm-tiles-and-operand-loads.md).
+TMA_MIN_M = 1024          # LAYA_TMA=0: off
 
 
 def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:

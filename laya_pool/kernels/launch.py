@@ -12,17 +12,18 @@ kernel, so at small M, where a forward is the weights streaming through one GEMM
 from HBM overlaps the kernels before it instead of starting when they end. A hint to the cache, so the same bits;
 `LAYA_PREFETCH=0` turns it off.
 
-Tried and dropped (device run of 2026-12-04, twelfth session): letting the successor launch before a kernel's own
-wait, so a chain of waiting kernels and their prefetches runs ahead: 1x48 1.151 ms against 0.966 (the waiting
-blocks and their prefetches crowd the kernel that computes), no gain at larger shapes.
+Not done: letting the successor launch before a kernel's own wait, so a chain of waiting kernels and their
+prefetches runs ahead: 1x48 1.151 ms against 0.966 (the waiting blocks and their prefetches crowd the kernel that
+computes), no gain at larger shapes (docs/decisions/0008-pdl-and-l2-prefetch.md).
 
 Launching without Triton's dispatch (`dispatch`): Triton's `kernel[grid](...)` binds every argument, builds a cache
 key as a string and checks the kernel's globals on every call, about 42 us of host time a launch on the H200's host
-against 14 us for the compiled kernel called directly (docs/PERF.md, eleventh session). Eager mode is 217 launches a
+against 14 us for the compiled kernel called directly (docs/decisions/0009-launches-without-tritons-dispatch.md).
+Eager mode is 217 launches a
 forward, so that host time is eager mode's time. `dispatch` keeps each compiled kernel under a key made of what
 Triton specializes on (each tensor's dtype and 16-byte alignment, each integer's value class, the constexprs and the
 launch options) and calls it directly after the first launch of its kind; a graph capture records the same launch
-either way. `LAYA_LAUNCH_CACHE=0` turns it off (every launch through Triton's dispatch, as before).
+either way. `LAYA_LAUNCH_CACHE=0` turns it off (every launch through Triton's dispatch).
 """
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def link_libdevice() -> str:
 
     Called when this module is imported, before any kernel of ours can compile: Triton's in-memory kernel cache is
     keyed by the launch's own options, not by this knob, so a kernel compiled against Triton's own libdevice is
-    reused after the knob changes. On the device (twenty-fourth session, call 3) a process whose first GEMMs ran before
-    any model was loaded kept GEGLU kernels with Triton's erff, and two 1x64 requests alone differed from the same
+    reused after the knob changes. Linked any later, a process whose first GEMMs ran before any model was loaded
+    kept GEGLU kernels with Triton's erff, and two 1x64 requests alone differed from the same
     requests merged (GELU outputs in [-5.4, -3.1]). The knob is the process's: any other Triton user in a process that
     imports our kernels links the toolkit's libdevice too (torch's inductor sets the same knob the same way)."""
     knobs = getattr(triton, "knobs", None)      # (Triton before 3.4 has none: its own libdevice, and the table)
@@ -104,11 +105,11 @@ def switches() -> tuple:
 def settle_keys(namespace: dict) -> None:
     """Compute the cache key of every Triton function in `namespace` (a kernel module's globals), in definition order.
 
-    Called at the end of each kernel module, so a key no longer depends on which kernel a process touched first:
+    Called at the end of each kernel module, so a key does not depend on which kernel a process touched first:
     Triton 3.6 folds a helper's global constants into its caller's key only if the helper's own key was computed
     before (DependenciesFinder._update_hash merges the helper's `used_global_vals` before it asks for its key). The
-    worker, which checks its GELU (exact.gelu) at load, and the compile-ahead children, which start from a GEMM, got
-    different keys for 31 of 35 kernels and compiled them all twice (docs/PERF.md, fifteenth session, call 1)."""
+    worker, which checks its GELU (exact.gelu) at load, and the compile-ahead children, which start from a GEMM, would
+    get different keys for 31 of 35 kernels and compile them all twice (docs/decisions/0016-compile-ahead.md)."""
     if triton is None:
         return
     from triton.runtime.jit import JITFunction
@@ -140,9 +141,9 @@ def launch(device: torch.device, programs: int) -> dict:
 
     A larger grid is launched early too, but does not let ITS successor launch until its own blocks exit, so no
     successor block waits on an SM while it still has blocks to place; what is left to overlap is the launch itself
-    (the gap between two multi-wave kernels). Device run of 2026-12-04 (fourteenth session, call 2), graph replay:
-    32x48 3.530 ms against 3.608, 4x256 2.501 against 2.602, 1x48 and 16x512 unchanged, the same bits.
-    LAYA_PDL_WAVES=one: only single-wave grids early (as before)."""
+    (the gap between two multi-wave kernels). Graph replay on an H200: 32x48 3.530 ms against 3.608, 4x256 2.501
+    against 2.602, 1x48 and 16x512 unchanged, the same bits (docs/decisions/0008-pdl-and-l2-prefetch.md).
+    LAYA_PDL_WAVES=one: only single-wave grids early."""
     wait = gdc(device)
     if wait and programs > sms(device) and env("LAYA_PDL_WAVES", "all") == "all":
         return {"USE_GDC": LATE, "launch_pdl": True}
@@ -258,9 +259,9 @@ RECORDING: list = []     # the hooks of kernels/compile.py's `recorded` blocks o
 def through_triton(kernel, grid: tuple, args: tuple, kwargs: dict):
     """kernel[grid](*args, **kwargs) through Triton's dispatch; while a compile-ahead recording is open (kernels/
     compile.py `recorded`), Triton's warm-up instead: a kernel not compiled yet is recorded by the recording's hook,
-    and one compiled already is not launched either. (Launched, it read what kernels skipped before it never wrote:
-    a RoPE table indexed by the positions of an embedding that did not run faulted the process on the device, the
-    "cuBLAS fault" of docs/PERF.md's twenty-first session.)"""
+    and one compiled already is not launched either. (Launched, it would read what kernels skipped before it never
+    wrote: a RoPE table indexed by the positions of an embedding that did not run faults the process;
+    docs/decisions/0003-our-gemms-cublas-where-proven.md.)"""
     if RECORDING:
         kernel.warmup(*args, grid=grid, **kwargs)
         return None

@@ -16,17 +16,18 @@ write bf16 where the next op is a GEMM.
 - `softmax_rows`: fp32 softmax of the act head's bf16 logits.
 
 LayerNorms give torch's bits (the SDK's, and the worker path's `F.layer_norm`): a one-pass order of our own
-differed from torch's in ~2e-5 of outputs, and over 28 layers such ulps move answers (docs/PERF.md, "parity").
+differed from torch's in ~2e-5 of outputs, and over 28 layers such ulps move answers
+(docs/decisions/0005-row-ops-in-torchs-bits.md).
 torch's vectorized kernel (aten/src/ATen/native/cuda/layer_norm_kernel.cu) runs 128 threads, each reading float4s
 at lane, lane + 128, ...; each lane folds its values in read order (Welford, `cuWelfordOnlineSum`), lanes merge by
 a shuffle-down tree and then a tree over the four warps (`cuWelfordCombine`); nvcc fuses the multiply-adds that
 `fma` and `_mul` (a product rounded on its own) spell out here. A row is held as [S / 4, LANES, 4], each lane's
 float4s in its own thread, folded there in order; one tl.reduce over the [LANES] states then runs Triton's shuffles
-and its tree over the warps, which for lane 0 is torch's tree. Device runs of 2026-12-04: 0 fp32 outputs differ
-from F.layer_norm on every case of scripts/probe_rowexact.py and on probe_parity.py's row; 0.0059 / 0.0088 /
-0.020 ms at 48 / 1,536 / 8,192 rows against torch's 0.0070 / 0.0104 / 0.032. Two earlier orders are gone: one
-tl.reduce over the whole row (fast, but ~2e-5 of outputs another bit: Triton's in-thread order is not torch's
-there) and the tree spelled out with splits (exact, 3.6x slower than torch).
+and its tree over the warps, which for lane 0 is torch's tree. On an H200: 0 fp32 outputs differ from
+F.layer_norm on 19 cases (widths 128-1,024, with and without bias, outliers, the model's residual stream) and on the
+SDK's own inputs; 0.0059 / 0.0088 / 0.020 ms at 48 / 1,536 / 8,192 rows against torch's 0.0070 / 0.0104 / 0.032.
+Not used: one tl.reduce over the whole row (fast, but ~2e-5 of outputs another bit: Triton's in-thread order is not
+torch's there) and the tree spelled out with splits (exact, 3.6x slower than torch).
 """
 from __future__ import annotations
 
@@ -186,8 +187,8 @@ if triton is not None:
         cols, ok = _row(N, S)
         if USE_GDC == 1:
             # Launched early (one wave, kernels/launch.py): the weights, which no kernel writes, load during the
-            # wait instead of after the row's statistics. Device run of 2026-12-04 (seventeenth session, call 4): 101
-            # -> 72 us of LayerNorm a 1x48 replay; in a multi-wave grid the same order cost 14% more (call 2).
+            # wait instead of after the row's statistics: 101 -> 72 us of LayerNorm a 1x48 replay (H200); in a
+            # multi-wave grid the same order cost 14% more (docs/decisions/0008-pdl-and-l2-prefetch.md).
             w, b = _affine(w_ptr, b_ptr, cols, ok, HAS_BIAS)
         wait_turn(USE_GDC)   # kernels/launch.py: every earlier kernel done before touching memory
         t = tl.program_id(0).to(tl.int64)

@@ -4,8 +4,8 @@
     python scripts/client_speed.py --model DIR [--calls 400] [--json FILE]
 
 Stages: `encode` (questions checked, state tokenized as far as the rows keep it, rows built: what runs
-before the request is sent), `encode whole` (the same with the whole state tokenized, as before the
-window), `pack` (rows into the wire's five arrays), `count` (the whole state's token count, which runs
+before the request is sent), `encode whole` (the same with the whole state tokenized, the cost a
+window saves), `pack` (rows into the wire's five arrays), `count` (the whole state's token count, which runs
 in a background thread while the pool computes; timed here on its own), `decode` (logits into the SDK's
 answer dicts, the count already there). Medians and p95 in ms after a warm-up; the background count of
 each encode is waited for outside the timed region so it never overlaps the next timed call.

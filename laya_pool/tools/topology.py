@@ -4,16 +4,17 @@
     python scripts/topology.py [--samples 2000] [--bytes 400] [--spin-us 0,300] [--think-us 0,1300]
                                [--awake none,qos,idle] [--json FILE]
 
-Issue 12 asks the pool to add <= 0.25 ms to a request; on the H200 host it adds ~1.7 ms, nearly all of it wake-ups
-(docs/PERF.md). Before the architecture changes, this measures what each option would leave, with real processes
+A thread that sleeps through a forward wakes 0.1-0.2 ms late on VM hosts, so every hop and hand-off on the request
+path costs its wake-up (docs/decisions/0014-clients-straight-to-the-workers.md). This measures what each shape of the
+path leaves on this host, with real processes
 and ZeroMQ sockets over loopback tcp and no model: a client process sends one message of --bytes and waits for the
 answer, one at a time, through
 
 - path `broker`: client DEALER -> a forwarding process (ROUTER front and back, one Python loop, as the broker's)
   -> worker DEALER, and back; or `direct`: client DEALER -> worker ROUTER, and back;
-- a worker that answers from the thread that received (`inline`), or as ours does (`handoff`: the I/O thread puts
-  the request on a queue, a compute thread takes it and sends the answer back through an inproc PAIR to the I/O
-  thread, which sends it);
+- a worker that answers from the thread that received (`inline`, as the data thread does), or (`handoff`) whose I/O
+  thread puts the request on a queue, a compute thread takes it and sends the answer back through an inproc PAIR to the
+  I/O thread, which sends it);
 - every loop blocking in poll (spin 0), or polling without blocking for up to --spin-us after its last message
   before it blocks (a busy-poll window: a core kept awake while traffic is likely);
 - the answering thread answering at once, or after --think-us (as a worker waits on its GPU: every other thread

@@ -15,7 +15,7 @@ launched and nothing queued it lets the runtime capture a bucket a request misse
 Every request gets exactly one reply:
 
 - refused by validation (`RequestError`): "final", naming field and row; the worker keeps serving;
-- queued before the worker registered again: "retryable" (stale), its client retries through the new session;
+- queued before the worker registered again: "retryable" (stale), its client retries through the new registration;
 - its caller's deadline passed before compute started: "retryable" (expired), skipped unrun (the broker drops
   it: the caller has given up); a request already computing finishes;
 - a failed upload (drained before raising): "retryable" (upload-failed); the worker keeps serving;
@@ -50,7 +50,8 @@ _DONE, _IDLE = object(), object()    # what `_next` returns besides a queued req
 IDLE_S = 0.005
 # Padding tokens a group's forward may hold beyond what its members pad to alone (--merge-waste); a request that would
 # take it past waits for another group. About what a forward's fixed cost buys (1x48 replays in ~1 ms; a token costs
-# 1.3-1.9 us on an H100), so past it a second forward is cheaper than more padding (docs/PERF.md, thirty-third session).
+# 1.3-1.9 us on an H100), so past it a second forward is cheaper than more padding: a mixed load ran 1.5-1.7x
+# faster with the bound (docs/decisions/0013-merge-waste-bound.md).
 MERGE_WASTE = 512
 BUNDLE_MOST = 64        # replies in one BUNDLE (--max-batch has no bound; a bundle's header grows ~66 bytes a reply)
 
@@ -527,8 +528,8 @@ class Compute:
         A client that reads bundles (`wire.accepts_bundles`: the asyncio client, on the direct socket) gets the
         replies to all its requests of this forward in one BUNDLE: at load a forward answers ~32 requests of a few
         clients, and a reply alone costs the data thread 6 us to encode and send, one of 8 in a bundle 1.8
-        (docs/PERF.md, twenty-fifth session). Lanes carry one request at a time, the broker reads REPLYs: those go
-        alone."""
+        (docs/decisions/0017-bundles-on-requests-opt-in.md). Lanes carry one request at a time, the broker reads
+        REPLYs: those go alone."""
         res = self.rt.finish(flight.job)
         done = time.monotonic()
         members, t0 = flight.members, flight.started

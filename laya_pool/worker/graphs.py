@@ -56,7 +56,7 @@ def smallest_cover(shape: Bucket, held: Iterable[Bucket]) -> Bucket | None:
     """The held bucket that holds `shape` at the least padded work (rows x row length, then markers), or None.
 
     Running a request padded into a larger bucket gives the same bits as its own bucket (the forward is
-    batch- and padding-invariant: docs/PERF.md, "Why the linear layers are ours"), so a miss can be served
+    batch- and padding-invariant: docs/decisions/0003-our-gemms-cublas-where-proven.md), so a miss can be served
     by a graph already captured instead of waiting for a capture or running eager."""
     fits = [b for b in held if holds(b, shape)]
     return min(fits, key=lambda b: (b.rows * b.row_len, b.rows, b.row_markers), default=None)

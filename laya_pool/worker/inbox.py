@@ -173,7 +173,8 @@ class SocketInbox:
             self._answer_lane(to, frames)
             return
         # A reply without taps is a header and two small buffers: pyzmq copies frames under 64 KiB even when asked
-        # not to, and asked to copy it takes 0.45 us a reply less (devtools' hostcost); taps (MBs) go uncopied.
+        # not to, and asked to copy it takes 0.45 us a reply less (timed on the worker's stages); taps (MBs) go
+        # uncopied.
         copy = len(frames) <= 3
         try:
             if to is None:
@@ -271,7 +272,7 @@ class SocketInbox:
 
         A REQUESTS message's requests (`pending`, from the direct socket) count as hot reads of that socket: HOT_READS
         of them, then the data socket and the lanes get a read, so one client's message of 64 does not keep the
-        broker's requests or a lane's waiting behind all of them (a review found 1,023 taken before the broker's one).
+        broker's requests or a lane's waiting behind all of them (taken whole, 1,023 could go before the broker's one).
         Other clients' messages on the direct socket wait for the message before theirs, as ZeroMQ queues them."""
         if self.pending:
             if self.hot_reads < HOT_READS:
@@ -316,11 +317,11 @@ class SocketInbox:
 
         While a group computes (so the host's time is not what the device waits for), the socket that just gave a
         request most likely holds the next one too: it is read again without a poll, up to HOT_READS times in a row
-        (then a poll, which reads the data socket first, as before hot reads), and the first read that finds nothing
-        (2.7 us, where a poll takes 0.7) goes back to polling. So with the direct socket hot, the broker's requests
-        wait behind at most HOT_READS of the clients' (before, the data socket always came first); the other way round
-        is as it was. A lone request's launch never waits for that read: nothing computes when it arrives (its group
-        pays it once, while the device runs)."""
+        (then a poll, which reads the data socket first), and the first read that finds nothing (2.7 us, where a poll
+        takes 0.7) goes back to polling. So with the direct socket hot, the broker's requests wait behind at most
+        HOT_READS of the clients'; the other way round the poll's order (the data socket first) holds. A lone request's
+        launch never waits for that read: nothing computes when it arrives (its group pays it once, while the device
+        runs)."""
         hot = self.hot
         if hot is not None and self.hot_reads < HOT_READS and self.oldest() is not None:
             self.hot_reads += 1

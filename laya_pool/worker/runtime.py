@@ -34,8 +34,9 @@ from .workspace import Capacity, Shape, Workspace
 
 # A bucket's row length is a multiple of this. The fast forward computes rows x row_len packed token slots, so the
 # step is paid in every row of a merged group: at 64, a group of 32 one-question requests of 48 tokens ran 2,048
-# slots for 1,536 tokens (fifteenth session). 16 keeps the number of buckets a traffic mix can make bounded (a miss
-# runs in the smallest held bucket that covers it and is captured when idle) and cuts that padding to at most 15.
+# slots for 1,536 tokens (docs/decisions/0012-graph-bucket-steps.md). 16 keeps the number of buckets a traffic mix
+# can make bounded (a miss runs in the smallest held bucket that covers it and is captured when idle) and cuts that
+# padding to at most 15.
 ROW_LEN_STEP = 16
 # Buckets a graph-cached worker captures before it reports ready: the request classes a decision loop
 # sends most (one to sixteen questions, short to full-length states), so steady traffic sees no capture.
@@ -80,9 +81,9 @@ def _pow2(n: int, low: int) -> int:
 
 # Past this many rows a bucket's rows step by it instead of doubling. A forward computes every row of its bucket, so
 # doubling padded the 20 rows of a merged group of five 4x256 requests to 32: 60% more tokens, and
-# once the mix's large buckets were captured its load ran 15% slower than when they ran eager at their exact shape
-# (thirty-fourth session, docs/PERF.md). Steps of 8 pad at most 7 rows and add one bucket per 8 rows past 8; with
-# them that load ran 16% faster, READY unchanged (thirty-fifth session).
+# once the mix's large buckets were captured its load ran 15% slower than when they ran eager at their exact shape.
+# Steps of 8 pad at most 7 rows and add one bucket per 8 rows past 8; with them that load ran 16% faster, READY
+# unchanged (H100; docs/decisions/0012-graph-bucket-steps.md).
 ROW_STEP = 8
 
 
@@ -231,7 +232,7 @@ class Runtime:
         self.capacity = cap
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
         # The fast path wherever it runs (CUDA, bf16): its answers are the reference path's (large preset: 99.22% of
-        # the SDK's decisions, every decisive one) at 3.7x the speed at 1x48 (docs/PERF.md, eleventh session).
+        # the SDK's decisions, every decisive one) at 3.7x the speed at 1x48 (graph replay, H200).
         # LAYA_FORWARD=reference keeps the reference forward.
         forward = os.environ.get("LAYA_FORWARD", "fast")
         if forward not in ("fast", "reference"):
@@ -247,7 +248,7 @@ class Runtime:
         # How a captured graph is launched: "direct" (cudaGraphLaunch on the worker's stream through cuda-python, no
         # torch call on the way) or "torch" (CUDAGraph.replay inside the stream's context). Same graph, same stream,
         # same bits (tests/test_runtime_gpu.py); direct takes 19-20 us less host time a launch (H100 host, 63.8 ->
-        # 44.7 us at 1x48, 82.5 -> 62.3 at 32x48; docs/PERF.md, twenty-fifth session).
+        # 44.7 us at 1x48, 82.5 -> 62.3 at 32x48; docs/decisions/0009-launches-without-tritons-dispatch.md).
         self.graph_launch = os.environ.get("LAYA_GRAPH_LAUNCH", "direct")
         if self.graph_launch not in ("torch", "direct"):
             raise ValueError(f"LAYA_GRAPH_LAUNCH must be 'torch' or 'direct', got {self.graph_launch!r}")
@@ -329,7 +330,8 @@ class Runtime:
         s = self.stream
         with torch.cuda.stream(s):
             # Warm-up on the capture stream (lazy handles, workspaces), over a mirror with no request in it: the
-            # real one holds the last group, laid out for its own shape (docs/PERF.md, "the cold-cache fault").
+            # real one holds the last group, laid out for its own shape, whose rows may reach past this shape's
+            # tokens: attention trusts each row's bounds and would read and write past its buffers.
             self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
         torch.cuda.synchronize(self.device)
         if self.before_capture is not None:

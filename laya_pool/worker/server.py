@@ -100,7 +100,7 @@ class WorkerConfig:
         direct = self.direct if self.direct != "auto" else (
             "on" if data == "on" and (not self.keys or self.admits_clients()) else "off")
         # A closed-loop caller's next request comes a round trip after its answer: a data thread still polling then
-        # answers it ~0.2 ms sooner than one woken from sleep (device run, fourteenth session, call 4); a CPU
+        # answers it ~0.2 ms sooner than one woken from sleep (docs/decisions/0015-poll-windows.md); a CPU
         # worker's forward is too slow for that to matter, and its cores are the tests'.
         poll = self.poll_us if self.poll_us is not None else (POLL_US_CUDA if on_cuda else 0)
         lanes = self.lanes if self.lanes != "auto" else ("on" if direct == "on" and lane.supported() else "off")
@@ -376,7 +376,7 @@ class Worker:
 
     def _on_disconnect(self, msg: wire.Message, now: float) -> None:
         # The broker does not know us (it restarted, or thought us dead): register again, and drop
-        # queued work from the old session (its clients retry through the new one).
+        # queued work from the old registration (its clients retry through the new one).
         if self.stop_reason is not None:
             return
         if msg.header.get("reason") == Leave.HUNG:
@@ -437,8 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-cpu", default=os.environ.get("LAYA_DATA_CPU", d.data_cpu),
                    help="pin the data thread (it launches every group and answers every request, spinning while "
                         "a group computes) to one CPU, e.g. a core the host keeps for it (isolcpus): off or its "
-                        "number; env LAYA_DATA_CPU. Choosing the quickest vCPU at start did not pay on the device "
-                        "hosts (docs/PERF.md, thirty-sixth session)")
+                        "number; env LAYA_DATA_CPU. Off by default: on hosts whose vCPUs change speed every few "
+                        "tens of ms, a CPU quick at start is not quick a minute later "
+                        "(docs/decisions/0019-data-thread-pinning-off.md)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--max-markers", type=int, default=None)
@@ -465,8 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms). The I/O "
                         "thread draining a burst of requests, or the compute thread admitting a group, holds it for "
                         "milliseconds while the other waits (a landed group unanswered, a reply unsent): 0.5 cut "
-                        "such a wait from 2.0 to 0.6 ms in a two-thread test (docs/PERF.md). For measuring; env "
-                        "LAYA_GIL_SWITCH_MS")
+                        "such a wait from 2.0 to 0.6 ms in a two-thread test, but changed nothing at saturation. For "
+                        "measuring; env LAYA_GIL_SWITCH_MS")
     env_procs = os.environ.get("LAYA_COMPILE_PROCS")
     p.add_argument("--compile-procs", type=int, default=int(env_procs) if env_procs else None,
                    help="CUDA: processes that compile the warm-up's kernels in parallel on a machine whose Triton "
@@ -476,8 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-us", type=int, default=int(env_poll) if env_poll else None,
                    help="after each reply the data thread polls its socket this long (microseconds) before it sleeps, "
                         "so the next request of a closed-loop caller finds it awake (it burns its core meanwhile; "
-                        f"while a group computes it always polls). Default {POLL_US_CUDA} on CUDA, 0 on a CPU; env "
-                        "LAYA_WORKER_POLL_US")
+                        "while a group computes it always polls): ~0.2 ms less a request at 1x48, at the price of "
+                        f"smaller groups at load. Default {POLL_US_CUDA} on CUDA, 0 on a CPU; env LAYA_WORKER_POLL_US "
+                        "(docs/decisions/0015-poll-windows.md)")
     p.add_argument("--data-requests", default=os.environ.get("LAYA_DATA_REQUESTS", d.data_requests),
                    choices=("auto", "on", "off"),
                    help="on: the broker sends requests to the data thread's own socket; off: to the I/O thread, "
@@ -566,10 +568,10 @@ def _open_context(torch: Any, torch_device: str) -> threading.Thread | None:
 def _start_compilers(cfg: WorkerConfig, torch_device: str) -> list | None:
     """The warm-up's compile processes (kernels/compile.py), started before anything else so that their own start runs
     beside this process's imports, checkpoint and weights instead of after them; the warm-up gives them their work or
-    lets them go. Opt-in (LAYA_COMPILE_EARLY=1): on an H100 host (2026-12-06) children that imported torch made the
-    compile phase 2.9 s shorter but the worker's own imports and checkpoint 2.8 s longer beside them, READY 27.7 s
-    against 24.0 (one pair). Children no longer import torch (`defer_torch`), and then (H100, twenty-seventh session)
-    early and late cost the same: READY 14.9 / 14.9 s early against 17.7 (a machine's first start) / 15.1 late."""
+    lets them go. Opt-in (LAYA_COMPILE_EARLY=1): the children import no torch (`defer_torch`), and early and late
+    start then cost the same (READY 14.9 s early against 15.1 late from a cold Triton cache, H100); children that
+    imported torch made the worker's own imports and checkpoint as much longer as they made the compile phase shorter
+    (docs/decisions/0016-compile-ahead.md)."""
     if not torch_device.startswith("cuda") or os.environ.get("LAYA_COMPILE_EARLY", "0") != "1":
         return None
     from laya_pool.kernels.compile import procs_for, spawn
