@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from laya_pool.client.card import ModelCard
-from laya_pool.client.decode import answer_confidence, decode_answers, entropy_confidence, temp_bucket
+from laya_pool.client.decode import answer_confidence, decode_answers, temp_bucket
 from laya_pool.client.semantics import encode_request
+from laya_pool.protocol.qtypes import entropy_confidence
 
 CASES_FILE = Path(__file__).parents[1] / "laya_pool" / "tools" / "cases" / "requests.json"
 CASES = json.loads(CASES_FILE.read_text(encoding="utf-8"))["cases"]

@@ -62,7 +62,3 @@ def test_one_fingerprint_for_directory_card_and_checkpoint(tiny_ckpt):
     fp = contract.fingerprint(tiny_ckpt)
     assert len(fp) == 64 and directory_fingerprint(tiny_ckpt) == fp
     assert load_checkpoint(tiny_ckpt, with_tensors=False).fingerprint == fp
-
-
-def test_qtypes_are_the_sdk_order():
-    assert contract.QTYPES == {"choice": 0, "score": 1, "noul": 2}

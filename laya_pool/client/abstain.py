@@ -4,7 +4,7 @@ The rules are the SDK's (laya 0.4.15 `laya.confidence`: `check_min_confidence`, 
 `apply_confidence_gate`), held to it by tests/test_client_sdk_api.py:
 
 - `min_confidence` is a float in [0, 1] (a bool is refused) or a map from option-count bucket
-  ("choice:3-5", "noul:2", ...; the spelling of `client.decode.temp_bucket`) plus "default" to a float;
+  ("choice:3-5", "noul:2", ...; `protocol.qtypes.option_bucket`) plus "default" to a float;
 - the gate reads `answer_confidence` (max(p)), falling back to the entropy `confidence`;
 - with a threshold, every answer gets `abstention` ("passed", "abstained" or "unevaluated") and
   `abstention_threshold`, and `low_confidence: True` when it fell below; without one nothing is written.
@@ -14,18 +14,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from laya_pool.protocol.qtypes import QUESTION_TYPES, option_bucket
+
 GATE_PASSED = "passed"
 GATE_ABSTAINED = "abstained"
 GATE_UNEVALUATED = "unevaluated"
 
-_QTYPES = ("choice", "score", "noul")
-_SIZES = ("2", "3-5", "6-10", "11+")
 _DEFAULT = "default"
 
 
 def bucket_keys() -> set[str]:
     """Every bucket a `min_confidence` map may name."""
-    return {f"{qt}:{size}" for qt in _QTYPES for size in _SIZES}
+    return QUESTION_TYPES.buckets()
 
 
 def _check_one(v: Any) -> float:
@@ -69,18 +69,17 @@ def _gate_confidence(answer: dict[str, Any]) -> float | None:
 
 
 def _bucket(answer: dict[str, Any]) -> str | None:
-    qt = answer.get("type")
-    if qt not in _QTYPES:
+    qtype = QUESTION_TYPES.find(answer.get("type"))
+    if qtype is None:
         return None
     probs = answer.get("probabilities")
     if isinstance(probs, dict) and probs:
         k = len(probs)
-    elif qt == "noul":
-        k = 2
+    elif qtype.fixed_options is not None:     # noul's answer carries P(true), not its two probabilities
+        k = qtype.fixed_options
     else:
         return None
-    size = "2" if k <= 2 else "3-5" if k <= 5 else "6-10" if k <= 10 else "11+"
-    return f"{qt}:{size}"
+    return option_bucket(qtype.name, k)
 
 
 def threshold_for(answer: dict[str, Any], min_confidence: float | dict[str, float]) -> float:

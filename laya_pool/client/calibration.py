@@ -18,16 +18,17 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from laya_pool.protocol.qtypes import QUESTION_TYPES
+
 from .card import TEMP_MAX, TEMP_MIN, clamp_temperature, temperature_rejected
 
 CALIBRATION_VERSION = 2
-_N_QTYPES = 3
 _IDENTITY_SKIP = ("temperature", "temperature_by_options")
 
 
 @dataclass(frozen=True)
 class Calibration:
-    temperature: tuple[float, float, float]
+    temperature: tuple[float, ...]          # one per question type, indexed by its id
     temperature_by_options: dict[str, float]
     binning_map: dict[str, dict[str, Any]] | None
     config: Any = None              # the checkpoint config it was fitted for (version 2 files), temperatures left out
@@ -97,8 +98,8 @@ def parse_calibration(payload: Any) -> Calibration:
         raise ValueError(f"calibration JSON must be an object, got {type(payload).__name__}")
     version = _version(payload)
     temps = payload.get("temperature")
-    if not isinstance(temps, (list, tuple)) or len(temps) != _N_QTYPES:
-        raise ValueError("calibration JSON must contain temperature: [3 floats]")
+    if not isinstance(temps, (list, tuple)) or len(temps) != len(QUESTION_TYPES):
+        raise ValueError(f"calibration JSON must contain temperature: [{len(QUESTION_TYPES)} floats]")
     by_options = payload.get("temperature_by_options")
     if by_options is None:
         by_options = {}

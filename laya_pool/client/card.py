@@ -19,6 +19,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from laya_pool.protocol.contract import fingerprint
+from laya_pool.protocol.qtypes import QUESTION_TYPES
 
 from .state import WindowPolicy
 
@@ -81,7 +82,7 @@ class ModelCard:
     pad_id: int
     max_len: int
     head_max_len: int
-    temperature: tuple[float, float, float]
+    temperature: tuple[float, ...]          # one per question type, indexed by its id
     temperature_by_options: dict[str, float]
     n_act: int
     # tokenizer_config.json's clean_up_tokenization_spaces: what transformers' decode() does to text
@@ -139,10 +140,11 @@ class ModelCard:
             if tid is None:
                 raise CardError(f"tokenizer_config.json: {name} {text!r} is not in the tokenizer's vocabulary")
             ids[name] = (text, tid)
-        temps = agent_cfg.get("temperature", [1.0, 1.0, 1.0])
-        if not isinstance(temps, (list, tuple)) or len(temps) != 3:
+        temps = agent_cfg.get("temperature", [1.0] * len(QUESTION_TYPES))
+        if not isinstance(temps, (list, tuple)) or len(temps) != len(QUESTION_TYPES):
             # The SDK refuses this at load for the same reason: decoding indexes it by question type.
-            raise CardError(f"rl_agent_config.json: temperature must be a list of 3 floats, got {temps!r}")
+            raise CardError(f"rl_agent_config.json: temperature must be a list of {len(QUESTION_TYPES)} floats, "
+                            f"got {temps!r}")
         by_options = agent_cfg.get("temperature_by_options") or {}
         if not isinstance(by_options, dict):
             raise CardError(f"rl_agent_config.json: temperature_by_options must be a mapping, got {by_options!r}")

@@ -8,17 +8,16 @@ the same `usage` block (laya 0.4.15 `Agent._decode_answers` and `predict_batch`)
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import Any
 
 import numpy as np
 
-from laya_pool.protocol.contract import QType
+from laya_pool.protocol.qtypes import QUESTION_TYPES, option_bucket
 
 from .calibration import Calibration, apply_binning
 from .card import TEMP_MAX, TEMP_MIN, ModelCard, clamp_temperature, temperature_rejected
-from .semantics import EncodedRequest, render_criterion
+from .semantics import EncodedRequest
 
 MODEL_NAME = "laya-rl-agent"
 
@@ -26,8 +25,7 @@ MODEL_NAME = "laya-rl-agent"
 @functools.lru_cache(maxsize=256)      # a few question types x option counts; every answer asks
 def temp_bucket(qtype: int, k: int) -> str:
     """The `temperature_by_options` key for a question type and option count, e.g. "choice:3-5"."""
-    size = "2" if k <= 2 else "3-5" if k <= 5 else "6-10" if k <= 10 else "11+"
-    return f"{QType(int(qtype)).name.lower()}:{size}"
+    return option_bucket(QUESTION_TYPES.by_id(qtype).name, k)
 
 
 LangTemperatures = dict[str, dict[str, Any]]
@@ -54,7 +52,7 @@ def temperature_for(card: ModelCard, qtype: int, k: int, lang: str | None = None
 
 def resolve_lang_temperatures(raw: dict[str, Any] | None, base: Any) -> LangTemperatures:
     """The SDK's `lang_temperatures` load option (`laya.load(..., lang_temperatures=...)`) as
-    {language: {"temperature": [3 floats], "temperature_by_options": {bucket: float}}}: keys cut to the
+    {language: {"temperature": [a float per question type], "temperature_by_options": {bucket: float}}}: keys cut to the
     language ("de-AT" -> "de"), a missing temperature inherits `base` (the card's raw list), every value
     clamped as the SDK clamps it (with its warning). ValueError names a malformed entry."""
     resolved: LangTemperatures = {}
@@ -69,8 +67,9 @@ def resolve_lang_temperatures(raw: dict[str, Any] | None, base: Any) -> LangTemp
         inherited = t_raw is None
         if inherited:
             t_raw = base
-        if not isinstance(t_raw, (list, tuple)) or len(t_raw) != 3:
-            raise ValueError(f"Language override {lang!r} temperature must be a list of 3 floats, got {t_raw!r}")
+        if not isinstance(t_raw, (list, tuple)) or len(t_raw) != len(QUESTION_TYPES):
+            raise ValueError(f"Language override {lang!r} temperature must be a list of {len(QUESTION_TYPES)} floats, "
+                             f"got {t_raw!r}")
         tbo_raw = cfg.get("temperature_by_options") or {}
         if not isinstance(tbo_raw, dict):
             raise ValueError(f"Language override {lang!r} temperature_by_options must be a mapping of "
@@ -113,52 +112,16 @@ def answer_confidence(p: np.ndarray, k: int) -> float:
     return 0.0 if val < 0.0 else (1.0 if val > 1.0 else val)
 
 
-def entropy_confidence(p: np.ndarray, k: int) -> float:
-    """1 - H(p)/log(k), the SDK's `confidence` for choice and score (not calibrated)."""
-    if k < 2:
-        return 1.0
-    pk = p[:k]
-    # np.clip's bits through its two ufuncs, without its Python wrapper (a third of this function's time).
-    ent = -float((pk * np.log(np.minimum(np.maximum(pk, 1e-12), 1.0))).sum())
-    score = 1.0 - ent / math.log(k)
-    return 0.0 if score < 0.0 else (1.0 if score > 1.0 else score)
-
-
 def _answer(q: dict[str, Any], p: np.ndarray, k: int, act_row: np.ndarray,
             binning: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     action = {"act_probability": round(float(act_row[0]), 4)}
     ans_conf = answer_confidence(p, k)
     if binning is not None:             # (bucket, map): a calibration file's recalibration of it
         ans_conf = apply_binning(ans_conf, *binning)
-    ans_conf = round(ans_conf, 4)
-    if q["t"] == "choice":
-        keys = list(q["crit"].keys())
-        return {
-            "type": "choice",
-            "choice": keys[int(p.argmax())],     # the caller's own label, type and all
-            "probabilities": {key: round(float(v), 4) for key, v in zip(keys, p)},
-            "confidence": round(entropy_confidence(p, k), 4),
-            "answer_confidence": ans_conf,
-            "action": action,
-        }
-    if q["t"] == "score":
-        return {
-            "type": "score",
-            "score": round(float((np.arange(k) * p).sum()), 4),
-            "legend": {str(i): render_criterion(c) for i, c in enumerate(q["crit"])},
-            "probabilities": {str(i): round(float(v), 4) for i, v in enumerate(p)},
-            "confidence": round(entropy_confidence(p, k), 4),
-            "answer_confidence": ans_conf,
-            "action": action,
-        }
-    p_true = float(p[1])
-    return {
-        "type": "noul",
-        "noul": round(p_true, 4),
-        "confidence": round(max(p_true, 1.0 - p_true), 4),
-        "answer_confidence": ans_conf,
-        "action": action,
-    }
+    answer = QUESTION_TYPES.by_name(q["t"]).answer(q, p, k)
+    answer["answer_confidence"] = round(ans_conf, 4)
+    answer["action"] = action
+    return answer
 
 
 def _usage(encoded: EncodedRequest) -> dict[str, Any]:

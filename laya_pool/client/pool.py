@@ -51,6 +51,7 @@ from zmq.utils.monitor import recv_monitor_message
 from laya_pool.protocol import contract, wire
 from laya_pool.protocol.contract import Reason, WorkerState
 from laya_pool.protocol.lane import NAP_MS
+from laya_pool.protocol.qtypes import QUESTION_TYPES
 from laya_pool.protocol.wire import Cmd
 
 from . import batching, scan
@@ -475,8 +476,8 @@ class _Base:
             from .decode import resolve_lang_temperatures
             if self._calibration is not None:
                 self._calibration.check_fits(card.config)
-            self._lang_resolved = (card, resolve_lang_temperatures(self._lang_raw,
-                                                                   card.config.get("temperature", [1.0, 1.0, 1.0])))
+            base = card.config.get("temperature", [1.0] * len(QUESTION_TYPES))
+            self._lang_resolved = (card, resolve_lang_temperatures(self._lang_raw, base))
         return self._lang_resolved[1]
 
     def _set_decoding(self, lang_temperatures: dict[str, Any] | None, calibration: Any) -> None:

@@ -2,7 +2,8 @@
 
 A state longer than one row is tokenized once, cut into overlapping token windows, each window is decoded
 back to text and scored as an ordinary state (every window one state of a `predict_batch`), and each
-question takes the answer of its deciding window:
+question takes the answer of its deciding window, the one its type's `window_score` (protocol/qtypes.py)
+rates highest:
 
 - noul: the window with the highest P(true) (the statement holds if any window supports it);
 - choice and score: the window with the highest `answer_confidence` (a localized signal is not out-voted
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import warnings
 from typing import Any
+
+from laya_pool.protocol.qtypes import QUESTION_TYPES
 
 from .card import ModelCard
 from .semantics import build_head
@@ -137,10 +140,8 @@ def aggregate_windows(results: list[dict[str, Any]], qtypes: dict[Any, str], sta
     answers: dict[Any, Any] = {}
     for qid, qtype in qtypes.items():
         per = [r["answers"][qid] for r in results]
-        if qtype == "noul":
-            best = max(range(len(per)), key=lambda j: float(per[j]["noul"]))
-        else:
-            best = max(range(len(per)), key=lambda j: float(per[j]["answer_confidence"]))
+        score = QUESTION_TYPES.by_name(qtype).window_score
+        best = max(range(len(per)), key=lambda j: score(per[j]))
         ans = per[best]
         ans["window"] = {"index": best, "token_start": starts[best],
                          "token_end": min(starts[best] + window, n_tokens), "count": len(results)}

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from laya_pool.protocol.contract import QTYPES
+from laya_pool.protocol.qtypes import QUESTION_TYPES, QuestionType
 
 from . import text
 from .card import ModelCard
@@ -30,10 +30,9 @@ _MIN_OPTION_BUDGET = 16        # below this many head tokens left for the instru
 _MIN_OPTION_TOKENS = 4
 _MIN_INSTRUCTION_TOKENS = 8
 _HEAD_CACHE_SIZE = 2048         # question heads kept (`_head_arrays`), over all cards
-_NOUL_FALSE_TEXT = "no, the statement does not hold"
-_NOUL_TRUE_TEXT = "yes, the statement holds"
 _WHOLE = WindowPolicy(False)     # tokenizes every state whole
-_NOUL_LABELS_RULE = "noul labels must map exactly 'false' and 'true' to distinct non-empty strings"
+# the types that take `labels` (the answer's wording), as the refusal for any other names them
+_LABELLED = " and ".join(t.name for t in QUESTION_TYPES if t.labels is not None)
 
 
 class QuestionError(ValueError):
@@ -81,52 +80,10 @@ class EncodedRequest:
 # ---------------------------------------------------------------- validation and normalisation
 
 
-def _option_count(qdef: dict[str, Any]) -> int:
-    if qdef.get("type") == "noul":
-        return 2
-    crit = qdef.get("criteria")
+def _option_count(qtype: QuestionType, crit: Any) -> int:
+    if qtype.fixed_options is not None:
+        return qtype.fixed_options
     return len(crit) if isinstance(crit, (dict, list, tuple)) else 0
-
-
-def resolve_noul_labels(labels: Any = None) -> tuple[str, str]:
-    """The (false, true) texts a noul question shows; `None` means the defaults "false" / "true"."""
-    if labels is None:
-        labels = {"false": "false", "true": "true"}
-    if not isinstance(labels, dict) or set(labels) != {"false", "true"}:
-        raise ValueError(_NOUL_LABELS_RULE)
-    false_label, true_label = labels["false"], labels["true"]
-    if not isinstance(false_label, str) or not isinstance(true_label, str):
-        raise ValueError(_NOUL_LABELS_RULE)
-    false_label, true_label = false_label.strip(), true_label.strip()
-    if not false_label or not true_label or false_label == true_label:
-        raise ValueError(_NOUL_LABELS_RULE)
-    return false_label, true_label
-
-
-def _check_choice_labels(qid: Any, crit: dict | list) -> None:
-    labels = crit if isinstance(crit, list) else list(crit.keys())
-    for i, label in enumerate(labels):
-        # A label is both option text and answer key, so only scalars that survive both qualify.
-        if label is None:
-            raise QuestionError(qid, f"choice label {i} is null; a label is option text and the answer key, "
-                                     "so it must be a string, number or bool")
-        if not isinstance(label, (str, int, float, bool)):
-            raise QuestionError(qid, f"choice label {i} is a {type(label).__name__}; a label must be a scalar "
-                                     f"(a string, number or bool), got {label!r}")
-    if isinstance(crit, list):
-        # Labels become dict keys, so values Python treats as one key (1, 1.0, True) would merge options.
-        seen: dict[Any, int] = {}
-        for i, label in enumerate(crit):
-            try:
-                first = seen[label]
-            except TypeError as e:
-                raise QuestionError(qid, f"choice label {i} ({label!r}) is unhashable and cannot be an "
-                                         "answer key") from e
-            except KeyError:
-                seen[label] = i
-            else:
-                raise QuestionError(qid, f"choice label {i} ({label!r}) repeats label {first}; every option "
-                                         "needs its own answer key (1, 1.0 and True are one key)")
 
 
 def check_question(qid: Any, qdef: Any) -> None:
@@ -137,9 +94,32 @@ def check_question(qid: Any, qdef: Any) -> None:
         raise QuestionError(None, f"question id must be a non-empty string, got {qid!r}")
     if not isinstance(qdef, dict):
         raise QuestionError(qid, f"definition must be a dict, got {type(qdef).__name__}")
-    t = qdef.get("type")
-    if not isinstance(t, str) or t not in QTYPES:
-        raise QuestionError(qid, f"unknown type {t!r}; use one of {sorted(QTYPES)}")
+    qtype = QUESTION_TYPES.find(qdef.get("type"))
+    if qtype is None:
+        raise QuestionError(qid, f"unknown type {qdef.get('type')!r}; use one of {sorted(QUESTION_TYPES.names)}")
+    _check_instructions(qid, qdef)
+    try:
+        qtype.check(qdef.get("criteria"))
+    except ValueError as e:
+        raise QuestionError(qid, str(e)) from e
+    if "option_order" in qdef:
+        order, n = qdef["option_order"], _option_count(qtype, qdef.get("criteria"))
+        # Exactly the SDK's test: only real ints (not bools, not numpy ints) count as slots.
+        if (not isinstance(order, (list, tuple)) or len(order) != n
+                or sorted(int(i) for i in order if isinstance(i, int) and not isinstance(i, bool))
+                != list(range(n))):
+            raise QuestionError(qid, f"'option_order' must be a permutation of range({n}) -- one slot per "
+                                     f"option, each option once -- got {order!r}")
+    if "labels" in qdef:
+        if qtype.labels is None:
+            raise QuestionError(qid, f"'labels' is only supported for {_LABELLED} questions")
+        try:
+            qtype.labels(qdef["labels"])
+        except ValueError as e:
+            raise QuestionError(qid, str(e)) from e
+
+
+def _check_instructions(qid: Any, qdef: dict[str, Any]) -> None:
     if "instructions" not in qdef:
         raise QuestionError(qid, "no 'instructions'; add the text the model should answer")
     ins = qdef["instructions"]
@@ -149,54 +129,12 @@ def check_question(qid: Any, qdef: Any) -> None:
         raise QuestionError(qid, "'instructions' must not be empty; add the text the model should answer")
     if not isinstance(ins, (str, dict, list, int, float)):
         raise QuestionError(qid, f"'instructions' must be a string, dict, or list, got {type(ins).__name__}")
-    crit = qdef.get("criteria")
-    if t == "choice":
-        if not isinstance(crit, (dict, list)):
-            raise QuestionError(qid, "a choice question takes 'criteria' as a dict of label -> description, "
-                                     "or a list of labels")
-        if not crit:
-            raise QuestionError(qid, "a choice question needs at least one criterion")
-        _check_choice_labels(qid, crit)
-    elif t == "score":
-        if not isinstance(crit, list):
-            raise QuestionError(qid, "a score question takes 'criteria' as a list of level descriptions, "
-                                     "index 0 first")
-        if not crit:
-            raise QuestionError(qid, "a score question needs at least one level")
-        if None in crit:
-            raise QuestionError(qid, f"score level {crit.index(None)} is null; give every level a description")
-    elif crit is not None and not isinstance(crit, dict):
-        raise QuestionError(qid, "a noul question takes 'criteria' as a dict with optional 'true'/'false' "
-                                 "descriptions, or omits it")
-    elif isinstance(crit, dict):
-        keys = {str(k).lower() for k in crit}
-        if not keys <= {"true", "false"}:
-            raise QuestionError(qid, f"a noul question takes 'criteria' keyed only 'true'/'false', got "
-                                     f"{sorted(keys)}; use 'labels' to word the answer differently")
-    if "option_order" in qdef:
-        order, n = qdef["option_order"], _option_count(qdef)
-        # Exactly the SDK's test: only real ints (not bools, not numpy ints) count as slots.
-        if (not isinstance(order, (list, tuple)) or len(order) != n
-                or sorted(int(i) for i in order if isinstance(i, int) and not isinstance(i, bool))
-                != list(range(n))):
-            raise QuestionError(qid, f"'option_order' must be a permutation of range({n}) -- one slot per "
-                                     f"option, each option once -- got {order!r}")
-    if "labels" in qdef:
-        if t != "noul":
-            raise QuestionError(qid, "'labels' is only supported for noul questions")
-        try:
-            resolve_noul_labels(qdef["labels"])
-        except ValueError as e:
-            raise QuestionError(qid, str(e)) from e
 
 
 def to_internal(qdef: dict[str, Any]) -> dict[str, Any]:
     """A validated definition in the SDK's internal form `{"t", "ins", "crit"[, "labels"][, "option_order"]}`."""
-    t, crit = qdef["type"], qdef.get("criteria")
-    if t == "choice" and isinstance(crit, list):
-        crit = {c: None for c in crit}
-    elif t == "noul" and isinstance(crit, dict):
-        crit = {str(k).lower(): v for k, v in crit.items()}
+    t = qdef["type"]
+    crit = QUESTION_TYPES.by_name(t).internal(qdef.get("criteria"))
     ins = qdef["instructions"]
     if not isinstance(ins, str):
         ins = json.dumps(ins, ensure_ascii=False)
@@ -215,29 +153,9 @@ def serialize_state(state: Any) -> str:
     return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
 
 
-def render_criterion(value: Any) -> str:
-    """A criterion as text: strings as they are, anything structured as one line of JSON."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), default=str)
-
-
 def render_options(q: dict[str, Any]) -> list[str]:
     """Option texts in option-index order (noul is always [false, true])."""
-    t, crit = q["t"], q.get("crit")
-    if t == "choice":
-        # Only None and "" mean "no description": 0 and False are descriptions.
-        return [str(k) if v is None or v == "" else f"{k!s}: {render_criterion(v)}"
-                for k, v in crit.items()]
-    if t == "score":
-        return [f"level {i}: {render_criterion(c)}" for i, c in enumerate(crit)]
-    crit = crit or {}
-    false_label, true_label = resolve_noul_labels(q.get("labels"))
-    false_crit, true_crit = crit.get("false"), crit.get("true")
-    return [
-        false_label + ": " + (render_criterion(false_crit) if false_crit not in (None, "") else _NOUL_FALSE_TEXT),
-        true_label + ": " + (render_criterion(true_crit) if true_crit not in (None, "") else _NOUL_TRUE_TEXT),
-    ]
+    return QUESTION_TYPES.by_name(q["t"]).options(q)
 
 
 def build_head(card: ModelCard, q: dict[str, Any], head_max_len: int) -> tuple[list[int], list[int], dict]:
@@ -360,7 +278,7 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
             raise QuestionError(qid, f"only {len(markers)} of its {opt_stats['options']} option markers fit in "
                                      f"max_len={max_len} with head_max_len={head_max_len} spent on the question; "
                                      "lower head_max_len, raise max_len, or use fewer options")
-        out.rows.append((ids, markers, QTYPES[q["t"]]))
+        out.rows.append((ids, markers, QUESTION_TYPES.by_name(q["t"]).id))
         out.option_stats.append(dict(opt_stats))
         out.kept.append(keep)
     return out

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from laya_pool.protocol.qtypes import QUESTION_TYPES, QuestionType
+
 from .abstain import answer_confidence_value, apply_confidence_gate, check_min_confidence
 
 MAX_PROPERTIES = 32
 MAX_OPTIONS = 32
-MAX_SCORE_LEVELS = 10
 _LOCAL_REFS = (("#/$defs/", "$defs"), ("#/definitions/", "definitions"))
 _ONE_STATE = object()       # Decision.plan for decide (one state), not decide_batch
 
@@ -44,10 +45,9 @@ class DecisionResult:
 class Field:
     """One schema property as a question, and how its answer becomes a value."""
     name: str
-    kind: str                                                     # "choice" | "score" | "noul"
+    kind: str                   # the question type's name
     question: dict[str, Any]
-    options: list[tuple[str, Any]] = field(default_factory=list)  # choice: (label, value)
-    minimum: int | None = None                                    # score: the value of level 0
+    reading: Any = None         # what the type reads its answer back with (choice: its (label, value) pairs)
 
 
 # ---------------------------------------------------------------- schema -> fields
@@ -64,8 +64,12 @@ def schema_of(model: Any) -> dict[str, Any]:
     raise SchemaError(f"expected a JSON schema dict or a pydantic model, got {type(model).__name__}")
 
 
-def _noul_field(name: str, description: str | None) -> Field:
-    return Field(name, "noul", {"type": "noul", "instructions": description or f"Is `{name}` true?"})
+def _typed_field(path: str, name: str, qtype: QuestionType, prop: dict[str, Any], description: str | None) -> Field:
+    try:
+        question, reading = qtype.schema.question(name, prop, description)
+    except ValueError as e:
+        raise SchemaError(f"{path}: {e}") from e
+    return Field(name, qtype.name, question, reading)
 
 
 def _enum_field(path: str, name: str, values: Any, description: str | None) -> Field:
@@ -76,30 +80,9 @@ def _enum_field(path: str, name: str, values: Any, description: str | None) -> F
         raise SchemaError(f"{path}: {len(values)} options exceeds MAX_OPTIONS={MAX_OPTIONS}")
     if not values:
         raise SchemaError(f"{path}: 'enum' must not be empty")
-    if all(isinstance(v, bool) for v in values) and len(set(values)) == 2:
-        return _noul_field(name, description)
-    options = [("null" if v is None else str(v), v) for v in values]
-    if len({label for label, _ in options}) != len(options):
-        raise SchemaError(f"{path}: enum values produce duplicate choice labels")
-    question = {"type": "choice", "instructions": description or f"What is `{name}`?",
-                "criteria": {label: None for label, _ in options}}
-    return Field(name, "choice", question, options=options)
-
-
-def _score_field(path: str, name: str, prop: dict[str, Any], description: str | None) -> Field:
-    lo, hi = prop.get("minimum"), prop.get("maximum")
-    # A bool is an int to Python but a yes/no to a schema: not a bound.
-    if isinstance(lo, bool) or isinstance(hi, bool) or not isinstance(lo, int) or not isinstance(hi, int):
-        raise SchemaError(f"{path}: a numeric field needs integer 'minimum' and 'maximum' to become a score")
-    if hi < lo:
-        raise SchemaError(f"{path}: 'maximum' {hi} is below 'minimum' {lo}")
-    span = hi - lo + 1
-    if span > MAX_SCORE_LEVELS:
-        raise SchemaError(f"{path}: {span} levels exceeds MAX_SCORE_LEVELS={MAX_SCORE_LEVELS}; narrow the range "
-                          "or use an enum")
-    question = {"type": "score", "instructions": description or f"Score `{name}` from {lo} to {hi}",
-                "criteria": [str(v) for v in range(lo, hi + 1)]}
-    return Field(name, "score", question, minimum=lo)
+    if all(isinstance(v, bool) for v in values) and len(set(values)) == 2:      # true/false: a boolean
+        return _typed_field(path, name, QUESTION_TYPES.by_json_type("boolean"), {"type": "boolean"}, description)
+    return _typed_field(path, name, QUESTION_TYPES.enum_type, {"enum": values}, description)
 
 
 def _inline_ref(path: str, prop: dict[str, Any], root: dict[str, Any],
@@ -152,12 +135,11 @@ def _field(path: str, name: str, prop: Any, root: dict[str, Any], seen: tuple[st
         if len(non_null) > 1:
             raise SchemaError(f"{path}: 'type' has multiple non-null types; unions are not supported")
         jtype = non_null[0] if non_null else None
-    if jtype == "boolean":
-        return _noul_field(name, description)
+    qtype = QUESTION_TYPES.by_json_type(jtype)
+    if qtype is not None:
+        return _typed_field(path, name, qtype, prop, description)
     if jtype == "string":
         raise SchemaError(f"{path}: a free string cannot be a fixed option set; use 'enum' or a boolean")
-    if jtype in ("integer", "number"):
-        return _score_field(path, name, prop, description)
     if jtype == "array":
         raise SchemaError(f"{path}: arrays are not supported; ask one field per element")
     if jtype == "object":
@@ -229,18 +211,7 @@ def project(answers: dict[str, Any], fields: list[Field]) -> dict[str, Any]:
         if answer.get("low_confidence"):
             values[f.name] = None
             continue
-        if f.kind == "noul":
-            values[f.name] = bool(float(answer.get("noul", 0.0)) >= 0.5)
-        elif f.kind == "score":
-            probs = answer.get("probabilities") or {}
-            if probs:       # the most probable level (not the rounded expectation)
-                idx = max(range(len(probs)), key=lambda i: float(probs.get(str(i), probs.get(i, 0.0))))
-            else:
-                idx = int(round(float(answer.get("score", 0.0))))
-            values[f.name] = int(f.minimum or 0) + idx
-        else:
-            label = str(answer.get("choice"))
-            values[f.name] = next((value for lbl, value in f.options if lbl == label), label)
+        values[f.name] = QUESTION_TYPES.by_name(f.kind).schema.value(answer, f.reading)
     return values
 
 
@@ -251,9 +222,9 @@ def details(values: dict[str, Any], answers: dict[str, Any], result: dict[str, A
     for name, answer in answers.items():
         confidence[name] = float(answer.get("confidence", 0.0))
         answer_confidence[name] = answer_confidence_value(answer)
-        if answer.get("type") == "noul":
-            p = float(answer.get("noul", 0.0))
-            probabilities[name] = {"false": round(1.0 - p, 4), "true": round(p, 4)}
+        qtype = QUESTION_TYPES.find(answer.get("type"))
+        if qtype is not None:
+            probabilities[name] = qtype.schema.probabilities(answer)
         else:
             probabilities[name] = dict(answer.get("probabilities") or {})
     return DecisionResult(values=values, confidence=confidence, probabilities=probabilities, answers=dict(answers),

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-QTYPES = {"choice": 0, "score": 1, "noul": 2}
+from laya_pool.protocol.qtypes import QUESTION_TYPES
+
 OPTION_LAYOUTS = ("sequential", "parallel")
 
 
@@ -59,7 +60,7 @@ class Arch:
         """Every tensor the SDK's `DecisionModel.state_dict()` holds, with its shape."""
         d, ff = self.hidden, self.intermediate
         s: dict[str, tuple[int, ...]] = {
-            "temperature": (3,),
+            "temperature": (len(QUESTION_TYPES),),
             "encoder.embeddings.tok_embeddings.weight": (self.vocab_size, d),
             "encoder.embeddings.norm.weight": (d,),
         }
@@ -86,7 +87,7 @@ class Arch:
             for n in ("norm1", "norm2"):
                 s[p + n + ".weight"] = (d,)
                 s[p + n + ".bias"] = (d,)
-        s["type_emb.weight"] = (3, d)
+        s["type_emb.weight"] = (len(QUESTION_TYPES), d)       # one row per question type, indexed by its id
         s["scorer.0.weight"] = (d,)
         s["scorer.0.bias"] = (d,)
         s["scorer.1.weight"] = (d, d)
@@ -144,9 +145,9 @@ def parse_arch(agent_cfg: dict[str, Any], enc_cfg: dict[str, Any]) -> Arch:
         raise ConfigError(f"{a}: option_layout must be one of {', '.join(OPTION_LAYOUTS)}, got {layout!r}")
     if layout == "parallel":
         raise ConfigError(f"{a}: option_layout 'parallel' is not supported yet (only 'sequential')")
-    temps = agent_cfg.get("temperature", [1.0, 1.0, 1.0])
-    if not isinstance(temps, (list, tuple)) or len(temps) != 3:
-        raise ConfigError(f"{a}: temperature must be a list of 3 floats, got {temps!r}")
+    temps = agent_cfg.get("temperature", [1.0] * len(QUESTION_TYPES))
+    if not isinstance(temps, (list, tuple)) or len(temps) != len(QUESTION_TYPES):
+        raise ConfigError(f"{a}: temperature must be a list of {len(QUESTION_TYPES)} floats, got {temps!r}")
     acts = agent_cfg.get("act_costs", {})
     if not isinstance(acts, dict):
         raise ConfigError(f"{a}: act_costs must be a mapping, got {acts!r}")

@@ -1,10 +1,11 @@
 """The facts the client, the broker, the worker and the supervisor must agree on, written once.
 
-Execution modes, question types, the reasons a reply or a departure carries, process exit codes, the
+Execution modes, the reasons a reply or a departure carries, process exit codes, the
 shared defaults and the model fingerprint. docs/protocol.md lists every reason, and
 tests/test_contract.py checks that it does, so the document cannot fall behind the code.
 
-Pure Python (os, enum, hashlib): importing it costs nothing, so every room may.
+Pure Python (os, enum, hashlib): importing it costs nothing, so every room may. The question types have their
+own module, protocol/qtypes.py.
 """
 from __future__ import annotations
 
@@ -16,16 +17,6 @@ from pathlib import Path
 # ---------------------------------------------------------------------------------------------- execution
 
 MODES = ("eager", "graph-fixed", "graph-cached")
-
-
-class QType(enum.IntEnum):
-    """A question's type as the rows carry it (the SDK's `type_emb` index)."""
-    CHOICE = 0
-    SCORE = 1
-    NOUL = 2
-
-
-QTYPES = {q.name.lower(): int(q) for q in QType}     # {"choice": 0, "score": 1, "noul": 2}
 
 
 # ---------------------------------------------------------------------------------------------- reasons

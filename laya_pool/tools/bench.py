@@ -30,6 +30,10 @@ MIXED = [(1, 48), (2, 96), (4, 256), (1, 400), (8, 160)]
 WORDS = ("ticket customer refund invoice urgent billing account password reset login error crash payment card "
          "declined shipping delayed order package lost damaged return exchange warranty support").split()
 
+# What a request's questions cycle through: (type, criteria) of a 4-way choice, a noul, a 3-level score.
+_QUESTIONS = (("choice", {"billing": "", "tech": "", "sales": "", "legal": ""}), ("noul", None),
+              ("score", ["none", "low", "high"]))
+
 
 def make_request(card, rows: int, length: int) -> tuple[str, dict]:
     """A predict() call whose encoding has `rows` rows of (at most, and as near as possible) `length` tokens."""
@@ -37,12 +41,10 @@ def make_request(card, rows: int, length: int) -> tuple[str, dict]:
 
     questions = {}
     for i in range(rows):
-        kind = ("choice", "noul", "score")[i % 3]
+        kind, criteria = _QUESTIONS[i % len(_QUESTIONS)]
         q = {"type": kind, "instructions": f"Question {i}: is the {WORDS[i % len(WORDS)]} handled?"}
-        if kind == "choice":
-            q["criteria"] = {"billing": "", "tech": "", "sales": "", "legal": ""}
-        elif kind == "score":
-            q["criteria"] = ["none", "low", "high"]
+        if criteria is not None:
+            q["criteria"] = criteria
         questions[f"q{i}"] = q
 
     def longest(n_words: int) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 from laya_pool.protocol.contract import MODES  # noqa: E402
+from laya_pool.protocol.qtypes import QUESTION_TYPES  # noqa: E402
 
 from .progress import Progress, enabled  # noqa: E402
 
@@ -45,7 +46,8 @@ def frozen_cases(card) -> list[tuple[str, list]]:
     def rows(n, length, k, seed):
         r = np.random.default_rng(seed)
         return [(r.integers(5, top, length).astype(np.int32),
-                 np.sort(r.choice(np.arange(1, length), k, replace=False)).astype(np.int32), i % 3) for i in range(n)]
+                 np.sort(r.choice(np.arange(1, length), k, replace=False)).astype(np.int32), i % len(QUESTION_TYPES))
+                for i in range(n)]
     for n, length, k in ((1, 48, 4), (1, 128, 4), (4, 256, 6), (16, 512, 8), (4, 64, 2), (5, 64, 2), (4, 65, 3)):
         out.append((f"shape {n}x{length}", rows(n, length, k, int(rng.integers(1 << 30)))))
     a, b = rows(2, 60, 3, 11), rows(2, 60, 3, 12)

@@ -49,12 +49,13 @@ def _devices() -> str:
 
 
 def _answer_line(qid, a) -> str:
-    if a["type"] == "choice":
-        probs = ", ".join(f"{k} {v:.3f}" for k, v in a["probabilities"].items())
-        return f"{qid}: {a['choice']!r}  ({probs})  act {a['action']['act_probability']:.3f}"
-    if a["type"] == "score":
-        return f"{qid}: score {a['score']:.3f}  (confidence {a['confidence']:.3f})"
-    return f"{qid}: {a['noul']:.3f}  (confidence {a['confidence']:.3f})"
+    """An answer in one line: its value (every answer keeps it under its type's name), its confidence, its
+    option probabilities when it lists them, and the act head's probability."""
+    value = a[a["type"]]
+    shown = f"{value:.3f}" if isinstance(value, float) else repr(value)
+    probs = ", ".join(f"{k} {v:.3f}" for k, v in (a.get("probabilities") or {}).items())
+    return (f"{qid}: {a['type']} {shown}  (confidence {a['confidence']:.3f}{'; ' + probs if probs else ''})  "
+            f"act {a['action']['act_probability']:.3f}")
 
 
 def _default_model() -> Path:

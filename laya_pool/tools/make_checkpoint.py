@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from laya_pool.kernels.arch import parse_arch  # noqa: E402
+from laya_pool.protocol.qtypes import NOUL_FALSE_TEXT, NOUL_TRUE_TEXT, QUESTION_TYPES
 
 SPECIALS = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
 TOKENIZER_VOCAB = 1024
@@ -71,8 +72,9 @@ def _corpus(seed: int = 1234, lines: int = 6000) -> list[str]:
         elif kind == 3:
             text = f"choice question: {text}" if rng.random() > 0.5 else f"level {rng.randint(0, 9)}: {text}"
         out.append(text)
-    out += ["no, the statement does not hold", "yes, the statement holds", "false: ", "true: ",
-            "noul question: ", "score question: ", "choice question: "] * 20
+    # the texts every row's head repeats: noul's default options, and each type's "<type> question: " prefix
+    prompts = [f"{t.name} question: " for t in QUESTION_TYPES]
+    out += [NOUL_FALSE_TEXT, NOUL_TRUE_TEXT, "false: ", "true: ", *prompts] * 20
     return out
 
 
@@ -160,7 +162,7 @@ def make_weights(arch, seed: int) -> dict[str, np.ndarray]:
     out = {}
     for name, shape in sorted(arch.tensor_shapes().items()):
         if name == "temperature":
-            out[name] = np.ones(3, np.float32)
+            out[name] = np.ones(shape, np.float32)
             continue
         mean, std = _std(name, shape)
         t = rng.standard_normal(shape, dtype=np.float32)

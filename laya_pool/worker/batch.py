@@ -13,12 +13,12 @@ from functools import cached_property
 import numpy as np
 
 from laya_pool.protocol import wire
-from laya_pool.protocol.contract import QType
+from laya_pool.protocol.qtypes import QUESTION_TYPES
 
-MAX_QTYPE = int(max(QType))
+MAX_QTYPE = len(QUESTION_TYPES) - 1
 _PLAIN_MARKERS = 256        # `plainly_valid` walks this many markers in Python at most; more go to `check_values`
 _INT32 = range(-(1 << 31), 1 << 31)
-_QTYPE_TEXT = ", ".join(str(int(q)) for q in QType if q < MAX_QTYPE) + f" or {MAX_QTYPE}"   # "0, 1 or 2"
+_QTYPE_TEXT = ", ".join(str(t.id) for t in QUESTION_TYPES if t.id < MAX_QTYPE) + f" or {MAX_QTYPE}"   # "0, 1 or 2"
 
 
 class RequestError(ValueError):
