@@ -21,7 +21,6 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 from .progress import Progress, enabled  # noqa: E402
 
 SDK_GRAPH = "sdk forward cuda-graph"

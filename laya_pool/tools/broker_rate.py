@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]          # the checkout, where this runs from one
 
 MESSAGES_PER_CALL = {"ping": 2, "forward": 4}
 

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-
 MiB = 1 << 20
 ROW_SHAPES = [(1, 40, 2), (2, 100, 3), (4, 200, 4), (8, 300, 6), (16, 500, 8), (3, 60, 9)]
 

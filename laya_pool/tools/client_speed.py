@@ -22,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from laya_pool.client.card import ModelCard  # noqa: E402
 from laya_pool.client.decode import decode_answers  # noqa: E402
 from laya_pool.client.semantics import encode_request, serialize_state  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+CASES = Path(__file__).resolve().parent / "cases" / "requests.json"
 from laya_pool.protocol.contract import MODES  # noqa: E402
 from laya_pool.protocol.qtypes import QUESTION_TYPES  # noqa: E402
 
@@ -38,7 +38,7 @@ TAP_ORDER = ["embeddings"]
 
 def frozen_cases(card) -> list[tuple[str, list]]:
     from laya_pool.client.semantics import encode_request
-    cases = json.loads((ROOT / "tools" / "cases" / "requests.json").read_text())["cases"]
+    cases = json.loads(CASES.read_text())["cases"]
     out = [(c["name"], encode_request(card, c["state"], c["questions"]).rows) for c in cases]
     rng = np.random.default_rng(0)
     top = min(card.vocab_size, 1000)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]          # the checkout, where this runs from one
 
 from laya_pool.client.pool import local_pool  # noqa: E402
 

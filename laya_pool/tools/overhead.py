@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
 # What is timed: three kinds of call, then the parts of one pooled forward, in the order a request meets them
 # (the worker stamps each on this host's monotonic clock: compute.py `_answer`).
 PARTS = ("ping", "forward", "forward via broker", "in-process", "up", "up: to the broker", "up: in the broker",
