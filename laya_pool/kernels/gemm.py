@@ -498,7 +498,7 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     kwargs = dict(EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                   HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
                   GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
-                  PIECES=32 * t.warps, EARLY=early_epilogue(m, epi), **options,
+                  PIECES=32 * t.warps, EARLY=early_epilogue(m), **options,
                   num_warps=t.warps, num_stages=t.stages)
     if key is None:
         through_triton(_gemm_kernel, grid, args + ints, kwargs)
@@ -526,13 +526,9 @@ def _pointers(a, w, out, bias, rope, blocks, table) -> tuple:
 EARLY_MAX_M = 64
 
 
-def early_epilogue(m: int, epi: Epi) -> bool:
-    """Whether a GEMM of M rows reads its epilogue's operands before its K loop (LAYA_EARLY_EPI=1: always, 0: never,
-    rope: the RoPE tables at every M, whose [BM, BN/2] fp32 pair is half a residual tile's registers)."""
-    forced = env("LAYA_EARLY_EPI")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return m <= EARLY_MAX_M or (forced == "rope" and epi == Epi.ROPE)
+def early_epilogue(m: int) -> bool:
+    """Whether a GEMM of M rows reads its epilogue's operands before its K loop."""
+    return m <= EARLY_MAX_M
 
 
 TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a GEMM at M=1,536; LAYA_TMA=0: off

@@ -9,8 +9,7 @@ the wait. `LAYA_PDL=0` turns it off (for measuring the difference).
 
 While it waits, a GEMM asks L2 for its own slice of the weights (`prefetch`): weights never depend on an earlier
 kernel, so at small M, where a forward is the weights streaming through one GEMM after another, each GEMM's read
-from HBM overlaps the kernels before it instead of starting when they end. A hint to the cache, so the same bits;
-`LAYA_PREFETCH=0` turns it off.
+from HBM overlaps the kernels before it instead of starting when they end. A hint to the cache, so the same bits.
 
 Tried and dropped (device run of 2026-12-04, twelfth session): letting the successor launch before a kernel's own
 wait, so a chain of waiting kernels and their prefetches runs ahead: 1x48 1.151 ms against 0.966 (the waiting
@@ -87,8 +86,7 @@ def env(name: str, default: str | None = None) -> str | None:
 
 # Every variable that changes how a GEMM of ours is launched beyond its arguments: part of each GEMM plan's key
 # (`switches`; `dispatch`'s key needs none: what they change reaches it as constexprs and launch options).
-SWITCHES = ("LAYA_PDL", "LAYA_PDL_WAVES", "LAYA_PREFETCH", "LAYA_TMA", "LAYA_EARLY_EPI", "LAYA_K_CHUNKS",
-            "LAYA_GELU_TABLE")
+SWITCHES = ("LAYA_PDL", "LAYA_TMA", "LAYA_K_CHUNKS")
 
 
 _SWITCH_KEYS = tuple(os.fsencode(name) for name in SWITCHES)
@@ -141,10 +139,9 @@ def launch(device: torch.device, programs: int) -> dict:
     A larger grid is launched early too, but does not let ITS successor launch until its own blocks exit, so no
     successor block waits on an SM while it still has blocks to place; what is left to overlap is the launch itself
     (the gap between two multi-wave kernels). Device run of 2026-12-04 (fourteenth session, call 2), graph replay:
-    32x48 3.530 ms against 3.608, 4x256 2.501 against 2.602, 1x48 and 16x512 unchanged, the same bits.
-    LAYA_PDL_WAVES=one: only single-wave grids early (as before)."""
+    32x48 3.530 ms against 3.608, 4x256 2.501 against 2.602, 1x48 and 16x512 unchanged, the same bits."""
     wait = gdc(device)
-    if wait and programs > sms(device) and env("LAYA_PDL_WAVES", "all") == "all":
+    if wait and programs > sms(device):
         return {"USE_GDC": LATE, "launch_pdl": True}
     return {"USE_GDC": wait, "launch_pdl": wait and programs <= sms(device)}
 
@@ -152,7 +149,7 @@ def launch(device: torch.device, programs: int) -> dict:
 def prefetching(options: dict) -> bool:
     """Whether a GEMM launched with `options` (from `launch`) should prefetch its weights while it waits: only
     when it is launched early (single-wave), so that there is a predecessor to overlap."""
-    return options["launch_pdl"] and options["USE_GDC"] is True and env("LAYA_PREFETCH", "1") != "0"
+    return options["launch_pdl"] and options["USE_GDC"] is True
 
 
 _SMS: dict[int, int] = {}
