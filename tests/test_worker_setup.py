@@ -138,7 +138,8 @@ def test_usage_problem_exits_usage(tmp_path):
 
 @pytest.mark.parametrize("value,device,problem", [
     ("off", "cpu", False), ("off", "cuda:0", False), ("3", "cuda:0", False),
-    ("quickest", "cuda:0", True), ("-1", "cuda:0", True), ("", "cuda:0", True),
+    ("quickest", "cuda:0", True), ("-1", "cuda:0", True),
+    ("", "cuda:0", False),                                     # an empty variable is unset: the default, off
     ("3", "cpu", True),                                        # a CPU forward's torch threads would share its CPU
 ])
 def test_data_cpu_values(value, device, problem, monkeypatch):
@@ -146,3 +147,9 @@ def test_data_cpu_values(value, device, problem, monkeypatch):
     argv = ["--model", "m", "--backend", "b", "--id", "0", "--device", device]
     found = WorkerConfig.from_args(build_parser().parse_args(argv)).for_device(device == "cuda:0").usage_problem()
     assert (found is not None and "--data-cpu" in found) if problem else found is None, found
+
+
+def test_an_empty_data_cpu_flag_is_refused():
+    argv = ["--model", "m", "--backend", "b", "--id", "0", "--device", "cuda:0", "--data-cpu", ""]
+    found = WorkerConfig.from_args(build_parser().parse_args(argv)).for_device(True).usage_problem()
+    assert found is not None and "--data-cpu" in found, found

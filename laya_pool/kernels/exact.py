@@ -18,9 +18,9 @@ A 28-layer model carries a one-ulp difference anywhere to the whole fp32-vs-bf16
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from laya_pool.protocol import settings
 
 from .launch import forget, settle_keys
 
@@ -37,7 +37,7 @@ TABLE_SIZE = 512
 if triton is not None:
     # Triton's CPU interpreter (tests) has no libdevice: there the plain operations stand in, which numpy never
     # fuses anyway.
-    _LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+    _LIBDEVICE = tl.constexpr(not settings.get("TRITON_INTERPRET"))
     _FIRST = tl.constexpr(TABLE_FIRST)
     _SIZE = tl.constexpr(TABLE_SIZE)
 

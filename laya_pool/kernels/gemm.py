@@ -41,12 +41,13 @@ from dataclasses import dataclass
 
 import torch
 
+from laya_pool.protocol import settings
+
 from .exact import gelu_table, needs_table
 from .launch import (
     cached,
     compile_launch,
     current_device,
-    env,
     keep,
     launch,
     on_forget,
@@ -400,7 +401,7 @@ def k_chunk(k: int) -> int:
     alone, never of M or of the device, so every worker and every batch reduces the same chunks in the same order.
     Two chunks: enough programs at small M (1024 columns in tiles of 16, twice), and the unsplit kernel runs both
     chains in one loop, so large M pays only a second accumulator."""
-    if k < 1024 or env("LAYA_K_CHUNKS") != "1":
+    if k < 1024 or not settings.get("LAYA_K_CHUNKS"):
         # One chain, the default since 2026-12-04: cuBLAS's order at the M the SDK runs (a few hundred tokens and
         # up), so the residual GEMMs give the SDK's bits (probe_parity's gemm_residual: 5.1e-4 of outputs differed
         # with chunks, 0 without); `fill_tiles` gives small M its programs back. LAYA_K_CHUNKS=1: two chunks.
@@ -536,7 +537,7 @@ TMA_MIN_M = 1024          # device probe (eleventh session): TMA 20-40% faster a
 
 def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:
     """The copy engine for the operands when M is large and the operands meet its 16-byte rules."""
-    if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or env("LAYA_TMA") == "0":
+    if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or not settings.get("LAYA_TMA"):
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
 
