@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, SUBPROCESS_ENV
 
 from laya_pool.protocol import contract, settings
 from laya_pool.protocol.settings import SettingError
@@ -198,3 +200,47 @@ def test_names_other_modules_hold_are_declared():
     from laya_pool.protocol import logs
     for name in (contract.FRONTEND_ENV, logs.LEVEL_ENV, logs.FORMAT_ENV, operator.SECRET_ENV, cli.ENV_PREFIX + "KEYS"):
         assert name in settings.DECLARED
+
+
+def test_undeclared_names_and_their_nearest():
+    env = {"LAYA_LANSE": "on", "LAYA_PREFETCH": "0", "LAYA_API_KEY": "sdk", "LAYA_PDL": "1", "HOME": "/root"}
+    assert settings.undeclared(env) == [("LAYA_LANSE", "LAYA_LANES"), ("LAYA_PREFETCH", None)]
+
+
+def test_the_warning_comes_once_a_process(monkeypatch, caplog):
+    monkeypatch.setattr(settings, "_WARNED", [])
+    monkeypatch.setenv("LAYA_POOL_FRONTED", "tcp://127.0.0.1:1")
+    log = __import__("logging").getLogger("laya-pool.test")
+    with caplog.at_level("WARNING"):
+        settings.warn_undeclared(log)
+        settings.warn_undeclared(log)
+    lines = [r.getMessage() for r in caplog.records if "LAYA_POOL_FRONTED" in r.getMessage()]
+    assert lines == ["$LAYA_POOL_FRONTED is set but laya-pool has no such setting (did you mean LAYA_POOL_FRONTEND?); "
+                     "it changes nothing (docs/operations.md lists them)"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "laya_pool.worker.server", "--model", "m", "--backend", "ipc:///nowhere", "--id", "0", "--credit", "0"],
+    ["-m", "laya_pool.broker.cli", "up", "--model", "/nonexistent/checkpoint"],
+])
+def test_a_misspelt_variable_gets_one_warning_line_naming_it(argv):
+    """A worker and `laya-pool up`, each stopped by a usage error right after their start: the typo is named once,
+    with the variable it was meant to be."""
+    env = dict(SUBPROCESS_ENV, LAYA_LANSE="off", LAYA_API_KEY="the SDK's")
+    r = subprocess.run([sys.executable, *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == contract.EXIT_USAGE, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "LAYA_LANSE" in line]
+    assert len(lines) == 1 and "did you mean LAYA_LANES?" in lines[0], r.stderr
+    assert "LAYA_API_KEY" not in r.stderr
+
+
+def test_up_hands_its_children_no_undeclared_variable(monkeypatch):
+    """`up` warned once for the pool; its broker and workers, which read none of them, do not repeat it."""
+    from laya_pool.broker.supervisor import Supervisor, SupervisorConfig
+    monkeypatch.setenv("LAYA_LANSE", "off")
+    monkeypatch.setenv("LAYA_API_KEY", "the SDK's")
+    monkeypatch.setenv("LAYA_LANES", "off")
+    sup = Supervisor(SupervisorConfig(model="m", devices=["cpu", "cpu"], backend="ipc:///nowhere"))
+    for child in (sup.broker, *sup.workers.values()):
+        assert "LAYA_LANSE" not in child.env and child.env["LAYA_LANES"] == "off", child.name
+        assert child.env["LAYA_API_KEY"] == "the SDK's"

@@ -597,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     # The pool's processes inherit these: one level and one format for the whole pool (protocol.logs).
     os.environ[logs.LEVEL_ENV], os.environ[logs.FORMAT_ENV] = a.log_level, a.log_format
     logs.setup("supervisor" if a.command == "up" else a.command, a.log_level, a.log_format)
+    settings.warn_undeclared(log)
     try:
         return a.fn(a)
     except KeyboardInterrupt:

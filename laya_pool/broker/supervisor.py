@@ -161,6 +161,8 @@ class Supervisor:
             self.tmp = rundir.make_private()
             cfg.backend = f"ipc://{self.tmp}/backend"
         env = dict(os.environ)
+        for name, _ in settings.undeclared(env):      # `up` warned of each once; its children read none of them
+            del env[name]
         if HOME.name not in ("site-packages", "dist-packages"):     # a checkout goes first; an install is found
             env["PYTHONPATH"] = str(HOME) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.env = env

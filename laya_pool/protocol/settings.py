@@ -17,9 +17,16 @@ itself; `snapshot` gives a key's part as the raw bytes alone. Hoisted to import,
 benchmarks that change a switch between two launches in one process (tests/test_runtime_gpu.py turns the launch cache
 off and on); cached, a change is seen at the next launch and each value is parsed once. Values read once (a worker's
 flags, TRITON_INTERPRET at import) need no cache and go through the same `get`.
+
+A LAYA_* variable that nothing declares (a typo, or a switch that was removed) gets one warning in each process that
+starts (`warn_undeclared`: the worker, the broker, `laya-pool` commands, the first Client of a process), naming the
+nearest declared name; `laya-pool up` leaves such variables out of its children's environment, so a pool warns once.
+The official SDK's own LAYA_* variables are not ours and are never warned about.
 """
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -223,6 +230,16 @@ _declare("XDG_CACHE_HOME", PATH, None, OTHERS, "`laya-pool demo`", "Where the de
 _declare("PYTHONPATH", STR, None, OTHERS, "`laya-pool broker-rate`", "Kept behind this checkout on the path of the "
          "processes the tool starts.")
 
+# The official SDK's own variables (laya 0.4): read by the SDK, never by laya-pool, and never warned about.
+SDK = frozenset({
+    "LAYA_API_KEY", "LAYA_AUTO_TASK", "LAYA_BASE_URL", "LAYA_BODY_READ_TIMEOUT", "LAYA_COMPILE_WARMUP", "LAYA_CPU_AMP",
+    "LAYA_CUDA_AMP", "LAYA_DEFAULT_MODEL", "LAYA_DEVICE", "LAYA_EXTRA_MODELS", "LAYA_HOST", "LAYA_IDLE_UNLOAD_SECONDS",
+    "LAYA_INDUCTOR_CACHE_DIR", "LAYA_JEV_STRICT", "LAYA_LOG_LEVEL", "LAYA_MAX_BATCH_TOKENS", "LAYA_MAX_CONCURRENT",
+    "LAYA_MAX_LOADED", "LAYA_MAX_TOKEN_BUDGET", "LAYA_MODELS", "LAYA_MPS_AMP_MIN_ROWS", "LAYA_PORT", "LAYA_PRELOAD",
+    "LAYA_REMOTE_TIMEOUT", "LAYA_REVISION", "LAYA_ROOT_PATH", "LAYA_SHA256_DIGESTS", "LAYA_THREADS",
+    "LAYA_TOURNAMENT_GROUP",
+})
+
 # ------------------------------------------------------------------------------------------------ reading
 
 # CPython's bytes dict behind os.environ (POSIX); elsewhere (Windows: str keys) os.environ itself, uncached.
@@ -272,6 +289,28 @@ def snapshot(names: tuple[str, ...]) -> Callable[[], tuple]:
     return lambda: tuple(map(os.environ.get, names))
 
 
+def undeclared(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each LAYA_* name in `environ` that neither this module nor the SDK declares, with the nearest declared name
+    when one is close (a typo), sorted."""
+    env = os.environ if environ is None else environ
+    names = sorted(n for n in env if n.startswith("LAYA_") and n not in DECLARED and n not in SDK)
+    return [(n, next(iter(difflib.get_close_matches(n, DECLARED, n=1, cutoff=0.8)), None)) for n in names]
+
+
+_WARNED: list[bool] = []
+
+
+def warn_undeclared(log: logging.Logger) -> None:
+    """One warning line for each undeclared LAYA_* variable, once per process (the first caller's logger)."""
+    if _WARNED:
+        return
+    _WARNED.append(True)
+    for name, near in undeclared():
+        hint = f" (did you mean {near}?)" if near else ""
+        log.warning("$%s is set but laya-pool has no such setting%s; it changes nothing (docs/operations.md lists "
+                    "them)", name, hint)
+
+
 # ------------------------------------------------------------------------------------------------ the table
 
 def _cell(s: Setting) -> tuple[str, str]:
@@ -286,7 +325,7 @@ def _cell(s: Setting) -> tuple[str, str]:
 
 
 def table() -> str:
-    """The markdown docs/operations.md holds between its settings markers: one table per section."""
+    """The markdown docs/operations.md holds between its settings markers: one table per section, then the SDK's."""
     out: list[str] = []
     for section, title in SECTIONS.items():
         out += [f"{title}:", "", "| variable | type | default | read by | meaning |", "| --- | --- | --- | --- | --- |"]
@@ -295,6 +334,8 @@ def table() -> str:
                 kind, default = _cell(s)
                 out.append(f"| `{s.name}` | {kind} | {default} | {s.readers} | {s.meaning} |")
         out.append("")
+    out.append("The official SDK's variables are its own; laya-pool reads none of them and does not warn about them: "
+               + ", ".join(f"`{n}`" for n in sorted(SDK)) + ".")
     return "\n".join(out) + "\n"
 
 

@@ -656,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
     logs.setup(f"worker {cfg.id}", cfg.log_level)
+    settings.warn_undeclared(log)
     torch_device, label = placement.cuda_local_device(cfg.device)
     cfg = cfg.for_device(torch_device.startswith("cuda"))
     problem = cfg.usage_problem()
