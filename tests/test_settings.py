@@ -71,6 +71,26 @@ def test_every_read_of_the_environment_is_declared_and_goes_through_settings():
     assert scan(PACKAGE) == []
 
 
+def _unread() -> list[str]:
+    """Declared names no code names: `up`'s variables are named from their options (checked by
+    test_every_up_option_reads_its_declared_variable); a test-only one may be read by the GPU tests alone."""
+    def literals(paths) -> set[str]:
+        return {n.value for p in paths for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    code = literals(p for p in PACKAGE.rglob("*.py") if p != HOME)
+    tests = literals((ROOT / "tests").glob("test_*_gpu.py"))
+    return [s.name for s in settings.DECLARED.values() if s.section != settings.POOL
+            and s.name not in code and not (s.section == settings.FAULTS and s.name in tests)]
+
+
+def test_every_declaration_is_read_somewhere(monkeypatch):
+    """No stale row (a switch removed, a tool moved away, and its declaration left behind)."""
+    assert _unread() == []
+    stale = settings.Setting("LAYA_GONE", settings.BOOL, False, settings.KERNELS, "worker", "Nothing reads it.")
+    monkeypatch.setitem(settings.DECLARED, "LAYA_GONE", stale)
+    assert _unread() == ["LAYA_GONE"]
+
+
 def test_the_scan_finds_an_undeclared_or_direct_read(tmp_path):
     """The check above can fail: each form of read is found, and a write is not taken for one."""
     (tmp_path / "planted.py").write_text(
