@@ -131,6 +131,14 @@ def test_merged_classes_default_named_or_none(monkeypatch):
     assert classes() == parse_shapes("16x128x4")
 
 
+def test_a_refused_variable_exits_usage_naming_it(tmp_path):
+    env = dict(SUBPROCESS_ENV, LAYA_OVERLAP="maybe")
+    r = subprocess.run([sys.executable, "-m", "laya_pool.worker.server", "--device", "cpu", "--id", "x", "--model",
+                        str(tmp_path), "--backend", f"ipc://{tmp_path}/be"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == contract.EXIT_USAGE and "$LAYA_OVERLAP='maybe': not one of on, off" in r.stderr, r.stderr
+
+
 def test_usage_problem_exits_usage(tmp_path):
     r = _worker("--model", str(tmp_path), "--backend", f"ipc://{tmp_path}/be", "--credit", "0")
     assert r.returncode == contract.EXIT_USAGE and "must be positive" in r.stderr

@@ -7,7 +7,8 @@ output, and the same test fails when it drifts.
 
 Values. Unset and empty are the same: the default. `bool` takes 1/0, true/false, yes/no, on/off (any case); `choice`
 takes one of its choices (any case); `int` and `float` take Python's literals; `str` and `path` take any text. A value
-a declaration refuses raises SettingError (a ValueError) naming the variable and the value.
+a declaration refuses raises a ValueError naming the variable and the value (so every caller's `except ValueError`
+catches it; no exception class of its own, which a client would have to import).
 
 Reads on the hot path (kernels/launch.py asks for LAYA_PDL and LAYA_LAUNCH_CACHE on every kernel launch, ~200 a
 forward; a GEMM plan's key holds three switches) are cached, not hoisted to the start: `get` keeps the value it parsed
@@ -48,10 +49,6 @@ SECTIONS = {
 }
 
 
-class SettingError(ValueError):
-    """A variable set to a value its declaration refuses, or a name nothing declares."""
-
-
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -63,7 +60,7 @@ class Setting:
     choices: tuple[str, ...] = ()
 
     def parse(self, raw: str | None) -> Any:
-        """The typed value of `raw` (None or '': the default), or SettingError naming the variable and the value."""
+        """The typed value of `raw` (None or '': the default), or ValueError naming the variable and the value."""
         if raw is None or raw == "":
             return self.default
         if self.kind == BOOL:
@@ -85,7 +82,7 @@ class Setting:
         return raw
 
     def _refuse(self, raw: str, why: str) -> Any:
-        raise SettingError(f"${self.name}={raw!r}: {why}")
+        raise ValueError(f"${self.name}={raw!r}: {why}")
 
 
 DECLARED: dict[str, Setting] = {}
@@ -249,10 +246,10 @@ _SEEN: dict[str, tuple] = {}          # name -> (the raw bytes parsed last, thei
 
 
 def setting(name: str) -> Setting:
-    """The declaration of `name`, or SettingError: code may read only what this module declares."""
+    """The declaration of `name`, or ValueError: code may read only what this module declares."""
     found = DECLARED.get(name)
     if found is None:
-        raise SettingError(f"${name} is not declared in laya_pool/protocol/settings.py")
+        raise ValueError(f"${name} is not declared in laya_pool/protocol/settings.py")
     return found
 
 

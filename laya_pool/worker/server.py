@@ -651,10 +651,11 @@ def _serve(cfg: WorkerConfig, rt: Any, label: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = WorkerConfig.from_args(build_parser().parse_args(argv))
-    except settings.SettingError as e:       # a flag's default from a variable the declaration refuses
+        parser = build_parser()
+    except ValueError as e:       # a flag's default from a variable its declaration refuses (protocol/settings.py)
         print(f"worker: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
+    cfg = WorkerConfig.from_args(parser.parse_args(argv))
     logs.setup(f"worker {cfg.id}", cfg.log_level)
     settings.warn_undeclared(log)
     torch_device, label = placement.cuda_local_device(cfg.device)
