@@ -53,18 +53,11 @@ def test_every_tile_choice_keeps_the_invariance_preconditions(preset):
                 assert t.bm >= 64 and t.warps in (4, 8) and t.bk % 16 == 0 and t.bn >= 16, (preset, n, k, epi, m, t)
 
 
-def test_epilogue_operands_come_early_only_at_small_m(monkeypatch):
+def test_epilogue_operands_come_early_only_at_small_m():
     """Read before the K loop at M <= 64 (1x48 3% faster on the H200); at large M a 128x128 tile holding its residual
-    spills (16x512 13% slower). LAYA_EARLY_EPI forces either way, or the RoPE tables alone at every M."""
-    monkeypatch.delenv("LAYA_EARLY_EPI", raising=False)
-    assert early_epilogue(48, Epi.RESIDUAL) and early_epilogue(64, Epi.ROPE)
-    assert not early_epilogue(65, Epi.RESIDUAL) and not early_epilogue(8192, Epi.ROPE)
-    monkeypatch.setenv("LAYA_EARLY_EPI", "1")
-    assert early_epilogue(8192, Epi.RESIDUAL)
-    monkeypatch.setenv("LAYA_EARLY_EPI", "0")
-    assert not early_epilogue(48, Epi.RESIDUAL)
-    monkeypatch.setenv("LAYA_EARLY_EPI", "rope")
-    assert early_epilogue(8192, Epi.ROPE) and not early_epilogue(8192, Epi.RESIDUAL)
+    spills (16x512 13% slower)."""
+    assert early_epilogue(48) and early_epilogue(64)
+    assert not early_epilogue(65) and not early_epilogue(8192)
 
 
 def test_geglu_pairs_interleave_input_and_gate_rows():

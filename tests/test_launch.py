@@ -1,4 +1,4 @@
-"""kernels/launch.py's pure parts: the cheap environment read and the key a launch is cached under.
+"""kernels/launch.py's pure parts: the switches a GEMM plan's key holds and the key a launch is cached under.
 
 The cache itself (compiled kernels launched without Triton's dispatch) runs on the GPU only: tests/test_runtime_gpu.py
 compares its bits with Triton's dispatch on every frozen batch.
@@ -10,13 +10,8 @@ import torch
 from laya_pool.kernels import launch
 
 
-def test_env_reads_what_os_environ_holds(monkeypatch):
-    monkeypatch.delenv("LAYA_TEST_SWITCH", raising=False)
-    assert launch.env("LAYA_TEST_SWITCH") is None and launch.env("LAYA_TEST_SWITCH", "d") == "d"
-    monkeypatch.setenv("LAYA_TEST_SWITCH", "ümlaut 1")
-    assert launch.env("LAYA_TEST_SWITCH") == os.environ["LAYA_TEST_SWITCH"] == "ümlaut 1"
-    os.environ["LAYA_TEST_SWITCH"] = "0"       # set the usual way between two reads, as the probes do
-    assert launch.env("LAYA_TEST_SWITCH", "1") == "0"
+def test_the_switches_are_read_as_set_now(monkeypatch):
+    """(How a setting is read, cached and parsed: tests/test_settings.py.)"""
     monkeypatch.delenv("LAYA_PDL", raising=False)
     before = launch.switches()
     os.environ["LAYA_PDL"] = "0"

@@ -131,6 +131,14 @@ def test_merged_classes_default_named_or_none(monkeypatch):
     assert classes() == parse_shapes("16x128x4")
 
 
+def test_a_refused_variable_exits_usage_naming_it(tmp_path):
+    env = dict(SUBPROCESS_ENV, LAYA_OVERLAP="maybe")
+    r = subprocess.run([sys.executable, "-m", "laya_pool.worker.server", "--device", "cpu", "--id", "x", "--model",
+                        str(tmp_path), "--backend", f"ipc://{tmp_path}/be"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == contract.EXIT_USAGE and "$LAYA_OVERLAP='maybe': not one of on, off" in r.stderr, r.stderr
+
+
 def test_usage_problem_exits_usage(tmp_path):
     r = _worker("--model", str(tmp_path), "--backend", f"ipc://{tmp_path}/be", "--credit", "0")
     assert r.returncode == contract.EXIT_USAGE and "must be positive" in r.stderr
@@ -138,7 +146,8 @@ def test_usage_problem_exits_usage(tmp_path):
 
 @pytest.mark.parametrize("value,device,problem", [
     ("off", "cpu", False), ("off", "cuda:0", False), ("3", "cuda:0", False),
-    ("quickest", "cuda:0", True), ("-1", "cuda:0", True), ("", "cuda:0", True),
+    ("quickest", "cuda:0", True), ("-1", "cuda:0", True),
+    ("", "cuda:0", False),                                     # an empty variable is unset: the default, off
     ("3", "cpu", True),                                        # a CPU forward's torch threads would share its CPU
 ])
 def test_data_cpu_values(value, device, problem, monkeypatch):
@@ -146,3 +155,9 @@ def test_data_cpu_values(value, device, problem, monkeypatch):
     argv = ["--model", "m", "--backend", "b", "--id", "0", "--device", device]
     found = WorkerConfig.from_args(build_parser().parse_args(argv)).for_device(device == "cuda:0").usage_problem()
     assert (found is not None and "--data-cpu" in found) if problem else found is None, found
+
+
+def test_an_empty_data_cpu_flag_is_refused():
+    argv = ["--model", "m", "--backend", "b", "--id", "0", "--device", "cuda:0", "--data-cpu", ""]
+    found = WorkerConfig.from_args(build_parser().parse_args(argv)).for_device(True).usage_problem()
+    assert found is not None and "--data-cpu" in found, found

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from laya_pool.protocol import contract, logs, wire
+from laya_pool.protocol import contract, logs, settings, wire
 from laya_pool.protocol.contract import Leave, Reason, WorkerState
 from laya_pool.protocol.wire import Cmd
 
@@ -1166,6 +1166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-format", default=None, help="text or json (default: $LAYA_POOL_LOG_FORMAT or text)")
     a = p.parse_args(argv)
     logs.setup("broker", a.log_level, a.log_format)
+    settings.warn_undeclared(log)
     return serve(config_from_args(a))
 
 

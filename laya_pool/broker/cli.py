@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from laya_pool.protocol import contract, logs
+from laya_pool.protocol import contract, logs, settings
 from laya_pool.protocol.contract import WorkerState
 
 log = logging.getLogger("laya-pool.cli")
@@ -500,8 +500,8 @@ def _from_environment(p: argparse.ArgumentParser) -> None:
             continue
         name = env_name(action)
         action.help = (action.help or "") + f" [${name}]"
-        raw = os.environ.get(name)
-        if raw is None or raw == "":
+        raw = settings.raw(name)
+        if raw is None:
             continue
         if isinstance(action, argparse._StoreTrueAction):
             if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -528,7 +528,7 @@ def _add_operator_commands(command: Any) -> None:
                        help=f"the pool's client endpoint (default: ${contract.FRONTEND_ENV} or %(default)s)")
         s.add_argument("--timeout", type=_positive(float), default=5.0,
                        help="seconds for the whole call (every attempt within it)")
-        s.add_argument("--keys", default=os.environ.get(ENV_PREFIX + "KEYS"),
+        s.add_argument("--keys", default=settings.raw(ENV_PREFIX + "KEYS"),
                        help=f"CURVE key directory (default: ${ENV_PREFIX}KEYS, else none)")
         return s
 
@@ -585,11 +585,11 @@ def exit_code(e: BaseException) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        a.log_level = getattr(a, "log_level", None) or logs.check_level(os.environ.get(logs.LEVEL_ENV) or "INFO")
+        a.log_level = getattr(a, "log_level", None) or logs.check_level(settings.raw(logs.LEVEL_ENV) or "INFO")
     except ValueError as e:
         return _fail(f"${logs.LEVEL_ENV}: {e}", EXIT_USAGE)
     try:
-        a.log_format = getattr(a, "log_format", None) or logs.check_format(os.environ.get(logs.FORMAT_ENV) or "text")
+        a.log_format = getattr(a, "log_format", None) or logs.check_format(settings.raw(logs.FORMAT_ENV) or "text")
     except ValueError as e:
         return _fail(f"${logs.FORMAT_ENV}: {e}", EXIT_USAGE)
     for problem in getattr(a, "env_problems", []):
@@ -597,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     # The pool's processes inherit these: one level and one format for the whole pool (protocol.logs).
     os.environ[logs.LEVEL_ENV], os.environ[logs.FORMAT_ENV] = a.log_level, a.log_format
     logs.setup("supervisor" if a.command == "up" else a.command, a.log_level, a.log_format)
+    settings.warn_undeclared(log)
     try:
         return a.fn(a)
     except KeyboardInterrupt:

@@ -27,16 +27,18 @@ import secrets
 import tempfile
 from pathlib import Path
 
+from laya_pool.protocol import settings
+
 SECRET_ENV = "LAYA_POOL_RUNTIME_DIR"
 
 
 def runtime_dir() -> Path:
     """Where operator secrets live: $LAYA_POOL_RUNTIME_DIR, else $XDG_RUNTIME_DIR/laya-pool, else
     ~/.cache/laya-pool/run. Per user: another user cannot read (or plant) a secret there."""
-    if os.environ.get(SECRET_ENV):
-        return Path(os.environ[SECRET_ENV])
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "laya-pool"
+    if settings.get(SECRET_ENV):
+        return Path(settings.get(SECRET_ENV))
+    if settings.get("XDG_RUNTIME_DIR"):
+        return Path(settings.get("XDG_RUNTIME_DIR")) / "laya-pool"
     return Path.home() / ".cache" / "laya-pool" / "run"
 
 

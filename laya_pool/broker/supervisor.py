@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from laya_pool.protocol import contract, wire
+from laya_pool.protocol import contract, settings, wire
 from laya_pool.protocol.contract import WorkerState
 
 from . import rundir
@@ -147,7 +147,8 @@ def _cpu_sets(devices: list[str], per_device: int) -> list[list[int] | None]:
 def _direct_beyond_loopback(cfg: SupervisorConfig, env: dict[str, str]) -> bool:
     """Whether the workers' direct sockets listen where the frontend does: a pool with keys whose frontend is tcp
     beyond loopback, unless the operator chose their endpoint (--direct-endpoint, LAYA_DIRECT_ENDPOINT)."""
-    chosen = "LAYA_DIRECT_ENDPOINT" in env or any(a.startswith("--direct-endpoint") for a in cfg.worker_args)
+    chosen = (settings.raw("LAYA_DIRECT_ENDPOINT", env) is not None
+              or any(a.startswith("--direct-endpoint") for a in cfg.worker_args))
     return (bool(cfg.keys) and cfg.frontend.startswith("tcp://") and not wire.is_loopback(cfg.frontend)
             and not chosen)
 
@@ -160,6 +161,8 @@ class Supervisor:
             self.tmp = rundir.make_private()
             cfg.backend = f"ipc://{self.tmp}/backend"
         env = dict(os.environ)
+        for name, _ in settings.undeclared(env):      # `up` warned of each once; its children read none of them
+            del env[name]
         if HOME.name not in ("site-packages", "dist-packages"):     # a checkout goes first; an install is found
             env["PYTHONPATH"] = str(HOME) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.env = env

@@ -48,7 +48,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from laya_pool.protocol import contract, wire
+from laya_pool.protocol import contract, settings, wire
 from laya_pool.protocol.contract import Reason, WorkerState
 from laya_pool.protocol.lane import NAP_MS
 from laya_pool.protocol.qtypes import QUESTION_TYPES
@@ -239,6 +239,7 @@ class _Base:
 
     def __init__(self, endpoint: str | None, timeout: float, retries: int, backoff: float, max_backoff: float,
                  keys: str | None, connect_timeout: float = contract.CONNECT_TIMEOUT_S):
+        settings.warn_undeclared(log)          # a misspelt LAYA_* variable: once per process
         self.endpoint = endpoint or DEFAULT_ENDPOINT
         if timeout <= 0 or retries < 0 or connect_timeout <= 0:
             raise ValueError("timeout and connect_timeout must be positive and retries non-negative")

@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from laya_pool.protocol import settings
+
 
 def triton_knobs():
     """Triton's knobs, or None where Triton is not installed (CPU-only installs; only the CUDA path needs it). Imported
@@ -126,8 +128,8 @@ def marker(specs: list[Spec], cache_dir: str) -> Path:
 def spawn(procs: int) -> list[subprocess.Popen]:
     """`procs` compile processes, each importing what it compiles with and then waiting for its share on stdin
     (`_child`); they may be started before the work is known (the module docstring)."""
-    if os.environ.get("LAYA_COMPILE_KEYS"):
-        log_keys(os.environ["LAYA_COMPILE_KEYS"])      # children inherit the variable and log theirs
+    if settings.get("LAYA_COMPILE_KEYS"):
+        log_keys(settings.get("LAYA_COMPILE_KEYS"))      # children inherit the variable and log theirs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     started: list[subprocess.Popen] = []
     try:
@@ -294,8 +296,8 @@ def _child() -> int:
     if not data:
         print("compiled 0 of 0")
         return 0
-    if os.environ.get("LAYA_COMPILE_KEYS"):
-        log_keys(os.environ["LAYA_COMPILE_KEYS"])
+    if settings.get("LAYA_COMPILE_KEYS"):
+        log_keys(settings.get("LAYA_COMPILE_KEYS"))
     target, todo = pickle.loads(data)
     target = GPUTarget(*target)
     backend = make_backend(target)

@@ -24,10 +24,11 @@ bits.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable
 
 import torch
+
+from laya_pool.protocol import settings
 
 from .gemm import Pending
 from .launch import dispatch, launch, settle_keys
@@ -47,7 +48,7 @@ MAX_PROOFS = 4096  # eager mode meets a new M on every request: a bound, then pr
 
 def wanted(m: int) -> bool:
     """Whether a GEMM of M rows may try cuBLAS at all (not with LAYA_CUBLAS=0)."""
-    return m >= LOW and os.environ.get("LAYA_CUBLAS", "1") != "0"
+    return m >= LOW and settings.get("LAYA_CUBLAS")
 
 
 def workspace(stream: torch.cuda.Stream) -> None:

@@ -15,15 +15,15 @@ for bit:
   of ours compiles (kernels/launch.py `link_libdevice`) and `prepare` checks every bf16 input against F.gelu on the
   device; only where some differ (another toolkit than torch's, or
   none) does the GELU take its [-16, -1) tail from a 512-entry table of torch's own outputs (`gelu_table`), which
-  costs 15% of GEMM time. LAYA_GELU_TABLE=1 forces the table.
+  costs 15% of GEMM time.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .launch import env, forget, settle_keys
+from laya_pool.protocol import settings
+
+from .launch import forget, settle_keys
 
 try:
     import triton
@@ -38,7 +38,7 @@ TABLE_SIZE = 512
 if triton is not None:
     # Triton's CPU interpreter (tests) has no libdevice: there the plain operations stand in, which numpy never
     # fuses anyway.
-    _LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+    _LIBDEVICE = tl.constexpr(not settings.get("TRITON_INTERPRET"))
     _FIRST = tl.constexpr(TABLE_FIRST)
     _SIZE = tl.constexpr(TABLE_SIZE)
 
@@ -88,8 +88,8 @@ _DIFFER: dict[torch.device, int] = {}         # per device, by `prepare`: bf16 i
 
 
 def needs_table(device: torch.device) -> bool:
-    """Whether GELUs on `device` take the table (decided by `prepare`; forced by LAYA_GELU_TABLE=1)."""
-    return env("LAYA_GELU_TABLE") == "1" or _DIFFER.get(torch.device(device), 0) > 0
+    """Whether GELUs on `device` take the table (decided by `prepare`)."""
+    return _DIFFER.get(torch.device(device), 0) > 0
 
 
 def prepare(device: torch.device) -> dict:

@@ -17,9 +17,9 @@ here is shape-static and free of host synchronisation, so a worker can capture i
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from laya_pool.protocol import settings
 
 from . import cublas, exact
 from . import rows as rk
@@ -38,7 +38,7 @@ ATTENTION = ("sdpa", "triton")
 def supports(arch: Arch, device: torch.device, dtype: torch.dtype) -> str | None:
     """None if the fast path runs this model here, else why not (the caller falls back to the reference)."""
     from .gemm import triton
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's CPU interpreter: tests only
+    interpreted = settings.get("TRITON_INTERPRET")     # Triton's CPU interpreter: tests only
     if triton is None or (device.type != "cuda" and not interpreted):
         return "the fast path needs CUDA and Triton"
     if dtype != torch.bfloat16 and not (interpreted and dtype == torch.float16):
@@ -75,7 +75,7 @@ class FastModel:
         why = supports(arch, torch.device(device), dtype)
         if why:
             raise ValueError(why)
-        attention = attention or os.environ.get("LAYA_ATTN", "triton")
+        attention = attention or settings.get("LAYA_ATTN")
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r} (LAYA_ATTN)")
         self.attention = attention
@@ -97,10 +97,7 @@ class FastModel:
         self.products = cublas.Products(self.device) if self.device.type == "cuda" else None
         # The GeGLU GEMM: one accumulator over Wi's input and gate rows interleaved (GEGLU_PAIRS), or two accumulators
         # over Wi as the checkpoint holds it (LAYA_GEGLU=two); the same bits (kernels/gemm.py).
-        geglu = os.environ.get("LAYA_GEGLU") or "pairs"
-        if geglu not in ("pairs", "two"):
-            raise ValueError(f"LAYA_GEGLU must be 'pairs' or 'two', got {geglu!r}")
-        self.geglu = Epi.GEGLU if geglu == "two" else Epi.GEGLU_PAIRS
+        self.geglu = Epi.GEGLU if settings.get("LAYA_GEGLU") == "two" else Epi.GEGLU_PAIRS
         for lay in self.layers:        # the QKV GEMM's RoPE epilogue reads its rows in pairs (kernels/gemm.py)
             lay["Wqkv_pairs"] = rope_pairs(lay["Wqkv"], a.head_dim)
             if self.geglu == Epi.GEGLU_PAIRS:

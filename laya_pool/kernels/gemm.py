@@ -41,12 +41,13 @@ from dataclasses import dataclass
 
 import torch
 
+from laya_pool.protocol import settings
+
 from .exact import gelu_table, needs_table
 from .launch import (
     cached,
     compile_launch,
     current_device,
-    env,
     keep,
     launch,
     on_forget,
@@ -400,7 +401,7 @@ def k_chunk(k: int) -> int:
     alone, never of M or of the device, so every worker and every batch reduces the same chunks in the same order.
     Two chunks: enough programs at small M (1024 columns in tiles of 16, twice), and the unsplit kernel runs both
     chains in one loop, so large M pays only a second accumulator."""
-    if k < 1024 or env("LAYA_K_CHUNKS") != "1":
+    if k < 1024 or not settings.get("LAYA_K_CHUNKS"):
         # One chain, the default: cuBLAS's order at the M the SDK runs (a few hundred tokens and up), so the
         # residual GEMMs give the SDK's bits (5.1e-4 of their outputs differ with chunks, 0 without); `fill_tiles`
         # gives small M its programs back. LAYA_K_CHUNKS=1: two chunks (docs/decisions/0002-k-chunks-opt-in.md).
@@ -498,7 +499,7 @@ def _launch(a, w, out, epi: Epi, bias, bias_apart: bool, act: Act, rope, tiles: 
     kwargs = dict(EPI=int(epi), HAS_BIAS=bias is not None, BIAS_APART=bias_apart, ACT=int(act),
                   HALF=half, BM=t.bm, BN=t.bn, BK=t.bk, TMA=tma, CHUNK=chunk, SPLIT=split,
                   GELU_TABLE=gelu and needs_table(a.device), PREFETCH=ahead, W_BYTES=w.element_size(),
-                  PIECES=32 * t.warps, EARLY=early_epilogue(m, epi), **options,
+                  PIECES=32 * t.warps, EARLY=early_epilogue(m), **options,
                   num_warps=t.warps, num_stages=t.stages)
     if key is None:
         through_triton(_gemm_kernel, grid, args + ints, kwargs)
@@ -526,13 +527,9 @@ def _pointers(a, w, out, bias, rope, blocks, table) -> tuple:
 EARLY_MAX_M = 64
 
 
-def early_epilogue(m: int, epi: Epi) -> bool:
-    """Whether a GEMM of M rows reads its epilogue's operands before its K loop (LAYA_EARLY_EPI=1: always, 0: never,
-    rope: the RoPE tables at every M, whose [BM, BN/2] fp32 pair is half a residual tile's registers)."""
-    forced = env("LAYA_EARLY_EPI")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return m <= EARLY_MAX_M or (forced == "rope" and epi == Epi.ROPE)
+def early_epilogue(m: int) -> bool:
+    """Whether a GEMM of M rows reads its epilogue's operands before its K loop."""
+    return m <= EARLY_MAX_M
 
 
 # TMA 20-40% faster a GEMM at M = 1,536 on an H200 (docs/decisions/0010-gemm-tiles-and-operand-loads.md).
@@ -541,7 +538,7 @@ TMA_MIN_M = 1024          # LAYA_TMA=0: off
 
 def use_tma(m: int, a: torch.Tensor, w: torch.Tensor) -> bool:
     """The copy engine for the operands when M is large and the operands meet its 16-byte rules."""
-    if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or env("LAYA_TMA") == "0":
+    if TensorDescriptor is None or a.device.type != "cuda" or m < TMA_MIN_M or not settings.get("LAYA_TMA"):
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
 

@@ -5,12 +5,11 @@ still finishing, and waits (`griddepcontrol.wait`) before it touches memory, so 
 block scheduling of ~200 small kernels overlap the kernels before them. Every kernel of the fast path waits
 before it reads or writes any activation, so no kernel sees anything before all earlier kernels have finished: the
 result is the same bits with or without it. Only what no kernel writes (weights, the rows' bounds) is read before
-the wait. `LAYA_PDL=0` turns it off (for measuring the difference).
+the wait. `LAYA_PDL=0` turns it off (a fallback, and for measuring the difference).
 
 While it waits, a GEMM asks L2 for its own slice of the weights (`prefetch`): weights never depend on an earlier
 kernel, so at small M, where a forward is the weights streaming through one GEMM after another, each GEMM's read
-from HBM overlaps the kernels before it instead of starting when they end. A hint to the cache, so the same bits;
-`LAYA_PREFETCH=0` turns it off.
+from HBM overlaps the kernels before it instead of starting when they end. A hint to the cache, so the same bits.
 
 Not done: letting the successor launch before a kernel's own wait, so a chain of waiting kernels and their
 prefetches runs ahead: 1x48 1.151 ms against 0.966 (the waiting blocks and their prefetches crowd the kernel that
@@ -31,6 +30,8 @@ import os
 
 import torch
 
+from laya_pool.protocol import settings
+
 try:
     import triton
     import triton.language as tl
@@ -40,7 +41,7 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
 
 def toolkit_libdevice() -> str | None:
     """The CUDA toolkit's libdevice (CUDA_HOME, CUDA_PATH, /usr/local/cuda), or None."""
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    for root in (settings.get("CUDA_HOME"), settings.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and os.path.isfile(os.path.join(root, "nvvm/libdevice/libdevice.10.bc")):
             return os.path.join(root, "nvvm/libdevice/libdevice.10.bc")
     return None
@@ -59,7 +60,7 @@ def link_libdevice() -> str:
     knobs = getattr(triton, "knobs", None)      # (Triton before 3.4 has none: its own libdevice, and the table)
     if knobs is None:
         return "none" if triton is None else "triton's own"
-    if not os.environ.get("TRITON_LIBDEVICE_PATH") and not knobs.nvidia.libdevice_path:
+    if not settings.get("TRITON_LIBDEVICE_PATH") and not knobs.nvidia.libdevice_path:
         path = toolkit_libdevice()
         if path:
             knobs.nvidia.libdevice_path = path
@@ -69,37 +70,10 @@ def link_libdevice() -> str:
 link_libdevice()
 
 
-# CPython's bytes dict behind os.environ (POSIX): `os.environ.get` encodes and decodes on every call (0.7 us here,
-# several a launch); `env` reads the same variables without that. Elsewhere (Windows: str keys), os.environ itself.
-_RAW = getattr(os.environ, "_data", None) if os.name == "posix" else None
-_NAMES: dict[str, bytes] = {}
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    """os.environ.get(name, default), cheaply (asked on every launch; probes and tests change these between calls)."""
-    if not isinstance(_RAW, dict):
-        return os.environ.get(name, default)
-    raw = _NAMES.get(name)
-    if raw is None:
-        raw = _NAMES[name] = os.fsencode(name)
-    value = _RAW.get(raw)
-    return default if value is None else os.fsdecode(value)
-
-
-# Every variable that changes how a GEMM of ours is launched beyond its arguments: part of each GEMM plan's key
+# Every setting that changes how a GEMM of ours is launched beyond its arguments: part of each GEMM plan's key
 # (`switches`; `dispatch`'s key needs none: what they change reaches it as constexprs and launch options).
-SWITCHES = ("LAYA_PDL", "LAYA_PDL_WAVES", "LAYA_PREFETCH", "LAYA_TMA", "LAYA_EARLY_EPI", "LAYA_K_CHUNKS",
-            "LAYA_GELU_TABLE")
-
-
-_SWITCH_KEYS = tuple(os.fsencode(name) for name in SWITCHES)
-
-
-def switches() -> tuple:
-    """The SWITCHES' values as set now, undecoded (a key's part, read on every cached launch)."""
-    if isinstance(_RAW, dict):
-        return tuple(map(_RAW.get, _SWITCH_KEYS))
-    return tuple(map(os.environ.get, SWITCHES))
+SWITCHES = ("LAYA_PDL", "LAYA_TMA", "LAYA_K_CHUNKS")
+switches = settings.snapshot(SWITCHES)      # () -> their values as set now, unparsed (read on every cached launch)
 
 
 def settle_keys(namespace: dict) -> None:
@@ -120,7 +94,7 @@ def settle_keys(namespace: dict) -> None:
 
 def gdc(device: torch.device) -> bool:
     """Whether kernels on `device` wait for their predecessors in-kernel (so may be launched with PDL)."""
-    if device.type != "cuda" or env("LAYA_PDL", "1") == "0":
+    if device.type != "cuda" or not settings.get("LAYA_PDL"):
         return False
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _HOPPER:          # asked on every launch: read the device once
@@ -142,10 +116,9 @@ def launch(device: torch.device, programs: int) -> dict:
     A larger grid is launched early too, but does not let ITS successor launch until its own blocks exit, so no
     successor block waits on an SM while it still has blocks to place; what is left to overlap is the launch itself
     (the gap between two multi-wave kernels). Graph replay on an H200: 32x48 3.530 ms against 3.608, 4x256 2.501
-    against 2.602, 1x48 and 16x512 unchanged, the same bits (docs/decisions/0008-pdl-and-l2-prefetch.md).
-    LAYA_PDL_WAVES=one: only single-wave grids early."""
+    against 2.602, 1x48 and 16x512 unchanged, the same bits (docs/decisions/0008-pdl-and-l2-prefetch.md)."""
     wait = gdc(device)
-    if wait and programs > sms(device) and env("LAYA_PDL_WAVES", "all") == "all":
+    if wait and programs > sms(device):
         return {"USE_GDC": LATE, "launch_pdl": True}
     return {"USE_GDC": wait, "launch_pdl": wait and programs <= sms(device)}
 
@@ -153,7 +126,7 @@ def launch(device: torch.device, programs: int) -> dict:
 def prefetching(options: dict) -> bool:
     """Whether a GEMM launched with `options` (from `launch`) should prefetch its weights while it waits: only
     when it is launched early (single-wave), so that there is a predecessor to overlap."""
-    return options["launch_pdl"] and options["USE_GDC"] is True and env("LAYA_PREFETCH", "1") != "0"
+    return options["launch_pdl"] and options["USE_GDC"] is True
 
 
 _SMS: dict[int, int] = {}
@@ -203,7 +176,7 @@ _device = _stream = None
 def cached(device: torch.device) -> bool:
     """Whether launches on `device` go through `dispatch`'s cache (CUDA, Triton compiled rather than interpreted, no
     launch hooks such as a Triton profiler's, LAYA_LAUNCH_CACHE not 0, no compile-ahead recording open)."""
-    if triton is None or device.type != "cuda" or env("LAYA_LAUNCH_CACHE", "1") == "0" or _INTERPRETED or RECORDING:
+    if triton is None or device.type != "cuda" or not settings.get("LAYA_LAUNCH_CACHE") or _INTERPRETED or RECORDING:
         return False
     hooks = triton.knobs.runtime
     if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
@@ -232,7 +205,7 @@ def current_device() -> int:
     return _device()
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"     # read once, as Triton reads it for its jit decorator
+_INTERPRETED = settings.get("TRITON_INTERPRET")     # read once, as Triton reads it for its jit decorator
 
 
 def _spec(args: tuple) -> tuple | None:

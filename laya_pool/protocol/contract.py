@@ -14,6 +14,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from . import settings
+
 # ---------------------------------------------------------------------------------------------- execution
 
 MODES = ("eager", "graph-fixed", "graph-cached")
@@ -112,7 +114,7 @@ RETRY_AFTER_MAX_S = 5.0
 
 def default_frontend() -> str:
     """The endpoint clients and operator commands use when none is given: $LAYA_POOL_FRONTEND, or loopback."""
-    return os.environ.get(FRONTEND_ENV, FRONTEND)
+    return settings.raw(FRONTEND_ENV) or FRONTEND
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint

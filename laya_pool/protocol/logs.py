@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
+
+from . import settings
 
 LEVEL_ENV = "LAYA_POOL_LOG"
 FORMAT_ENV = "LAYA_POOL_LOG_FORMAT"
@@ -61,11 +62,11 @@ def setup(process: str, level: str | None = None, fmt: str | None = None) -> Non
     An unusable value from the environment falls back to the default (a child must not die of it: the CLI
     checks the flags before it exports them)."""
     try:
-        level = check_level(level or os.environ.get(LEVEL_ENV) or "INFO")
+        level = check_level(level or settings.raw(LEVEL_ENV) or "INFO")
     except ValueError:
         level = "INFO"
     try:
-        fmt = check_format(fmt or os.environ.get(FORMAT_ENV) or "text")
+        fmt = check_format(fmt or settings.raw(FORMAT_ENV) or "text")
     except ValueError:
         fmt = "text"
     handler = logging.StreamHandler(sys.stderr)

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laya_pool.protocol import settings
+
 ROOT = Path(__file__).resolve().parents[2]          # the checkout, where this runs from one
 
 MESSAGES_PER_CALL = {"ping": 2, "forward": 4}
@@ -136,7 +138,7 @@ def _stub_pool(broker_args: list[str]):
 
     with tempfile.TemporaryDirectory(prefix="laya-rate-") as d:
         fe, be = f"ipc://{d}/fe", f"ipc://{d}/be"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), settings.get("PYTHONPATH")]))}
         procs = [subprocess.Popen([sys.executable, "-m", "laya_pool.broker.broker", "--frontend", fe, "--backend", be,
                                    "--log-level", "WARNING", *broker_args], env=env)]
         try:

@@ -7,7 +7,6 @@ decisions through the Client with their answers and per-call latency, and a clea
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]          # the checkout, where this runs from one
 
 from laya_pool.client.pool import local_pool  # noqa: E402
+from laya_pool.protocol import settings  # noqa: E402
 
 DECISIONS = [
     ("The printer on floor 3 is jammed again and the quarterly report is due in an hour.",
@@ -62,7 +62,7 @@ def _default_model() -> Path:
     """checkpoints/tiny in a checkout (`make demo`); installed, the user's cache directory, never site-packages."""
     if (ROOT / "pyproject.toml").is_file():
         return ROOT / "checkpoints" / "tiny"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = Path(settings.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "laya-pool" / "checkpoints" / "tiny"
 
 

@@ -25,7 +25,6 @@ Every request gets exactly one reply:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -33,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from laya_pool.protocol import wire
+from laya_pool.protocol import settings, wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.histogram import SECONDS_BOUNDS, Histogram
 
@@ -93,9 +92,9 @@ class FaultHooks:
     fault_rows: int = 0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> FaultHooks:
-        return cls(hang_rows=int(env.get("LAYA_WORKER_HANG_ROWS", "0") or 0),
-                   fault_rows=int(env.get("LAYA_WORKER_FAULT_ROWS", "0") or 0))
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultHooks:
+        return cls(hang_rows=settings.get("LAYA_WORKER_HANG_ROWS", env),
+                   fault_rows=settings.get("LAYA_WORKER_FAULT_ROWS", env))
 
 
 class Compute:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 
+from laya_pool.protocol import settings
+
 log = logging.getLogger("laya-pool.worker")
 
 
@@ -17,7 +19,7 @@ def cuda_local_device(device: str) -> tuple[str, str]:
     if not device.startswith("cuda"):
         return device, device
     index = int(device.split(":", 1)[1]) if ":" in device else 0
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = [v.strip() for v in (settings.get("CUDA_VISIBLE_DEVICES") or "").split(",") if v.strip()]
     if visible:
         if str(index) in visible:
             return f"cuda:{visible.index(str(index))}", f"cuda:{index}"

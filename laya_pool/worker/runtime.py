@@ -11,7 +11,6 @@ group N+1 before it finishes group N, so the device never waits for the host's v
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -24,6 +23,7 @@ from laya_pool.kernels import cublas
 from laya_pool.kernels.compile import procs_for, release
 from laya_pool.kernels.fast import FastModel, supports
 from laya_pool.kernels.reference import ReferenceModel
+from laya_pool.protocol import settings
 from laya_pool.protocol.contract import MODES
 
 from .batch import Batch, Limits, RequestError, validate_structure, validate_values
@@ -234,9 +234,7 @@ class Runtime:
         # The fast path wherever it runs (CUDA, bf16): its answers are the reference path's (large preset: 99.22% of
         # the SDK's decisions, every decisive one) at 3.7x the speed at 1x48 (graph replay, H200).
         # LAYA_FORWARD=reference keeps the reference forward.
-        forward = os.environ.get("LAYA_FORWARD", "fast")
-        if forward not in ("fast", "reference"):
-            raise ValueError(f"LAYA_FORWARD must be 'fast' or 'reference', got {forward!r}")
+        forward = settings.get("LAYA_FORWARD")
         self.why_reference = supports(arch, self.device, self.dtype)
         if self.why_reference is None and forward == "reference":
             self.why_reference = "LAYA_FORWARD=reference"
@@ -249,9 +247,7 @@ class Runtime:
         # torch call on the way) or "torch" (CUDAGraph.replay inside the stream's context). Same graph, same stream,
         # same bits (tests/test_runtime_gpu.py); direct takes 19-20 us less host time a launch (H100 host, 63.8 ->
         # 44.7 us at 1x48, 82.5 -> 62.3 at 32x48; docs/decisions/0009-launches-without-tritons-dispatch.md).
-        self.graph_launch = os.environ.get("LAYA_GRAPH_LAUNCH", "direct")
-        if self.graph_launch not in ("torch", "direct"):
-            raise ValueError(f"LAYA_GRAPH_LAUNCH must be 'torch' or 'direct', got {self.graph_launch!r}")
+        self.graph_launch = settings.get("LAYA_GRAPH_LAUNCH")
         self.direct_launches = 0
         # What an operator reads in the start-up log and the status: which forward, and for the fast path its
         # attention and GELU (kernels/fast.py, kernels/exact.py); for the reference, why.

@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from laya_pool.protocol import contract, lane, logs, wire
+from laya_pool.protocol import contract, lane, logs, settings, wire
 from laya_pool.protocol.contract import Leave
 from laya_pool.protocol.wire import Cmd
 
@@ -425,8 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=None,
                    help="queued requests merged into one forward (default: 32 on CUDA, where merging is "
                         "byte-exact; 1 on CPU, where it moves answers in the 6th decimal)")
-    env_waste = os.environ.get("LAYA_MERGE_WASTE")
-    p.add_argument("--merge-waste", type=int, default=int(env_waste) if env_waste else d.merge_waste,
+    p.add_argument("--merge-waste", type=int, default=settings.get("LAYA_MERGE_WASTE"),
                    help="padding tokens a merged forward may hold beyond what its requests pad to alone (every row "
                         "is padded to the group's longest): a request that would take it past waits for the next "
                         "group, first in line. "
@@ -434,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "request that fits joins); env LAYA_MERGE_WASTE")
     p.add_argument("--cpus", default=None, help="CPU list to pin to (e.g. 0-7); default near the GPU")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the pinned CPUs)")
-    p.add_argument("--data-cpu", default=os.environ.get("LAYA_DATA_CPU", d.data_cpu),
+    p.add_argument("--data-cpu", default=settings.get("LAYA_DATA_CPU"),
                    help="pin the data thread (it launches every group and answers every request, spinning while "
                         "a group computes) to one CPU, e.g. a core the host keeps for it (isolcpus): off or its "
                         "number; env LAYA_DATA_CPU. Off by default: on hosts whose vCPUs change speed every few "
@@ -446,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
     p.add_argument("--warmup-shapes", default=None,
                    help="graph-cached: buckets captured before READY, ROWSxLENGTHxMARKERS,... (default: a common set)")
-    p.add_argument("--warmup-merged", default=os.environ.get("LAYA_WARMUP_MERGED") or None, metavar="RxTxM,...",
+    p.add_argument("--warmup-merged", default=settings.get("LAYA_WARMUP_MERGED"), metavar="RxTxM,...",
                    help="graph-cached: request classes (rows x tokens per row x markers per row of one request, as "
                         "it arrives) whose merged groups of 1..--max-batch are captured before READY too, so a load "
                         "of them normally runs no group eager; '' for none. Default: one question over 48, 64 or "
@@ -454,56 +453,54 @@ def build_parser() -> argparse.ArgumentParser:
                         "with counts, show in status (stats.runtime.missed_shapes); env LAYA_WARMUP_MERGED (empty: "
                         "the default)")
     # Defaults from the environment too, so a whole pool (`laya-pool up`) can be switched for an A/B measurement.
-    p.add_argument("--overlap", default=os.environ.get("LAYA_OVERLAP", d.overlap), choices=("on", "off"),
+    p.add_argument("--overlap", default=settings.get("LAYA_OVERLAP"), choices=("on", "off"),
                    help="CUDA: pack and launch the next group while the current one computes (two staging slots); "
                         "off: one group at a time (for measuring; env LAYA_OVERLAP)")
-    p.add_argument("--capture-misses", default=os.environ.get("LAYA_CAPTURE_MISSES", d.capture_misses),
+    p.add_argument("--capture-misses", default=settings.get("LAYA_CAPTURE_MISSES"),
                    choices=("idle", "inline"),
                    help="graph-cached: a request whose bucket was not captured runs in a larger captured bucket "
                         "(same answers) or eager, and its bucket is captured when no request waits (idle); inline: "
                         "the request waits for the capture (env LAYA_CAPTURE_MISSES)")
-    p.add_argument("--gil-switch-ms", type=float, default=os.environ.get("LAYA_GIL_SWITCH_MS") or None,
+    p.add_argument("--gil-switch-ms", type=float, default=settings.get("LAYA_GIL_SWITCH_MS"),
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms). The I/O "
                         "thread draining a burst of requests, or the compute thread admitting a group, holds it for "
                         "milliseconds while the other waits (a landed group unanswered, a reply unsent): 0.5 cut "
                         "such a wait from 2.0 to 0.6 ms in a two-thread test, but changed nothing at saturation. For "
                         "measuring; env LAYA_GIL_SWITCH_MS")
-    env_procs = os.environ.get("LAYA_COMPILE_PROCS")
-    p.add_argument("--compile-procs", type=int, default=int(env_procs) if env_procs else None,
+    p.add_argument("--compile-procs", type=int, default=settings.get("LAYA_COMPILE_PROCS"),
                    help="CUDA: processes that compile the warm-up's kernels in parallel on a machine whose Triton "
                         "cache lacks them; default one per spare core, at most 8; 0: off (one process compiles them as "
                         "the warm-up runs them, ~20 s more from a cold cache on the H200); env LAYA_COMPILE_PROCS")
-    env_poll = os.environ.get("LAYA_WORKER_POLL_US")
-    p.add_argument("--poll-us", type=int, default=int(env_poll) if env_poll else None,
+    p.add_argument("--poll-us", type=int, default=settings.get("LAYA_WORKER_POLL_US"),
                    help="after each reply the data thread polls its socket this long (microseconds) before it sleeps, "
                         "so the next request of a closed-loop caller finds it awake (it burns its core meanwhile; "
                         "while a group computes it always polls): ~0.2 ms less a request at 1x48, at the price of "
                         f"smaller groups at load. Default {POLL_US_CUDA} on CUDA, 0 on a CPU; env LAYA_WORKER_POLL_US "
                         "(docs/decisions/0015-poll-windows.md)")
-    p.add_argument("--data-requests", default=os.environ.get("LAYA_DATA_REQUESTS", d.data_requests),
+    p.add_argument("--data-requests", default=settings.get("LAYA_DATA_REQUESTS"),
                    choices=("auto", "on", "off"),
                    help="on: the broker sends requests to the data thread's own socket; off: to the I/O thread, "
                         "which stamps their arrival and hands them over. Replies always leave from the data socket. "
                         "auto (default): on with CUDA, whose data thread is never busy for long; off on a CPU, whose "
                         "forward holds the data thread for seconds, so a request's deadline would count from when it "
                         "is read, not from when it came (env LAYA_DATA_REQUESTS)")
-    p.add_argument("--direct", default=os.environ.get("LAYA_DIRECT", d.direct), choices=("auto", "on", "off"),
+    p.add_argument("--direct", default=settings.get("LAYA_DIRECT"), choices=("auto", "on", "off"),
                    help="on: the data thread also binds a socket (--direct-endpoint) that clients send their requests "
                         "to themselves, skipping the broker (which READY tells them of; the broker stays their "
                         "fallback). With --keys it is a CURVE server with the worker's key pair admitting the keys "
                         "in KEYS/authorized. auto (default): on when requests go to the data thread (--data-requests) "
                         "and, with keys, KEYS/authorized is there; env LAYA_DIRECT")
-    p.add_argument("--direct-endpoint", default=os.environ.get("LAYA_DIRECT_ENDPOINT", d.direct_endpoint),
+    p.add_argument("--direct-endpoint", default=settings.get("LAYA_DIRECT_ENDPOINT"),
                    help="where the direct socket binds: tcp with a free port (default tcp://127.0.0.1:*; beyond "
                         "loopback with --keys only, e.g. tcp://10.0.0.5:* for clients on other hosts; a wildcard "
                         "address is announced by this host's name) or ipc://; env LAYA_DIRECT_ENDPOINT")
-    p.add_argument("--lanes", default=os.environ.get("LAYA_LANES", d.lanes), choices=("auto", "on", "off"),
+    p.add_argument("--lanes", default=settings.get("LAYA_LANES"), choices=("auto", "on", "off"),
                    help="on: clients on this host may send their requests through shared memory (protocol/lane.py) "
                         "instead of the direct socket, while the data thread polls. auto (default): on with the "
                         "direct socket on x86-64 Linux; env LAYA_LANES")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
-    p.add_argument("--log-level", default=os.environ.get("LAYA_POOL_LOG", d.log_level))
+    p.add_argument("--log-level", default=settings.raw(logs.LEVEL_ENV) or d.log_level)
     return p
 
 
@@ -572,7 +569,7 @@ def _start_compilers(cfg: WorkerConfig, torch_device: str) -> list | None:
     start then cost the same (READY 14.9 s early against 15.1 late from a cold Triton cache, H100); children that
     imported torch made the worker's own imports and checkpoint as much longer as they made the compile phase shorter
     (docs/decisions/0016-compile-ahead.md)."""
-    if not torch_device.startswith("cuda") or os.environ.get("LAYA_COMPILE_EARLY", "0") != "1":
+    if not torch_device.startswith("cuda") or not settings.get("LAYA_COMPILE_EARLY"):
         return None
     from laya_pool.kernels.compile import procs_for, spawn
     procs = procs_for(cfg.compile_procs)
@@ -655,8 +652,14 @@ def _serve(cfg: WorkerConfig, rt: Any, label: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = WorkerConfig.from_args(build_parser().parse_args(argv))
+    try:
+        parser = build_parser()
+    except ValueError as e:       # a flag's default from a variable its declaration refuses (protocol/settings.py)
+        print(f"worker: {e}", file=sys.stderr)
+        return contract.EXIT_USAGE
+    cfg = WorkerConfig.from_args(parser.parse_args(argv))
     logs.setup(f"worker {cfg.id}", cfg.log_level)
+    settings.warn_undeclared(log)
     torch_device, label = placement.cuda_local_device(cfg.device)
     cfg = cfg.for_device(torch_device.startswith("cuda"))
     problem = cfg.usage_problem()
