@@ -1159,7 +1159,8 @@ def serve(cfg: BrokerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m laya_pool.broker.broker", description="the laya-pool broker")
+    p = argparse.ArgumentParser(prog="python -m laya_pool.broker.broker", description="the laya-pool broker",
+                                allow_abbrev=False)
     add_arguments(p)
     p.add_argument("--log-level", default=None, help="default: $LAYA_POOL_LOG or INFO")
     p.add_argument("--log-format", default=None, help="text or json (default: $LAYA_POOL_LOG_FORMAT or text)")

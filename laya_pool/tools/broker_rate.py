@@ -155,7 +155,8 @@ def _stub_pool(broker_args: list[str]):
 def main(argv: list[str] | None = None) -> int:
     from laya_pool.client.pool import Client, local_pool
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--model", help="the checkpoint for the pool this starts (not with --frontend)")
     ap.add_argument("--frontend", help="load a running pool instead of starting one")
     ap.add_argument("--stub", action="store_true", help="a bare broker and a worker that answers without computing")

@@ -59,7 +59,7 @@ def pool_segment_bytes(pool) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--report", default="out/check_cache_gpu.json")
     args = ap.parse_args(argv)

@@ -65,7 +65,8 @@ def measure(card: ModelCard, rows: int, length: int, calls: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--model", required=True, help="a checkpoint directory (only its tokenizer and config are read)")
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--json", help="write the results here")

@@ -116,7 +116,7 @@ class Reference:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--frontend", default=None)
     ap.add_argument("--model", default=None, help="checkpoint for the reference (and for a pool of our own)")
     ap.add_argument("--report", default="out/compare_workers.json")

@@ -66,7 +66,7 @@ def _default_model() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(_default_model()), help="written there first if missing (%(default)s)")
     p.add_argument("--devices", default=None)
     p.add_argument("--calls", type=int, default=50, help="timed calls per decision after the first")

@@ -399,7 +399,7 @@ def _line(name: str, r: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--frontend", help="a running pool (else --model starts pools)")
     ap.add_argument("--model")
     ap.add_argument("--devices", default="cpu")

@@ -87,7 +87,8 @@ def _answer(s: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--backend", required=True)
     ap.add_argument("--id", default="stub")
     ap.add_argument("--credit", type=int, default=64)

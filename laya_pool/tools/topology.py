@@ -285,7 +285,7 @@ AWAKE = {"none": lambda: contextlib.nullcontext(True), "qos": cpu_latency_held, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=2000, help="timed round trips per combination (>= 1)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--bytes", type=int, default=400, help="message size (a 1x48 request is ~400 bytes)")
