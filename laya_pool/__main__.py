@@ -21,11 +21,8 @@ TOOLS = {
     "load": ("load", "closed-loop throughput, concurrency sweeps, a worker killed under load"),
     "compare-workers": ("compare_workers", "the frozen cases through every worker and mode, against the reference"),
     "check-cache-gpu": ("check_cache_gpu", "graph-cache policies on a real GPU"),
-    "overhead": ("overhead", "where the pool's time goes, stage by stage"),
-    "broker-rate": ("broker_rate", "the broker's messages per second"),
-    "topology": ("topology", "what each hop, hand-off and wake-up costs a round trip on this host"),
-    "client-speed": ("client_speed", "client encode/decode speed"),
 }
+# (The benchmarks behind the documented figures are not installed: benchmarks/ in a checkout, benchmarks/README.md.)
 # Modules only the server extra brings (laya-pool[server]): a command that needs one says so instead of a traceback.
 SERVER_ONLY = ("torch", "safetensors", "psutil", "prometheus_client", "cuda", "triton")
 # The pool's own commands that start workers (which need the server extra) on this machine.

@@ -38,7 +38,7 @@ def wheel(tmp_path_factory) -> Path:
     # Built from a copy: building in place would leave build/ and *.egg-info in the checkout.
     src = tmp_path_factory.mktemp("src")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("pyproject.toml", "README.md", "laya_pool"):
+    for name in ("pyproject.toml", "README.md", "laya_pool", "benchmarks"):       # (benchmarks/: kept out)
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, src / name, ignore=ignore)
         else:
@@ -87,6 +87,12 @@ def test_the_wheel_holds_one_package_with_every_room(wheel):
     assert want <= set(names), sorted(want - set(names))
     assert {"laya_pool/__init__.py", "laya_pool/__main__.py", "laya_pool/py.typed",
             "laya_pool/tools/cases/requests.json"} <= set(names)
+
+
+def test_the_benchmarks_are_not_in_the_wheel(wheel):
+    # benchmarks/ is the checkout's: it is run from there (python -m benchmarks.NAME), never installed
+    assert (ROOT / "benchmarks" / "README.md").is_file()
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if "benchmarks" in n.split("/")]
 
 
 def test_site_packages_gets_laya_pool_and_nothing_else(venv):
