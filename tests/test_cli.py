@@ -203,3 +203,9 @@ def test_exit_codes_are_distinct_and_documented():
     assert not missing, f"not in docs/operations.md's table: {missing}"
     for name in ("LAYA_POOL_LOG", "LAYA_POOL_LOG_FORMAT"):
         assert f"| `{name}` |" in doc
+
+
+def test_the_demo_writes_its_checkpoint_where_the_readme_loads_it():
+    # `make demo` in a checkout: checkpoints/tiny, which the README's `laya.load("checkpoints/tiny")` reads
+    from laya_pool.tools.demo import _default_model
+    assert _default_model() == ROOT / "checkpoints" / "tiny"

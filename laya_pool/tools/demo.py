@@ -2,7 +2,7 @@
 """`make demo`: a pool of two workers (on the GPUs when there are any, else on the CPU), a few real
 decisions through the Client with their answers and per-call latency, and a clean shutdown.
 
-    python scripts/demo.py [--model DIR] [--devices cuda:0,cuda:1|cpu] [--calls N]
+    laya-pool demo [--model DIR] [--devices cuda:0,cuda:1|cpu] [--calls N]
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]          # the checkout, where there is one
 
 from laya_pool.client.pool import local_pool  # noqa: E402
 
