@@ -7,7 +7,7 @@ queries, a global layer (and the decision head) every block of the row's real le
 other rows are never read.
 
 Bits: this is SDPA's (cuDNN's, the SDK's attention) online softmax in cuDNN's own order, which the device probes
-found piece by piece (scripts/probe_attn_bits.py, docs/PERF.md, tenth and eleventh sessions): scores in log2 units,
+found piece by piece (docs/PERF.md, tenth and eleventh sessions): scores in log2 units,
 blocks of 128 keys from the row's start, and cuDNN's row sum: each thread of an MMA quad carries its own sum of its
 columns (8j + 2t + c) across key blocks, the block's partial added to the rescaled carry in one FMA, the quad's four
 joined (t0 + t1) + (t2 + t3) only at the end. 0 of 11.2 M outputs differ from the SDK's SDPA call on a global and a
@@ -36,7 +36,7 @@ except ImportError:  # CPU-only installs have no Triton; only the CUDA path need
 LOG2E = 1.4426950408889634
 # Keys are reduced in blocks of 128 from the row's start: the block torch's SDPA kernels use, so a query's online
 # softmax rescales at the same keys as the SDK's attention and rounds to the same bits (device probe of
-# 2026-12-03, scripts/probe_parity.py: 0 of 512x1024 outputs differ from SDPA's on a local layer, 4e-6 on a
+# 2026-12-03: 0 of 512x1024 outputs differ from SDPA's on a local layer, 4e-6 on a
 # global one; blocks of 64 left 12-15% of the outputs one bf16 ulp apart, and the answers 8x further from the SDK).
 KEY_BLOCK = 128
 # Queries per program, warps, pipeline stages. The query block never changes a bit (module docstring); 8 warps keep

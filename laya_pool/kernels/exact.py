@@ -10,7 +10,7 @@ A 28-layer model carries a one-ulp difference anywhere to the whole fp32-vs-bf16
 - `gelu`: torch's erf-GELU. The libdevice Triton ships and the CUDA toolkit's (whose erff torch's kernels were
   compiled with) differ in the last bit of erff for 12% of fp32 arguments in [-6, 6]; on bf16 inputs that changed 11
   of 65,280 GELU outputs, all in [-5.4, -3.1]. Triton linked against the toolkit's own libdevice gives torch's bits
-  on all of them (device probe, scripts/probe_rowexact.py, 2026-12-04), so Triton is pointed there before any kernel
+  on all of them (device probe, 2026-12-04), so Triton is pointed there before any kernel
   of ours compiles (kernels/launch.py `link_libdevice`) and `prepare` checks every bf16 input against F.gelu on the
   device; only where some differ (another toolkit than torch's, or
   none) does the GELU take its [-16, -1) tail from a 512-entry table of torch's own outputs (`gelu_table`), which

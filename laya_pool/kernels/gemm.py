@@ -4,10 +4,10 @@ Batch invariance. Every output element is accumulated over K in one order: k-ste
 each a tensor-core MMA into one fp32 accumulator that starts at zero (per K chunk, see below). Tile shapes in
 M and N, the K tile (how many 16-steps one loop iteration issues), warps and pipeline stages change with M,
 because none of them changes that chain; the K split never changes with M (it is fixed by K alone: `k_chunk`).
-Whether the hardware keeps its promise for every configuration this module picks is not taken on trust: the
-device probe (`scripts/probe_fast.py`, gemm step) runs each (N, K) of a checkpoint at every configuration and
-compares rows bit for bit. All configurations keep
-BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction (wgmma on Hopper).
+Whether the hardware keeps its promise for every configuration this module picks is not taken on trust: a
+device probe ran each (N, K) of the large checkpoint at every configuration and compared rows bit for bit. All
+configurations keep BM >= 64 and 4 or 8 warps, so every one of them issues the same warpgroup MMA instruction
+(wgmma on Hopper).
 
 K chunks (`k_chunk`, opt-in: LAYA_K_CHUNKS=1; one chain is the default, and `fill_tiles` narrows the tiles of small
 M instead). A residual GEMM whose N is the hidden size has too few output tiles to keep the SMs busy at

@@ -23,7 +23,7 @@ a shuffle-down tree and then a tree over the four warps (`cuWelfordCombine`); nv
 `fma` and `_mul` (a product rounded on its own) spell out here. A row is held as [S / 4, LANES, 4], each lane's
 float4s in its own thread, folded there in order; one tl.reduce over the [LANES] states then runs Triton's shuffles
 and its tree over the warps, which for lane 0 is torch's tree. Device runs of 2026-12-04: 0 fp32 outputs differ
-from F.layer_norm on every case of scripts/probe_rowexact.py and on probe_parity.py's row; 0.0059 / 0.0088 /
+from F.layer_norm on every case of the device's row probe and on its parity probe's row; 0.0059 / 0.0088 /
 0.020 ms at 48 / 1,536 / 8,192 rows against torch's 0.0070 / 0.0104 / 0.032. Two earlier orders are gone: one
 tl.reduce over the whole row (fast, but ~2e-5 of outputs another bit: Triton's in-thread order is not torch's
 there) and the tree spelled out with splits (exact, 3.6x slower than torch).

@@ -1,7 +1,7 @@
 """Lanes: a request from a client to a worker on the same host, and its reply, through shared memory.
 
 Why: every ZeroMQ hop wakes two I/O threads. On the development CPU a round trip between two processes takes 77-148 us
-through an ipc ROUTER/DEALER pair and 6.3 us through a lane (scripts/lane_rtt.py); on the H200 host the pool's two
+through an ipc ROUTER/DEALER pair and 6.3 us through a lane (benchmarks/lane_rtt.py); on the H200 host the pool's two
 hops cost ~0.5 ms of the 0.64 ms it adds to a 1x48 forward (docs/PERF.md). A lane takes the sockets off the way of a
 request whose client and worker are both awake to see it.
 

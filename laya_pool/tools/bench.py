@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Warm latency per request shape and configuration, with the official SDK measured in the same run.
 
-    python scripts/bench.py --model DIR [--device cuda] [--frontend tcp://127.0.0.1:5555] [--out DIR] [--quick]
+    laya-pool bench --model DIR [--device cuda] [--frontend tcp://127.0.0.1:5555] [--out DIR] [--quick]
 
 Protocol: an excluded feasibility pass first (one call per shape and configuration, which is also where
 each configuration's first-call cost is recorded, capture included); then two rounds, the second in the

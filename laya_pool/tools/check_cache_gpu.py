@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Graph-cache policies on a real GPU: six policies x 48 requests, checked against an independent model.
 
-    python scripts/check_cache_gpu.py [--model DIR] [--report FILE]
+    laya-pool check-cache-gpu [--model DIR] [--report FILE]
 
 Every bucket's graph size is measured first (reserved-memory growth across its capture, cross-checked
 against the allocator's own segment list for the graph's pool). Then each policy runs the same 48

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a Laya checkpoint with seeded random weights, in exactly the layout the official SDK loads.
 
-    python scripts/make_checkpoint.py --out DIR --preset tiny|large|multilingual --seed N
+    laya-pool make-checkpoint --out DIR --preset tiny|large|multilingual --seed N
 
 No weights can be downloaded where this project is built, so every test, demo and benchmark runs
 on checkpoints from here: the real architecture and tensor names, a real trained BPE tokenizer, and
