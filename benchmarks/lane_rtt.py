@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from benchmarks.common import parser, percentiles, write
+from benchmarks.common import free_endpoint, parser, percentiles, write
 from laya_pool.protocol.lane import Lane
 
 REQUEST = [b"LAYA3\x02" + b"h" * 120, b"r" * 220]       # ~ a 1x48 request's frames
@@ -113,14 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     _summary("lane, both ends polling", lane(a.samples), us)
     _summary("lane, polling worker, client asleep (futex)", lane(a.samples, asleep=True), us)
     with tempfile.TemporaryDirectory() as d:
-        for endpoint, kind in (("tcp://127.0.0.1:*", "tcp"), (f"ipc://{d}/rtt", "ipc")):
+        for kind in ("tcp", "ipc"):
             for spin_server, spin_client in ((True, True), (True, False), (False, False)):
-                if endpoint.endswith("*"):
-                    with zmq.Context().socket(zmq.ROUTER) as probe:     # a free port for the other end to bind
-                        probe.bind(endpoint)
-                        ep = probe.getsockopt_string(zmq.LAST_ENDPOINT)
-                else:
-                    ep = endpoint
+                ep = free_endpoint() if kind == "tcp" else f"ipc://{d}/rtt"
                 ends = f"{'polling' if spin_server else 'sleeping'} worker, {'polling' if spin_client else 'sleeping'}"
                 _summary(f"{kind} sockets, {ends} client", sockets(ep, spin_server, spin_client, a.samples), us)
     write(a.out, "lane_rtt", {"us": us})
