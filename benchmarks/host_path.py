@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     with pool(args.model, args.frontend, args.devices) as frontend:
         for i in range(args.processes):
             out = subprocess.run([sys.executable, "-m", "benchmarks.host_path", "--model", args.model, "--frontend",
-                                  frontend, "--in-this-process"], check=True, capture_output=True, text=True,
-                                 cwd=ROOT)
+                                  frontend, "--in-this-process"], check=True, stdout=subprocess.PIPE, text=True,
+                                 cwd=ROOT)        # (its stderr is this one's: a failure shows its traceback)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"process {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()), flush=True)
     result = summary(runs)
