@@ -20,7 +20,7 @@ test: lint
 	$(PY) -m pytest -q -ra
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py
+	$(PY) -m laya_pool demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -21,11 +21,8 @@ TOOLS = {
     "load": ("load", "closed-loop throughput, concurrency sweeps, a worker killed under load"),
     "compare-workers": ("compare_workers", "the frozen cases through every worker and mode, against the reference"),
     "check-cache-gpu": ("check_cache_gpu", "graph-cache policies on a real GPU"),
-    "overhead": ("overhead", "where the pool's time goes, stage by stage"),
-    "broker-rate": ("broker_rate", "the broker's messages per second"),
-    "topology": ("topology", "what each hop, hand-off and wake-up costs a round trip on this host"),
-    "client-speed": ("client_speed", "client encode/decode speed"),
 }
+# (The benchmarks behind the documented figures are not installed: benchmarks/ in a checkout, benchmarks/README.md.)
 # Modules only the server extra brings (laya-pool[server]): a command that needs one says so instead of a traceback.
 SERVER_ONLY = ("torch", "safetensors", "psutil", "prometheus_client", "cuda", "triton")
 # The pool's own commands that start workers (which need the server extra) on this machine.
@@ -40,20 +37,22 @@ def _needs_server(command: str, missing: list[str]) -> int:
 
 def run_tool(command: str, args: list[str]) -> int:
     module_name = TOOLS[command][0]
+    sys.argv = [f"laya-pool {command}", *args]      # argparse's prog, and the tools that read sys.argv
     try:
+        # Tools import torch, safetensors, ... where they use them (make-checkpoint only when it writes), so a
+        # missing server module surfaces from main() as often as from the import.
         tool = importlib.import_module(f"{__package__}.tools.{module_name}")
+        return tool.main() or 0
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] in SERVER_ONLY:
-            return _needs_server(command, [e.name or "?"])
+            return _needs_server(command, [(e.name or "?").split(".")[0]])
         raise
-    sys.argv = [f"laya-pool {command}", *args]      # argparse's prog, and the tools that read sys.argv
-    return tool.main() or 0
 
 
-def _print_tools() -> None:
-    print("\ntools (laya-pool TOOL --help):")
-    for command, (_, what) in TOOLS.items():
-        print(f"  {command:17} {what}")
+def tools_help() -> str:
+    """The tools, for the end of `laya-pool --help` (however it is asked for: `-h`, after `--log-level`, ...)."""
+    lines = [f"  {command:17} {what}" for command, (_, what) in TOOLS.items()]
+    return "\n\ntools (laya-pool TOOL --help):\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         return _needs_server(args[0], missing)
     from .broker.cli import main as pool_main
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
         try:
-            pool_main(["--help"])
+            pool_main(["--help"], tools_help())
         except SystemExit:
             pass
-        _print_tools()
-        return 0 if args else 2
-    return pool_main(args)
+        return 2
+    return pool_main(args, tools_help())
 
 
 if __name__ == "__main__":

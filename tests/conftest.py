@@ -130,8 +130,8 @@ def make_rows(seed: int, n: int = 3, length: int | tuple[int, int] = 40, markers
 
 
 def make_ckpt(out: Path, preset: str = "tiny", seed: int = 0) -> Path:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), "--out", str(out),
-                    "--preset", preset, "--seed", str(seed)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "laya_pool", "make-checkpoint", "--out", str(out),
+                    "--preset", preset, "--seed", str(seed)], check=True, capture_output=True, env=SUBPROCESS_ENV)
     return out
 
 

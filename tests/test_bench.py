@@ -1,4 +1,4 @@
-"""bench.py in its reduced CPU form: the protocol runs, the SDK is measured in the same run, outputs are written."""
+"""`laya-pool bench`, reduced for the CPU: the protocol runs, the SDK is measured in the same run, outputs written."""
 import json
 import subprocess
 import sys
@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_bench_writes_json_png_and_table(tiny_ckpt, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(tiny_ckpt), "--quick",
-                           "--warmup", "1", "--samples", "3", "--device", "cpu", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
+    proc = subprocess.run([sys.executable, "-m", "laya_pool", "bench", "--model", str(tiny_ckpt), "--quick", "--warmup",
+                           "1", "--samples", "3", "--device", "cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["latency_ms"]) >= {"ours eager", "sdk predict"}

@@ -7,6 +7,7 @@ checked in-process.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], dict, int, str]]:
         (["status", "--frontend", dead], {"LAYA_POOL_LOG": "loud"}, 2, "$LAYA_POOL_LOG: unknown log level"),
         (["status", "--log-format", "xml"], {}, 2, "--log-format"),
         (["up", "--model", f"{tmp}/nowhere"], {}, 2, "--model: "),
+        (["up", "--model", f"{tmp}/nowhere"], {}, 2, "`laya-pool make-checkpoint --out DIR` writes a tiny one"),
+        # a flag is spelled whole: --worker is not taken for --workers-per-device
+        (["up", "--model", f"{tmp}/empty", "--worker", "2"], {}, 2, "unrecognized arguments: --worker 2"),
+        (["status", "--front", "tcp://127.0.0.1:5555"], {}, 2, "unrecognized arguments: --front"),
         (["up", "--model", f"{tmp}/empty"], {}, 2, "is not a checkpoint: missing rl_agent_config.json"),
         (["up", "--model", f"{tmp}/empty", "--devices", "gpu0"], {}, 2, "--devices: 'gpu0' is not cpu or cuda:N"),
         (["up", "--model", f"{tmp}/empty", "--workers-per-device", "0"], {}, 2, "must be greater than 0"),
@@ -87,6 +92,37 @@ def test_version_and_help_list_the_exit_codes():
     out, _ = p.communicate(timeout=60)
     for code, _text in cli.EXIT_CODES:
         assert f"\n  {code:>3}  " in out, out
+
+
+def test_help_lists_the_tools_however_it_is_asked_for():
+    from laya_pool.__main__ import TOOLS
+    asks = [("--help",), ("-h",), ("--log-level", "info", "--help"), ("--log-format", "json", "-h"), ()]
+    procs = [(ask, _spawn(*ask)) for ask in asks]
+    for ask, p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == (0 if ask else 2), (ask, err)
+        assert "tools (laya-pool TOOL --help):" in out, (ask, out)
+        missing = [t for t in TOOLS if not re.search(rf"^  {re.escape(t)} +\S", out, re.M)]
+        assert not missing, (ask, missing)
+
+
+def test_no_parser_of_ours_takes_an_abbreviated_flag():
+    """Every ArgumentParser built in the package and in benchmarks/ says allow_abbrev=False, and the CLI's parsers
+    (the subcommands' too) have it."""
+    import argparse
+    import ast
+    lax = []
+    for path in sorted([*(ROOT / "laya_pool").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "ArgumentParser"):
+                flag = next((k.value for k in node.keywords if k.arg == "allow_abbrev"), None)
+                if not (isinstance(flag, ast.Constant) and flag.value is False):
+                    lax.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not lax, f"ArgumentParser without allow_abbrev=False: {lax}"
+    p = cli.build_parser()
+    subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    assert not p.allow_abbrev and not any(sp.allow_abbrev for sp in subs.choices.values())
 
 
 def _options(parser) -> list:
@@ -168,3 +204,9 @@ def test_exit_codes_are_distinct_and_documented():
     assert not missing, f"not in docs/operations.md's table with their option: {missing}"
     for name in ("LAYA_POOL_LOG", "LAYA_POOL_LOG_FORMAT"):
         assert f"| `{name}` |" in doc
+
+
+def test_the_demo_writes_its_checkpoint_where_the_readme_loads_it():
+    # `make demo` in a checkout: checkpoints/tiny, which the README's `laya.load("checkpoints/tiny")` reads
+    from laya_pool.tools.demo import _default_model
+    assert _default_model() == ROOT / "checkpoints" / "tiny"

@@ -1,4 +1,4 @@
-"""compare_workers.py on real CPU pools: agreeing workers pass, a planted difference is found and named."""
+"""`laya-pool compare-workers` on real CPU pools: agreeing workers pass, a planted difference is found and named."""
 import json
 import shutil
 import subprocess
@@ -10,13 +10,13 @@ import pytest
 from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "compare_workers.py"
+TOOL = ["-m", "laya_pool", "compare-workers"]
 ENV = SUBPROCESS_ENV
 
 
 def test_agreeing_workers_pass(tiny_ckpt, tmp_path):
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_ckpt), "--devices", "cpu",
+    proc = subprocess.run([sys.executable, *TOOL, "--model", str(tiny_ckpt), "--devices", "cpu",
                            "--report", str(report)], capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
@@ -63,7 +63,7 @@ def test_planted_difference_is_named(tiny_ckpt, tmp_path):
             res = c.forward(make_rows(2, 1))
             assert res.worker == "good0"
         report = tmp_path / "report.json"
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--frontend", fe, "--model", str(tiny_ckpt),
+        proc = subprocess.run([sys.executable, *TOOL, "--frontend", fe, "--model", str(tiny_ckpt),
                                "--report", str(report)], capture_output=True, text=True, timeout=600, env=ENV)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1 and report.exists(), out
@@ -78,7 +78,7 @@ def test_planted_difference_is_named(tiny_ckpt, tmp_path):
 @pytest.mark.gpu
 def test_gpu_pool_workers_agree_in_every_mode(tiny_ckpt, tmp_path):
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_ckpt), "--devices", "cuda:0",
+    proc = subprocess.run([sys.executable, *TOOL, "--model", str(tiny_ckpt), "--devices", "cuda:0",
                            "--report", str(report)], capture_output=True, text=True, timeout=900, env=ENV)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -3,8 +3,8 @@ our kernels alone, merged rows equal to the same rows alone, a captured graph eq
 difference refused by the proof.
 
 Run on the device: `python -m pytest -q -m gpu tests/test_cublas_gpu.py -s`. The large checkpoint (the shapes the
-speed-up was measured on) is used where LAYA_LARGE_CKPT (default /tmp/large, which scripts/device_fast.sh makes)
-exists; the tiny one always.
+speed-up was measured on) is used where LAYA_LARGE_CKPT (default /tmp/large: `laya-pool make-checkpoint --out
+/tmp/large --preset large`) exists; the tiny one always.
 """
 from __future__ import annotations
 

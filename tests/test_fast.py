@@ -2,7 +2,7 @@
 
 The interpreter runs the real kernels (their indexing, masks, fused epilogues, the attention band) with
 numpy arithmetic; it cannot run bf16 dots, so these tests run the fast path in fp16 against the reference
-forward. Speed, bf16 numbers and bit-level batch invariance are the device probe's job (scripts/probe_fast.py).
+forward. Speed, bf16 numbers and bit-level batch invariance are the gpu tests' and the benchmarks' job.
 """
 from __future__ import annotations
 
@@ -305,8 +305,7 @@ def test_geglu_pairs_epilogue_writes_each_column_once(bn):
 def test_packed_attention_is_softmax_attention_row_by_row(window):
     """kernels/attention.py over three packed rows (one longer than a key block, so the online softmax rescales and
     the per-thread sums carry), banded and global: each row's output is SDPA's on that row alone in fp32, within
-    fp16's rounding; tokens past the rows stay untouched. (cuDNN's bits need the device: scripts/probe_attn_bits.py,
-    and the gpu parity test.)"""
+    fp16's rounding; tokens past the rows stay untouched. (cuDNN's bits need the device: the gpu parity test.)"""
     from laya_pool.kernels.attention import attention
     g = torch.Generator().manual_seed(3)
     heads, dim, lens = 2, 32, [150, 9, 40]

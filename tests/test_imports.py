@@ -30,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "laya_pool"
-OURS = {"protocol", "client", "kernels", "worker", "broker", "tools", "scripts"}
+OURS = {"protocol", "client", "kernels", "worker", "broker", "tools", "benchmarks"}
 
 ALLOWED = {           # room -> the packages of ours its modules may import
     "protocol": {"protocol"},
@@ -89,15 +89,15 @@ def test_the_rule_sees_a_lazy_import(tmp_path):
 
 
 def test_no_room_is_imported_by_its_bare_name():
-    # every Python file of the repository: rooms, tools, tests, scripts (not what git ignores: a local .venv, build,
-    # or devtools/, where the device's own measuring scripts are copied and import the rooms their way)
+    # every Python file of the repository: rooms, tools, tests, benchmarks (not what git ignores: a local .venv,
+    # build, or devtools/, where the device's own measuring scripts are copied and import the rooms their way)
     tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
     if tracked.returncode == 0 and tracked.stdout.strip():
         files = [ROOT / line for line in tracked.stdout.split()]
     else:          # not a git checkout (an unpacked sdist): every file but the usual local trees
         files = [p for p in ROOT.rglob("*.py") if not {".venv", "build", "devtools"} & set(p.relative_to(ROOT).parts)]
     bare = [f"{p.relative_to(ROOT)} imports {name}" for p in files for name in _raw_imports(p)
-            if name.split(".")[0] in OURS - {"scripts"}]
+            if name.split(".")[0] in OURS - {"benchmarks"}]
     assert len(files) > 80 and bare == []
 
 

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -559,14 +558,11 @@ def test_requests_on_lanes_are_read_while_the_sockets_stay_busy(lane_pool, tiny_
 
 
 def test_a_round_trips_parts_are_in_order_on_one_clock(lane_pool):
-    """scripts/round_trip.py's split of a lane call: the client's two stamps and the worker's two, all on
+    """benchmarks/round_trip.py's split of a lane call: the client's two stamps and the worker's two, all on
     `time.monotonic`, fall in the order the call meets them (the parts are differences of consecutive stamps, so
     their sum is the total by construction; their order is what is checked). A stamp in the wrong place breaks the
-    order: the first version stamped "seen" when a spin ran out unanswered, and this test failed on it (notice < 0)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("round_trip", Path(__file__).parents[1] / "scripts" / "round_trip.py")
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
+    order: stamping "seen" when a spin ran out unanswered makes notice < 0, and this test fails on it."""
+    from benchmarks import round_trip as rt
     rows = make_rows(1)
     marks: dict[str, float] = {}
     send = rt.direct.Routes.send

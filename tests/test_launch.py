@@ -38,7 +38,7 @@ def test_nothing_is_cached_off_the_gpu():
 
 
 def test_a_launch_hook_of_any_form_turns_the_cache_off():
-    """Triton 3.6 keeps its launch hooks as a chain, and takes a plain function (scripts/debug_order.py sets one) or
+    """Triton 3.6 keeps its launch hooks as a chain, and takes a plain function (a debugging hook) or
     None in its place: each is read without an error, and any hook set means Triton's own dispatch (which calls it)."""
     class Chain:
         def __init__(self, calls):

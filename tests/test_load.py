@@ -1,4 +1,4 @@
-"""scripts/load.py on a CPU pool: a worker SIGKILLed under load loses nothing; lost requests fail the run."""
+"""`laya-pool load` on a CPU pool: a worker SIGKILLed under load loses nothing; lost requests fail the run."""
 import json
 import subprocess
 import sys
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _load(tiny_ckpt, tmp_path, *extra):
     out = tmp_path / "load.json"
-    proc = subprocess.run([sys.executable, "scripts/load.py", "--model", str(tiny_ckpt), "--devices", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "laya_pool", "load", "--model", str(tiny_ckpt), "--devices", "cpu",
                            "--concurrency", "6", "--procs", "2", "--seconds", "3", "--out", str(out), *extra],
                           cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
     return proc, json.loads(out.read_text())
@@ -103,7 +103,7 @@ def test_lost_requests_fail_the_run(tiny_ckpt, tmp_path):
 def test_sweep_of_a_mixed_load_writes_json_and_curve(tiny_ckpt, tmp_path):
     png = tmp_path / "sweep.png"
     out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, "scripts/load.py", "--model", str(tiny_ckpt), "--concurrency", "1,3",
+    proc = subprocess.run([sys.executable, "-m", "laya_pool", "load", "--model", str(tiny_ckpt), "--concurrency", "1,3",
                            "--mix", "1x48:3,2x64:1", "--procs", "2", "--seconds", "1.5", "--baseline-args",
                            "--max-batch 1", "--pool-args", "--max-batch 4", "--out", str(out), "--png", str(png)],
                           cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
@@ -130,6 +130,6 @@ def test_sweep_of_a_mixed_load_writes_json_and_curve(tiny_ckpt, tmp_path):
 
 def test_bad_sweep_arguments_are_refused(tiny_ckpt, tmp_path):
     for bad in (["--concurrency", "0,4"], ["--mix", "1x48:0"], ["--mix", "48"]):
-        proc = subprocess.run([sys.executable, "scripts/load.py", "--model", str(tiny_ckpt), *bad],
+        proc = subprocess.run([sys.executable, "-m", "laya_pool", "load", "--model", str(tiny_ckpt), *bad],
                               cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "error" in proc.stderr, (bad, proc.stderr)

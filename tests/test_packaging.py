@@ -38,16 +38,24 @@ def wheel(tmp_path_factory) -> Path:
     # Built from a copy: building in place would leave build/ and *.egg-info in the checkout.
     src = tmp_path_factory.mktemp("src")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("pyproject.toml", "README.md", "laya_pool"):
+    for name in ("pyproject.toml", "README.md", "laya_pool", "benchmarks"):       # (benchmarks/: kept out)
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, src / name, ignore=ignore)
         else:
             shutil.copy(ROOT / name, src / name)
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-q", "-w", str(out), str(src)], check=True, capture_output=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "-v", "-w", str(out), str(src)], check=True, capture_output=True, text=True, timeout=120)
+    (out / "build.log").write_text(r.stdout + r.stderr)       # the backend's output (-v), for the warnings test
     (whl,) = out.glob("laya_pool-*.whl")
     return whl
+
+
+def test_building_the_wheel_warns_of_nothing_in_our_configuration(wheel):
+    """setuptools says nothing about pyproject.toml (the license's form, data directories without __init__.py)."""
+    log = (wheel.parent / "build.log").read_text()
+    warnings = [ln.strip() for ln in log.splitlines() if re.search(r"Warning\b|Package would be ignored", ln)]
+    assert not warnings, "\n".join(warnings)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +87,12 @@ def test_the_wheel_holds_one_package_with_every_room(wheel):
     assert want <= set(names), sorted(want - set(names))
     assert {"laya_pool/__init__.py", "laya_pool/__main__.py", "laya_pool/py.typed",
             "laya_pool/tools/cases/requests.json"} <= set(names)
+
+
+def test_the_benchmarks_are_not_in_the_wheel(wheel):
+    # benchmarks/ is the checkout's: it is run from there (python -m benchmarks.NAME), never installed
+    assert (ROOT / "benchmarks" / "README.md").is_file()
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if "benchmarks" in n.split("/")]
 
 
 def test_site_packages_gets_laya_pool_and_nothing_else(venv):
@@ -181,6 +195,46 @@ sys.exit(main(["up", "--model", "unused"]))
 def test_up_on_a_client_install_names_the_server_extra():
     r = subprocess.run([sys.executable, "-c", _NO_TORCH], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "laya-pool[server]" in r.stderr and "torch" in r.stderr, r.stderr
+
+
+_NO_SERVER = """
+import sys
+class ClientInstall:                     # torch, safetensors, ... are not installed: importing one fails as it would
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "safetensors", "psutil", "prometheus_client", "cuda", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, ClientInstall())
+from laya_pool.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_make_checkpoint_on_a_client_install_names_the_server_extra(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _NO_SERVER, "make-checkpoint", "--out", str(tmp_path / "ck")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("laya-pool make-checkpoint needs the server install (safetensors missing): "
+                                "pip install 'laya-pool[server]'"), r.stderr
+
+
+def test_the_readme_says_which_errors_bad_input_raises(tiny_ckpt):
+    """Input the client refuses raises the SDK's types, which are not PoolErrors: the README says so, naming each."""
+    from laya_pool import PoolError, QuestionError
+    from laya_pool.client.card import ModelCard
+    from laya_pool.client.semantics import encode_request
+    card = ModelCard.from_dir(tiny_ckpt, fingerprint="-")
+    raised = []
+    for state, questions in (("x", {"q": {"type": "maybe", "instructions": "?"}}), (None, {}), ("x", [])):
+        with pytest.raises(Exception) as e:
+            encode_request(card, state, questions)
+        raised.append(e.value)
+    assert [type(e) for e in raised] == [QuestionError, TypeError, TypeError], raised
+    assert not any(isinstance(e, PoolError) for e in raised)
+    text = " ".join((ROOT / "README.md").read_text().split())
+    errors = text[text.index("raises a `laya_pool.PoolError`"):][:900]
+    for name in ("QuestionError", "TypeError", "SchemaError", "ValueError"):
+        assert f"`{name}`" in errors, f"the README's paragraph on errors does not name {name}"
+    assert "Every error a call raises is a" not in text
 
 
 def test_every_error_a_client_can_meet_is_importable_from_laya_pool():

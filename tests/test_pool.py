@@ -187,7 +187,7 @@ def test_forward_equals_runtime_on_every_worker(tcp_pool, runtime, tiny_ckpt):
             np.testing.assert_allclose(act, want_act, rtol=1e-5, atol=1e-6)
             assert res.metrics["mode"] == "eager"
             # The hops in order on the host's one monotonic clock: broker in, out to the worker, the worker's own
-            # stamps, broker back (scripts/overhead.py splits a call's legs with them).
+            # stamps, broker back (benchmarks/overhead.py splits a call's legs with them).
             m = res.metrics
             stamps = [m[k] for k in ("broker_in", "broker_out", "received_at", "done_at", "broker_back")]
             assert stamps == sorted(stamps), m

@@ -1,4 +1,4 @@
-"""The scripts' progress bar (tools/progress.py): drawn on a terminal only, cleared when done."""
+"""The tools' progress bar (tools/progress.py): drawn on a terminal only, cleared when done."""
 from __future__ import annotations
 
 import io

@@ -2,7 +2,7 @@
 writes its checkpoint in the checkout and compare-workers reads the frozen cases shipped beside it."""
 from conftest import ROOT
 
-from laya_pool.tools import broker_rate, compare_workers, demo
+from laya_pool.tools import compare_workers, demo
 
 
 def test_the_demo_keeps_its_checkpoint_in_the_checkout():
@@ -11,7 +11,3 @@ def test_the_demo_keeps_its_checkpoint_in_the_checkout():
 
 def test_compare_workers_reads_the_cases_beside_it():
     assert compare_workers.CASES.is_file() and compare_workers.CASES.parent.parent == ROOT / "laya_pool" / "tools"
-
-
-def test_broker_rate_puts_the_checkout_on_its_childrens_path():
-    assert (broker_rate.ROOT / "laya_pool" / "__init__.py").is_file()

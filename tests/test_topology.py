@@ -1,4 +1,4 @@
-"""tools/topology.py: each path it times carries the message there and back (real processes and sockets)."""
+"""benchmarks/topology.py: each path it times carries the message there and back (real processes and sockets)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import pytest
 import zmq
 from conftest import free_port
 
-from laya_pool.tools import topology
+from benchmarks import topology
 
 
 @pytest.mark.parametrize("path,handoff", [("broker", True), ("direct", False)])

@@ -173,7 +173,7 @@ class Broker:
         self.by_identity: dict[bytes, str] = {}
         self.queue: collections.deque[Job] = collections.deque()
         # Describe jobs in the queue, counted: dispatch asks "any describe waiting?" on every event, and a
-        # scan of a deep queue there cost more than the rest of the loop under load (scripts/broker_rate.py).
+        # scan of a deep queue there cost more than the rest of the loop under load (benchmarks/broker_rate.py).
         self.describes_queued = 0
         self.inflight: dict[int, Job] = {}
         self.by_key: dict[tuple[str, Any], Job] = {}     # requests queued or running, by dedup key
@@ -845,7 +845,7 @@ class Broker:
         header["worker"] = w.id
         if rep.metrics:
             # The broker's own stamps beside the worker's (this host's monotonic clock): where a pooled call's
-            # hops and hand-offs go (scripts/overhead.py splits the legs with them).
+            # hops and hand-offs go (benchmarks/overhead.py splits the legs with them).
             rep.metrics["broker_in"], rep.metrics["broker_out"], rep.metrics["broker_back"] = (
                 job.arrived, job.dispatched, now)
         self._finish(job, wire.encode(Cmd.REPLY, header, *msg.frames))
@@ -1160,7 +1160,8 @@ def serve(cfg: BrokerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m laya_pool.broker.broker", description="the laya-pool broker")
+    p = argparse.ArgumentParser(prog="python -m laya_pool.broker.broker", description="the laya-pool broker",
+                                allow_abbrev=False)
     add_arguments(p)
     p.add_argument("--log-level", default=None, help="default: $LAYA_POOL_LOG or INFO")
     p.add_argument("--log-format", default=None, help="text or json (default: $LAYA_POOL_LOG_FORMAT or text)")

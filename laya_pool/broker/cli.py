@@ -100,7 +100,7 @@ def _checkpoint_dir(flag: str, path: str) -> Path:
     p = Path(path)
     if not p.is_dir():
         raise UsageError(f"{flag}: {path} is not a directory (give a checkpoint directory; "
-                         "scripts/make_checkpoint.py writes a tiny one)")
+                         "`laya-pool make-checkpoint --out DIR` writes a tiny one)")
     missing = [f for f in contract.FINGERPRINT_FILES if not (p / f).is_file()]
     if missing:
         raise UsageError(f"{flag}: {path} is not a checkpoint: missing {', '.join(missing)}")
@@ -322,7 +322,13 @@ def cmd_broker(a: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ parser
 
 class _Parser(argparse.ArgumentParser):
-    """One line for a usage error, exit 2 (argparse prints the whole usage block first)."""
+    """One line for a usage error, exit 2 (argparse prints the whole usage block first). No abbreviations: `up
+    --worker 2` is an error, not `--workers-per-device 2` (an abbreviation that works today breaks when a flag
+    sharing its prefix is added). Subcommands' parsers are this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -404,11 +410,12 @@ def _common() -> argparse.ArgumentParser:
     return c
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(more_help: str = "") -> argparse.ArgumentParser:
+    """`more_help`: text after the top-level help's epilog (the program's tools, which this room does not know)."""
     from .broker import add_arguments
     common = _common()
     p = _Parser(prog="laya-pool", description="a multi-process worker pool serving Laya models",
-                epilog=_epilog(), formatter_class=_Help, parents=[common])
+                epilog=_epilog() + more_help, formatter_class=_Help, parents=[common])
     p.add_argument("--version", action="version", version=f"laya-pool {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -438,7 +445,8 @@ def _check_endpoint_types(p: argparse.ArgumentParser) -> None:
 
 def _add_up(up: argparse.ArgumentParser) -> None:
     from .broker import add_arguments
-    up.add_argument("--model", required=True, help="checkpoint directory (scripts/make_checkpoint.py makes a tiny one)")
+    up.add_argument("--model", required=True,
+                    help="checkpoint directory (`laya-pool make-checkpoint --out DIR` makes a tiny one)")
     up.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
     up.add_argument("--workers-per-device", type=_positive(int), default=1, help="worker processes per device")
     add_arguments(up, supervised=True)          # the broker's flags, defined once in broker.broker
@@ -582,8 +590,8 @@ def exit_code(e: BaseException) -> int:
     return EXIT_FAILED
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, more_help: str = "") -> int:
+    a = build_parser(more_help).parse_args(argv)
     try:
         a.log_level = getattr(a, "log_level", None) or logs.check_level(settings.raw(logs.LEVEL_ENV) or "INFO")
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""Every error a pool call raises is a `PoolError`; each also keeps the type a caller may already catch.
+"""What the pool refuses or does not answer raises a `PoolError`; each also keeps the type a caller may already catch.
+(Input the client refuses before sending raises the SDK's types: `QuestionError`, `SchemaError`, `TypeError`.)
 
 Here, apart from the socket code, so the retry policy and the tests can use them without ZeroMQ.
 """

@@ -2,9 +2,9 @@
 
 Why: every ZeroMQ hop wakes two I/O threads. On an H200 host a round trip between two processes takes 88-92 us
 through a ZeroMQ ROUTER/DEALER pair and 7.9 us through a lane with both ends polling (23 us with the client asleep on
-the lane's futex); with lanes the pool added 0.35 ms to a 1x48 forward there instead of 0.64
-(docs/decisions/0014-clients-straight-to-the-workers.md). A lane takes the sockets off the way of a request whose
-client and worker are both awake to see it.
+the lane's futex; `python -m benchmarks.lane_rtt`); with lanes the pool added 0.35 ms to a 1x48 forward there instead
+of 0.64 (docs/decisions/0014-clients-straight-to-the-workers.md). A lane takes the sockets off the way of a request
+whose client and worker are both awake to see it.
 
 A lane is one file in /dev/shm that the client creates (mode 0600, a random name, its blocks allocated so that a full
 /dev/shm is an error now and not a SIGBUS later) with a random secret in its header, and names to the worker over its

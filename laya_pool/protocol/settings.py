@@ -224,8 +224,6 @@ _declare("XDG_RUNTIME_DIR", PATH, None, OTHERS, "`up`, operator commands", "Wher
          "LAYA_POOL_RUNTIME_DIR is unset.")
 _declare("XDG_CACHE_HOME", PATH, None, OTHERS, "`laya-pool demo`", "Where the demo keeps its checkpoint (unset: "
          "~/.cache).")
-_declare("PYTHONPATH", STR, None, OTHERS, "`laya-pool broker-rate`", "Kept behind this checkout on the path of the "
-         "processes the tool starts.")
 
 # The official SDK's own variables (laya 0.4): read by the SDK, never by laya-pool, and never warned about.
 SDK = frozenset({

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Warm latency per request shape and configuration, with the official SDK measured in the same run.
 
-    python scripts/bench.py --model DIR [--device cuda] [--frontend tcp://127.0.0.1:5555] [--out DIR] [--quick]
+    laya-pool bench --model DIR [--device cuda] [--frontend tcp://127.0.0.1:5555] [--out DIR] [--quick]
 
 Protocol: an excluded feasibility pass first (one call per shape and configuration, which is also where
 each configuration's first-call cost is recorded, capture included); then two rounds, the second in the
@@ -270,7 +270,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default=None)
     ap.add_argument("--frontend", default=None, help="also time Client.predict end to end through this pool")

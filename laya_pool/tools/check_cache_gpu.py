@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Graph-cache policies on a real GPU: six policies x 48 requests, checked against an independent model.
 
-    python scripts/check_cache_gpu.py [--model DIR] [--report FILE]
+    laya-pool check-cache-gpu [--model DIR] [--report FILE]
 
 Every bucket's graph size is measured first (reserved-memory growth across its capture, cross-checked
 against the allocator's own segment list for the graph's pool). Then each policy runs the same 48
@@ -57,7 +57,7 @@ def pool_segment_bytes(pool) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--report", default="out/check_cache_gpu.json")
     args = ap.parse_args(argv)

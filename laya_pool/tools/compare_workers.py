@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Check every worker of a pool, in every execution mode, against each other and against the reference.
 
-    python scripts/compare_workers.py --frontend ENDPOINT --report FILE [--model DIR]
-    python scripts/compare_workers.py --model DIR --report FILE          # starts its own 2-worker pool
+    laya-pool compare-workers --frontend ENDPOINT --report FILE [--model DIR]
+    laya-pool compare-workers --model DIR --report FILE          # starts its own 2-worker pool
 
 The same frozen cases (the committed request cases plus shape cases from 1x48 to 16x512, bucket edges
 and a changed-input A->B->A sequence) go through every live worker, targeted by id through the broker,
@@ -118,7 +118,7 @@ class Reference:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--frontend", default=None)
     ap.add_argument("--model", default=None, help="checkpoint for the reference (and for a pool of our own)")
     ap.add_argument("--report", default="out/compare_workers.json")

@@ -2,7 +2,7 @@
 """`make demo`: a pool of two workers (on the GPUs when there are any, else on the CPU), a few real
 decisions through the Client with their answers and per-call latency, and a clean shutdown.
 
-    python scripts/demo.py [--model DIR] [--devices cuda:0,cuda:1|cpu] [--calls N]
+    laya-pool demo [--model DIR] [--devices cuda:0,cuda:1|cpu] [--calls N]
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _default_model() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(_default_model()), help="written there first if missing (%(default)s)")
     p.add_argument("--devices", default=None)
     p.add_argument("--calls", type=int, default=50, help="timed calls per decision after the first")

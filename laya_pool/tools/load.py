@@ -10,12 +10,12 @@ spent it (`device_time`: busy, and idle between a forward's landing and the next
 carries.
 
     # scaling: a baseline pool first, then the pool under test, ratio of their throughputs
-    python scripts/load.py --model DIR --baseline-devices cuda:0 --devices cuda:0,cuda:1 \\
+    laya-pool load --model DIR --baseline-devices cuda:0 --devices cuda:0,cuda:1 \\
         --concurrency 64 --seconds 10 --kill-after 4 --out load.json
     # a running pool
-    python scripts/load.py --frontend tcp://127.0.0.1:5555 --concurrency 16 --seconds 5
+    laya-pool load --frontend tcp://127.0.0.1:5555 --concurrency 16 --seconds 5
     # a sweep of a mixed load, batching against none, with the curve
-    python scripts/load.py --model DIR --baseline-args "--max-batch 1" --pool-args "--max-batch 32" \
+    laya-pool load --model DIR --baseline-args "--max-batch 1" --pool-args "--max-batch 32" \
         --concurrency 1,4,16,64,256 --mix 1x48:8,4x256:2,16x512:1 --seconds 5 --out sweep.json --png sweep.png
 
 `--kill-after S` SIGKILLs one worker of the pool under test S seconds into its run (the pool must
@@ -399,7 +399,7 @@ def _line(name: str, r: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--frontend", help="a running pool (else --model starts pools)")
     ap.add_argument("--model")
     ap.add_argument("--devices", default="cpu")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a Laya checkpoint with seeded random weights, in exactly the layout the official SDK loads.
 
-    python scripts/make_checkpoint.py --out DIR --preset tiny|large|multilingual --seed N
+    laya-pool make-checkpoint --out DIR --preset tiny|large|multilingual --seed N
 
 No weights can be downloaded where this project is built, so every test, demo and benchmark runs
 on checkpoints from here: the real architecture and tensor names, a real trained BPE tokenizer, and
@@ -192,7 +192,7 @@ def make_checkpoint(out: str | os.PathLike, preset: str = "tiny", seed: int = 0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)

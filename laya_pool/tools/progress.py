@@ -1,4 +1,4 @@
-"""A progress bar for the long scripts (bench, load, compare_workers): one line on stderr, redrawn in place.
+"""A progress bar for the long tools (bench, load, compare-workers): one line on stderr, redrawn in place.
 
 Off when stderr is not a terminal (CI logs, `2> file`) or with `--quiet`, so captured output stays the
 same as before. No dependency: tqdm would do, but a dozen lines do not justify one.

@@ -6,7 +6,7 @@
 It registers like a real worker (READY with a capacity and a fingerprint), heartbeats, and answers every REQUEST
 at once with an `ok` reply of the right shape: logits [M], act [R, 2] and a metrics map the size of a real
 worker's (the broker decodes and re-encodes what a real worker sends, so the stub sends as much). A DESCRIBE gets
-a small card. With it, `scripts/broker_rate.py --stub` finds the routed forward's ceiling, which a CPU worker
+a small card. With it, `python -m benchmarks.broker_rate --stub` finds the routed forward's ceiling, which a CPU worker
 hides (every call then wakes the broker alone).
 
 Not a worker: no validation, no model. For measurements only.
@@ -30,7 +30,7 @@ N_ACT = 2
 
 
 def metrics_like_a_worker() -> dict[str, Any]:
-    """The metrics a CPU worker's reply carries (keys and kinds of values; scripts/broker_rate.py's docstring)."""
+    """The metrics a CPU worker's reply carries (keys and kinds of values; benchmarks/broker_rate.py's docstring)."""
     now = time.monotonic()
     return {"mode": "eager", "shape": [1, 48, 4], "first_call": False, "validate_ms": 0.0003, "plan_ms": 0.021,
             "pack_ms": 0.068, "device_ms": 0.5, "total_ms": 0.6, "batched": 1, "queue_ms": 0.1, "worker_ms": 0.7,
@@ -87,7 +87,8 @@ def _answer(s: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--backend", required=True)
     ap.add_argument("--id", default="stub")
     ap.add_argument("--credit", type=int, default=64)

@@ -533,7 +533,7 @@ class Compute:
         done = time.monotonic()
         members, t0 = flight.members, flight.started
         # received_at ... done_at: this host's monotonic clock, so a client on the same host can place the worker's
-        # part of a round trip, hand-offs included (scripts/overhead.py); meaningless across hosts. What the members
+        # part of a round trip, hand-offs included (benchmarks/overhead.py); meaningless across hosts. What the members
         # share is packed once (wire.Replies).
         answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, together=True, metrics=dict(
             res.metrics, batched=len(members), started_at=t0, launched_at=flight.launched,

@@ -409,7 +409,8 @@ class Worker:
 
 def build_parser() -> argparse.ArgumentParser:
     d = WorkerConfig("", "", "")
-    p = argparse.ArgumentParser(prog="python -m laya_pool.worker.server", description="a laya-pool worker process")
+    p = argparse.ArgumentParser(prog="python -m laya_pool.worker.server", description="a laya-pool worker process",
+                                allow_abbrev=False)
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--device", default=d.device, help="cpu or cuda:N")
     p.add_argument("--backend", required=True, help="the broker's worker endpoint")

@@ -84,7 +84,7 @@ class Workspace:
         self.dev = self.dev_slots[0]
         self._blank: dict[str, torch.Tensor] | None = None
 
-    # Slot 0's host side under the names a one-slot workspace had (scripts and tests use them).
+    # Slot 0's host side under the names a one-slot workspace had (the uploads, the runtime and tests use them).
     @property
     def host_in(self) -> np.ndarray:
         return self.slots[0].host_in

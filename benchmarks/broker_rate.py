@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """The broker's own ceiling: messages per second through its loop, with real processes and sockets.
 
-    python scripts/broker_rate.py --model DIR | --stub | --frontend EP [--kind ping,forward] [--procs 1]
-                                  [--window 256] [--seconds 5] [--pool-args "--max-batch 32"] [--json FILE]
+    python -m benchmarks.broker_rate --model DIR | --stub | --frontend EP [--kind ping,forward] [--procs 1]
+                                     [--window 256] [--seconds 5] [--pool-args "--max-batch 32"] [--out DIR]
 
 Starts a pool (`laya-pool up`: the broker and one worker on --device), then --procs load processes, each
 with one DEALER socket keeping --window requests in flight (raw frames built by protocol/wire, a fresh
@@ -12,7 +11,7 @@ request id each, so the broker's dedup never short-cuts one). Kinds:
 - `forward`: one pre-encoded 1x48 row, run by the worker: 4 broker messages per call (client in, worker
   out, worker in, client out). On a CPU worker this measures the worker unless it merges requests.
 
-`--stub` runs a bare broker and `tools/stub_worker.py` (answers at once, without a model) instead of a pool:
+`--stub` runs a bare broker and `laya_pool/tools/stub_worker.py` (answers at once, without a model) instead of a pool:
 the routed path's own ceiling, many messages per wake-up as on a fast GPU. A CPU worker instead wakes the broker
 for a few messages at a time while it computes: both are worth a number.
 
@@ -21,7 +20,6 @@ warm-up, and the broker's CPU seconds per call (from /proc) when it runs on this
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import multiprocessing as mp
@@ -32,9 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from laya_pool.protocol import settings
-
-ROOT = Path(__file__).resolve().parents[2]          # the checkout, where this runs from one
+from benchmarks.common import parser, write
 
 MESSAGES_PER_CALL = {"ping": 2, "forward": 4}
 
@@ -138,13 +134,11 @@ def _stub_pool(broker_args: list[str]):
 
     with tempfile.TemporaryDirectory(prefix="laya-rate-") as d:
         fe, be = f"ipc://{d}/fe", f"ipc://{d}/be"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), settings.get("PYTHONPATH")]))}
         procs = [subprocess.Popen([sys.executable, "-m", "laya_pool.broker.broker", "--frontend", fe, "--backend", be,
-                                   "--log-level", "WARNING", *broker_args], env=env)]
+                                   "--log-level", "WARNING", *broker_args])]
         try:
             time.sleep(1.0)                 # bound before the worker connects: its READY is not lost
-            procs.append(subprocess.Popen([sys.executable, "-m", "laya_pool.tools.stub_worker", "--backend", be],
-                                          env=env))
+            procs.append(subprocess.Popen([sys.executable, "-m", "laya_pool.tools.stub_worker", "--backend", be]))
             time.sleep(1.0)
             yield fe
         finally:
@@ -157,7 +151,7 @@ def _stub_pool(broker_args: list[str]):
 def main(argv: list[str] | None = None) -> int:
     from laya_pool.client.pool import Client, local_pool
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", help="the checkpoint for the pool this starts (not with --frontend)")
     ap.add_argument("--frontend", help="load a running pool instead of starting one")
     ap.add_argument("--stub", action="store_true", help="a bare broker and a worker that answers without computing")
@@ -167,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=256, help="calls each load process keeps in flight")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--pool-args", default="", help="extra `laya-pool up` arguments")
-    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not args.model and not args.frontend and not args.stub:
         ap.error("give --model (a pool is started), --stub (a broker and a stub worker) or --frontend (a running pool)")
@@ -191,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_kind(endpoint, k, args.procs, args.window, args.seconds, broker_pid)
             results.append(r)
             print(json.dumps(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "results": results}, indent=2) + "\n")
+    write(args.out, "broker_rate", {"config": vars(args), "results": results})
     return 0
 
 

@@ -1,10 +1,10 @@
-#!/usr/bin/env python3
 """Where a back-to-back 1x48 `Client.forward` on a lane spends its round trip, on one clock.
 
-    python3 scripts/round_trip.py --frontend EP [--seconds 3 | --calls N] [--json FILE]
+    python -m benchmarks.round_trip [--frontend EP | --model DIR] [--seconds 3 | --calls N] [--spin-ms MS] [--out DIR]
 
-The client of this checkout against a live pool on this host whose worker takes lanes (protocol/lane.py; a CUDA
-worker does by default). Every part is on `time.monotonic`, which the worker's stamps share (compute.py `_answer`):
+The client of this checkout against a pool on this host (started here on --devices unless --frontend names one)
+whose worker takes lanes (protocol/lane.py; a CUDA worker does by default). Every part is on `time.monotonic`, which
+the worker's stamps share (compute.py `_answer`):
 
 - `client before`: the call starts -> its request goes to a route (pack, encode, the attempt's bookkeeping);
 - `pickup`: -> the worker's data thread has read it (`received_at`): the route chosen, the lane written, the
@@ -21,10 +21,7 @@ stamps: they add up to the total, and every one is >= 0 when the stamps are wher
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -32,12 +29,9 @@ from typing import Any
 
 import numpy as np
 
-# The checkout root, for laya_pool where it is not installed.
-sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from laya_pool.client import direct  # noqa: E402
-from laya_pool.client.pool import Client  # noqa: E402
-from scripts import procview  # noqa: E402
+from benchmarks.common import add_pool, parser, pool, write
+from laya_pool.client import direct
+from laya_pool.client.pool import Client
 
 PARTS = ("total", "client before", "pickup", "worker", "notice", "client after", "worker gap")
 WARMUP = 50
@@ -86,10 +80,9 @@ def split(start: float, end: float, marks: dict[str, float], metrics: dict[str, 
 
 
 def measure(frontend: str, seconds: float | None = None, calls: int | None = None,
-            host: bool = False, spin_ms: float | None = None) -> dict[str, Any]:
-    """`host`: also what /proc says the window cost the client's, the worker's and the broker's threads and the CPUs
-    they ran on (scripts/procview.py). `spin_ms`: the client's (0: it sleeps on the lane at once, so one core polls
-    where two did; only `total` is split then)."""
+            spin_ms: float | None = None) -> dict[str, Any]:
+    """`spin_ms`: the client's (0: it sleeps on the lane at once, so one core polls where two did; only `total` is
+    split then)."""
     rng = np.random.default_rng(0)
     rows = [(rng.integers(10, 1000, 48).astype(np.int32), np.array([5, 8, 11, 14], np.int32), 0)]
     marks: dict[str, float] = {}
@@ -97,20 +90,8 @@ def measure(frontend: str, seconds: float | None = None, calls: int | None = Non
     with hooked(marks), Client(frontend, spin_ms=spin_ms) as client:
         for _ in range(WARMUP):
             client.forward(rows)
-        window = procview.Window(_pids(client)) if host else contextlib.nullcontext()
-        with window:
-            n = _calls(client, rows, marks, samples, seconds, calls)
-    out = {"calls": n, "on_lanes": len(samples["pickup"]), "us": {k: _p50_p95(v) for k, v in samples.items() if v}}
-    if host:
-        out["host"] = window.report(n)
-    return out
-
-
-def _pids(client: Client) -> dict[str, int]:
-    """This process, the first ready worker's and the broker's (all on this host: the lanes need it)."""
-    st = client.status()
-    worker = next(w for w in st["workers"] if w["state"] == "ready")
-    return {"client": os.getpid(), f"worker {worker['id']}": worker["pid"], "broker": st["broker"]["pid"]}
+        n = _calls(client, rows, marks, samples, seconds, calls)
+    return {"calls": n, "on_lanes": len(samples["pickup"]), "us": {k: _p50_p95(v) for k, v in samples.items() if v}}
 
 
 def _calls(client: Client, rows: list, marks: dict[str, float], samples: dict[str, list[float]],
@@ -138,39 +119,24 @@ def _p50_p95(values: list[float]) -> tuple[float, float]:
     return round(v[len(v) // 2] * 1e6, 1), round(v[int(0.95 * (len(v) - 1))] * 1e6, 1)
 
 
-def print_host(h: dict[str, Any]) -> None:
-    print(f"per call, {h['calls']} calls in {h['seconds']} s: CPU us, voluntary / involuntary switches, CPUs seen on")
-    for name, rows in h["threads"].items():
-        for r in rows:
-            cpus = ", ".join(f"{c}:{n}" for c, n in list(r["cpus"].items())[:4])
-            print(f"{name:10s} {r['tid']:>8d} {r['name'][:15]:15s} {r['cpu_us_per_call']:8.1f} "
-                  f"{r['voluntary_per_call']:7.3f} {r['involuntary_per_call']:7.3f}  [{cpus}]")
-    print(f"CPU  busy%  steal%     MHz   (steal over all CPUs: {h['steal_pct_all']:.2f}%)")
-    for c, v in h["cpus"].items():
-        print(f"{c:>3} {v['busy_pct']:6.1f} {v['steal_pct']:7.1f} {v.get('mhz', 0):7.0f}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--frontend", required=True)
+    ap = parser(__doc__)
+    add_pool(ap, model=False)
+    ap.add_argument("--model", help="the checkpoint of the pool this starts (without --frontend)")
     ap.add_argument("--seconds", type=float, default=None, help="back-to-back calls for this long (default 3 s)")
     ap.add_argument("--calls", type=int, default=None, help="... or this many")
-    ap.add_argument("--host", action="store_true",
-                    help="also the window's cost to each process's busiest threads and their CPUs' steal (/proc)")
     ap.add_argument("--spin-ms", type=float, default=None,
                     help="the client's spin_ms (default: its own choice; 0: it sleeps on the lane at once)")
-    ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    out = measure(a.frontend, a.seconds if a.seconds is not None or a.calls is not None else 3.0, a.calls, a.host,
-                  a.spin_ms)
+    if not a.frontend and not a.model:
+        ap.error("give --model (a pool is started) or --frontend (a running pool on this host)")
+    with pool(a.model, a.frontend, a.devices) as frontend:
+        out = measure(frontend, a.seconds if a.seconds is not None or a.calls is not None else 3.0, a.calls,
+                      a.spin_ms)
     print(f"{out['calls']} calls, {out['on_lanes']} on lanes; us p50 / p95")
     for k, (p50, p95) in out["us"].items():
         print(f"{k:14s} {p50:8.1f} {p95:8.1f}")
-    if a.host:
-        print_host(out["host"])
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write(a.out, "round_trip", out)
     return 0
 
 

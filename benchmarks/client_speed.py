@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """The client's own CPU cost per `predict`, by stage, for bench.py's request shapes (no pool needed).
 
-    python scripts/client_speed.py --model DIR [--calls 400] [--json FILE]
+    python -m benchmarks.client_speed --model DIR [--calls 400] [--out DIR]
 
 Stages: `encode` (questions checked, state tokenized as far as the rows keep it, rows built: what runs
 before the request is sent), `encode whole` (the same with the whole state tokenized, the cost a
@@ -12,22 +11,19 @@ each encode is waited for outside the timed region so it never overlaps the next
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-from laya_pool.client.card import ModelCard  # noqa: E402
-from laya_pool.client.decode import decode_answers  # noqa: E402
-from laya_pool.client.semantics import encode_request, serialize_state  # noqa: E402
-from laya_pool.protocol import wire  # noqa: E402
-
-from .bench import SHAPES, make_request  # noqa: E402
+from benchmarks.common import parser, write
+from laya_pool.client.card import ModelCard
+from laya_pool.client.decode import decode_answers
+from laya_pool.client.semantics import encode_request, serialize_state
+from laya_pool.protocol import wire
+from laya_pool.tools.bench import SHAPES, make_request
 
 
 def timed(fn: Callable[[], object], calls: int, after: Callable[[object], object] = lambda r: None) -> dict:
@@ -63,10 +59,9 @@ def measure(card: ModelCard, rows: int, length: int, calls: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", required=True, help="a checkpoint directory (only its tokenizer and config are read)")
     ap.add_argument("--calls", type=int, default=400)
-    ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     card = ModelCard.from_dir(args.model, fingerprint="-")
     results = [measure(card, r, n, args.calls) for r, n in SHAPES]
@@ -76,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         cells = " | ".join(f"{r[s]['p50']:.3f} / {r[s]['p95']:.3f}" for s in stages)
         print(f"| {r['shape']} | {r['state_tokens']} ({r['window_tokens']}) | {cells} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write(args.out, "client_speed", results)
     return 0
 
 

@@ -1,14 +1,11 @@
-#!/usr/bin/env python3
 """What each hop, hand-off and wake-up costs a round trip on this host: the pool's request path from bare parts.
 
-    python scripts/topology.py [--samples 2000] [--bytes 400] [--spin-us 0,300] [--think-us 0,1300]
-                               [--awake none,qos,idle] [--json FILE]
+    python -m benchmarks.topology [--samples 2000] [--bytes 400] [--spin-us 0,300] [--think-us 0,1300]
+                                  [--awake none,qos,idle] [--out DIR]
 
-A thread that sleeps through a forward wakes 0.1-0.2 ms late on VM hosts, so every hop and hand-off on the request
-path costs its wake-up (docs/decisions/0014-clients-straight-to-the-workers.md). This measures what each shape of the
-path leaves on this host, with real processes
-and ZeroMQ sockets over loopback tcp and no model: a client process sends one message of --bytes and waits for the
-answer, one at a time, through
+What a request path costs in transport and wake-ups alone, so that a path's share of the pool's overhead can be
+told from the work at either end: real processes and ZeroMQ sockets over loopback tcp, no model. A client process
+sends one message of --bytes and waits for the answer, one at a time, through
 
 - path `broker`: client DEALER -> a forwarding process (ROUTER front and back, one Python loop, as the broker's)
   -> worker DEALER, and back; or `direct`: client DEALER -> worker ROUTER, and back;
@@ -25,14 +22,12 @@ answer, one at a time, through
   class (SCHED_IDLE: it runs only when nothing else wants the core, which then never halts; on a VM a halted vCPU is
   the hypervisor's to wake, which PM QoS inside the guest does not reach).
 
-Prints p50 / p95 round trip less the think time (ms) per combination and writes --json.
+Prints p50 / p95 round trip less the think time (ms) per combination; --out DIR: topology.json.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -45,6 +40,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import zmq
+
+from benchmarks.common import parser, write
 
 
 def _wait(poller: zmq.Poller, spin_s: float, timeout_ms: int = 1000) -> dict:
@@ -286,7 +283,7 @@ AWAKE = {"none": lambda: contextlib.nullcontext(True), "qos": cpu_latency_held, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--samples", type=int, default=2000, help="timed round trips per combination (>= 1)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--bytes", type=int, default=400, help="message size (a 1x48 request is ~400 bytes)")
@@ -294,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think-us", default="0", help="the answering thread's busy time to try, microseconds")
     ap.add_argument("--awake", default="none,qos,idle", help=f"ways to keep the cores from idling: {','.join(AWAKE)}")
     ap.add_argument("--port", type=int, default=5720)
-    ap.add_argument("--json")
     a = ap.parse_args(argv)
     result = {}
     port = a.port
@@ -316,9 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    a.bytes, think_us=think)
                             port += 2
                             print(f"{name:52s} {result[name]['p50']:8.4f} {result[name]['p95']:8.4f}", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write(a.out, "topology", result)
     return 0
 
 

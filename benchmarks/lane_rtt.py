@@ -1,16 +1,14 @@
-#!/usr/bin/env python3
 """One round trip between two processes: through a lane (protocol/lane.py; the worker polling, the client polling or
-asleep on the lane's futex) against a
-ROUTER/DEALER pair (tcp and ipc; each end polling, or sleeping in its poll), with a 1x48 request's and reply's sizes.
+asleep on the lane's futex) against a ROUTER/DEALER pair (tcp and ipc; each end polling, or sleeping in its poll),
+with a 1x48 request's and reply's sizes.
 
-    python3 scripts/lane_rtt.py [--samples 3000]
+    python -m benchmarks.lane_rtt [--samples 3000] [--out DIR]
 
 What the pool's two direct hops cost beyond the work at either end (docs/architecture.md, "The data path", item 4).
 Prints p50 / p95 in microseconds per configuration.
 """
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import sys
@@ -19,10 +17,8 @@ import time
 
 import zmq
 
-# The checkout root, for laya_pool where it is not installed.
-sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from laya_pool.protocol.lane import Lane  # noqa: E402
+from benchmarks.common import free_endpoint, parser, percentiles, write
+from laya_pool.protocol.lane import Lane
 
 REQUEST = [b"LAYA3\x02" + b"h" * 120, b"r" * 220]       # ~ a 1x48 request's frames
 REPLY = [b"LAYA3\x03" + b"h" * 200, b"l" * 64, b"a" * 16]
@@ -56,9 +52,9 @@ def _lane_end(name: str, secret: str) -> None:
         lane.reply(REPLY)
 
 
-def _summary(label: str, ts: list[float]) -> None:
-    ts.sort()
-    print(f"{label:44s} p50 {ts[len(ts) // 2]:8.1f} us   p95 {ts[int(0.95 * (len(ts) - 1))]:8.1f} us", flush=True)
+def _summary(label: str, ts: list[float], out: dict[str, dict[str, float]]) -> None:
+    out[label] = percentiles(ts)
+    print(f"{label:44s} p50 {out[label]['p50']:8.1f} us   p95 {out[label]['p95']:8.1f} us", flush=True)
 
 
 def sockets(endpoint: str, spin_server: bool, spin_client: bool, samples: int) -> list[float]:
@@ -108,24 +104,21 @@ def lane(samples: int, asleep: bool = False) -> list[float]:
     return ts
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__)
     ap.add_argument("--samples", type=int, default=3000)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    us: dict[str, dict[str, float]] = {}
     print(f"{os.cpu_count()} cores; one round trip, request {sum(map(len, REQUEST))} B, reply {sum(map(len, REPLY))} B")
-    _summary("lane, both ends polling", lane(a.samples))
-    _summary("lane, polling worker, client asleep (futex)", lane(a.samples, asleep=True))
+    _summary("lane, both ends polling", lane(a.samples), us)
+    _summary("lane, polling worker, client asleep (futex)", lane(a.samples, asleep=True), us)
     with tempfile.TemporaryDirectory() as d:
-        for endpoint, kind in (("tcp://127.0.0.1:*", "tcp"), (f"ipc://{d}/rtt", "ipc")):
+        for kind in ("tcp", "ipc"):
             for spin_server, spin_client in ((True, True), (True, False), (False, False)):
-                if endpoint.endswith("*"):
-                    with zmq.Context().socket(zmq.ROUTER) as probe:     # a free port for the other end to bind
-                        probe.bind(endpoint)
-                        ep = probe.getsockopt_string(zmq.LAST_ENDPOINT)
-                else:
-                    ep = endpoint
+                ep = free_endpoint() if kind == "tcp" else f"ipc://{d}/rtt"
                 ends = f"{'polling' if spin_server else 'sleeping'} worker, {'polling' if spin_client else 'sleeping'}"
-                _summary(f"{kind} sockets, {ends} client", sockets(ep, spin_server, spin_client, a.samples))
+                _summary(f"{kind} sockets, {ends} client", sockets(ep, spin_server, spin_client, a.samples), us)
+    write(a.out, "lane_rtt", {"us": us})
     return 0
 
 

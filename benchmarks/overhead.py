@@ -1,9 +1,7 @@
-#!/usr/bin/env python3
 """Where the pool's overhead goes: one small row through a live pool against the same row run in-process.
 
-    python scripts/overhead.py --model DIR [--device cpu] [--samples 1000] [--threads 1] [--transport ipc|tcp]
-                               [--client-spin-ms MS] [--burst N]
-                               [--pool-args "..."] [--json FILE]
+    python -m benchmarks.overhead --model DIR [--device cpu] [--samples 1000] [--threads 1] [--transport ipc|tcp]
+                                  [--client-spin-ms MS] [--burst N] [--pool-args "..."] [--out DIR]
 
 Starts a pool (one worker on --device), and in this process the same runtime the worker runs. After
 --warmup untimed calls of every kind, --samples timed calls of each, one of each kind in turn (so drift
@@ -24,21 +22,23 @@ and the neighbours' load hit them alike), on the host clock:
   the broker's decode / re-encode of a request and of a reply, the worker's request parsing and validation
   and its reply encoding.
 
-Prints medians with p95 (ms) and writes --json.
+Prints medians with p95 (ms); --out DIR: overhead.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.common import parser, write
+from laya_pool.client.pool import Client, local_pool
+from laya_pool.protocol import wire
+from laya_pool.protocol.wire import Cmd
 
 # What is timed: three kinds of call, then the parts of one pooled forward, in the order a request meets them
 # (the worker stamps each on this host's monotonic clock: compute.py `_answer`).
@@ -52,10 +52,6 @@ PART_NOTES = {"up": " (client -> worker's data thread)", "up: to the broker": " 
               "device wait": " (launched -> readback landed)", "wake": " (landed -> answers cut, reply built)",
               "down": " (reply -> client)", "down: to the broker": " (data socket send, hop)",
               "down: to the client": " (broker, hop, client wakes)"}
-
-from laya_pool.client.pool import Client, local_pool  # noqa: E402
-from laya_pool.protocol import wire  # noqa: E402
-from laya_pool.protocol.wire import Cmd  # noqa: E402
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -108,7 +104,7 @@ def protocol_steps(rows: list, n: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--samples", type=int, default=1000, help="timed calls per kind")
@@ -126,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=1,
                     help="calls of one kind in a row per turn (default 1: the kinds interleaved). A forward right "
                          "after a forward finds the worker still polling, so it takes a lane: a loop of forwards, as "
-                         "a decision loop (and ../shared's pool_overhead.py) calls them, wants --burst 20 or so")
-    ap.add_argument("--json", help="write the results here")
+                         "a decision loop (and benchmarks/pool_overhead.py) calls them, wants --burst 20 or so")
     args = ap.parse_args(argv)
 
     import torch
@@ -167,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             m = res.metrics
             samples["queue"].append(m["queue_ms"])
             samples["worker"].append(m["worker_ms"])
-            if "received_at" in m:             # workers before this script did not say
+            if "received_at" in m:             # the worker's stamps (compute.py `_answer`)
                 samples["up"].append((m["received_at"] - t) * 1e3)
                 samples["down"].append((end - m["done_at"]) * 1e3)
-            if "broker_in" in m and "received_at" in m:     # the broker's stamps (older brokers did not say)
+            if "broker_in" in m and "received_at" in m:     # the broker's stamps (on the broker's path only)
                 samples["up: to the broker"].append((m["broker_in"] - t) * 1e3)
                 samples["up: in the broker"].append((m["broker_out"] - m["broker_in"]) * 1e3)
                 samples["up: to the worker"].append((m["received_at"] - m["broker_out"]) * 1e3)
@@ -217,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'... of them on a lane (shared memory, protocol/lane.py)':60} {out['on_lanes']:8d}")
     for k, v in out["steps"].items():
         print(f"{k:60} {v['p50']:8.4f} {v['p95']:8.4f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write(args.out, "overhead", out)
     return 0
 
 

@@ -1,0 +1,82 @@
+"""benchmarks/ as a user runs it from the checkout: each is listed with its command, starts, and writes its results.
+
+The GPU ones are run on a CUDA host (their figures are the performance document's); here each shows its help (its
+imports and flags load), and the ones that run on a CPU pool run there.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SUBPROCESS_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common"))
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_readme_lists_every_benchmark_with_its_command():
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(\w+)\.py` \| .+ \| `python -m benchmarks\.(\w+)[^`]*` \|$",
+                                            readme, re.M)}
+    assert sorted(rows) == BENCHMARKS and all(k == v for k, v in rows.items()), rows
+    assert len(BENCHMARKS) >= 10
+
+
+def test_every_benchmark_shows_its_help_with_out():
+    procs = {name: subprocess.Popen([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT,
+                                    env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in BENCHMARKS}
+    bad = []
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        if p.returncode != 0 or "--out OUT" not in out or f"python -m benchmarks.{name}" not in out:
+            bad.append(f"{name}: exit {p.returncode}\n{out[-500:]}{err[-2000:]}")
+    assert not bad, "\n\n".join(bad)
+
+
+@pytest.mark.timeout(240)
+def test_ready_times_a_pool_up_to_ready_and_writes_it(tiny_ckpt, tmp_path):
+    r = _run("benchmarks.ready", "--model", str(tiny_ckpt), "--devices", "cpu", "--runs", "1", "--out",
+             str(tmp_path), timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((tmp_path / "ready.json").read_text())
+    (run,) = got["result"]["runs"]
+    assert 0 < run["seconds"] < 180 and run["workers"] == 1 and "date" in got["machine"]
+    assert any("started in" in line for line in run["log"]), run["log"]
+    assert f"ready {run['seconds']:.1f} s after `up`" in r.stdout
+
+
+def test_client_speed_writes_a_row_per_shape(tiny_ckpt, tmp_path):
+    r = _run("benchmarks.client_speed", "--model", str(tiny_ckpt), "--calls", "8", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "client_speed.json").read_text())["result"]
+    from laya_pool.tools.bench import SHAPES
+    assert [row["shape"] for row in rows] == [f"{n}x{t}" for n, t in SHAPES]
+    assert all(0 < row[s]["p50"] <= row[s]["p95"] for row in rows for s in ("encode", "pack", "decode"))
+
+
+def test_a_benchmark_takes_no_abbreviated_flag(tiny_ckpt):
+    r = _run("benchmarks.client_speed", "--model", str(tiny_ckpt), "--call", "8")
+    assert r.returncode == 2 and "unrecognized arguments: --call 8" in r.stderr, r.stderr
+
+
+def test_every_script_or_benchmark_path_the_product_names_exists():
+    """A path under scripts/ or benchmarks/ named in the package, the tests, the benchmarks, the README, the Makefile
+    or the documents (their records of past decisions aside) is there."""
+    files = [*(ROOT / "laya_pool").rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*"),
+             ROOT / "README.md", ROOT / "Makefile", *(p for p in (ROOT / "docs").glob("*.md") if p.name != "PERF.md")]
+    missing = []
+    for f in files:
+        for m in re.finditer(r"(?<![\w/])(scripts|benchmarks)/[\w./-]*\w", f.read_text(errors="replace")):
+            if not (ROOT / m.group(0)).exists():
+                missing.append(f"{f.relative_to(ROOT)}: {m.group(0)}")
+    assert not missing, missing
