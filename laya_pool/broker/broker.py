@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from laya_pool.protocol import contract, logs, wire
+from laya_pool.protocol import contract, logs, routing, wire
 from laya_pool.protocol.contract import Leave, Reason, WorkerState
 from laya_pool.protocol.wire import Cmd
 
@@ -189,6 +189,7 @@ class Broker:
         self.counters = collections.Counter()
         self.meter = Meter()                    # outcomes, per-worker work and timings (broker/metering.py)
         self.drain = DrainRate()                # requests leaving the queue per second: the busy hint's basis
+        self.choose = routing.policy()          # the pool's routing policy, as every client's (protocol/routing.py)
 
     # -------------------------------------------------------------------------------------------- sockets
 
@@ -990,20 +991,19 @@ class Broker:
         self.queue.extendleft(reversed(kept))
 
     def _pick(self, job: Job, free: list[WorkerInfo]) -> WorkerInfo | None:
+        """The worker `job` goes to now, by the pool's routing policy (protocol/routing.py); None: it waits."""
         if job.kind == "describe":
-            return min(self._serving(), key=lambda w: len(w.inflight), default=None)
-        best = None
-        for w in free:
-            if job.target is not None and w.id != job.target:
-                continue
-            if w.fingerprint != self.pool_fp and job.target != w.id:
-                continue
-            if not w.fits(job.req):
-                continue
-            if best is None or (len(w.inflight) / w.credit, w.last_dispatch) < (len(best.inflight) / best.credit,
-                                                                                  best.last_dispatch):
-                best = w
-        return best
+            return self.choose(self._serving())
+        if job.target is not None:          # a request that names its worker goes there or waits
+            w = self.workers.get(job.target)
+            return w if w is not None and w in free and w.fits(job.req) else None
+        best = self.choose(free)
+        if best is None or (best.fingerprint == self.pool_fp and best.fits(job.req)):
+            return best
+        # A worker of another model came first (free only for the requests that name it), or one too small for this
+        # request: choose among those that take it. The choice among all free workers is the choice among those
+        # that take the request whenever it takes it, so the common case above builds nothing per request.
+        return self.choose([w for w in free if w.fingerprint == self.pool_fp and w.fits(job.req)])
 
     def _send_job(self, w: WorkerInfo, job: Job) -> bool:
         # A fresh id per dispatch: a late reply to an earlier attempt (the job went back to the queue and,
