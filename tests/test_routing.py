@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import zmq
 
-from laya_pool.broker.broker import Broker, BrokerConfig, Job, WorkerInfo
+from laya_pool.broker.broker import Broker, BrokerConfig
+from laya_pool.broker.dispatch import Job
+from laya_pool.broker.table import WorkerInfo
 from laya_pool.client.direct import Route, Routes
 from laya_pool.protocol import routing, wire
 from laya_pool.protocol.contract import WorkerState
@@ -93,11 +95,11 @@ def _tables(n: int, seed: int = 0) -> list[list[tuple[str, int, int, str, float]
 
 
 def _broker_choice(b: Broker, rows) -> str | None:
-    b.workers.clear()
+    b.table.workers.clear()
     for wid, inflight, credit, state, last in rows:
-        b.workers[wid] = WorkerInfo(id=wid, identity=wid.encode(), fingerprint=FP, credit=credit,
+        b.table.workers[wid] = WorkerInfo(id=wid, identity=wid.encode(), fingerprint=FP, credit=credit,
                                     state=WorkerState(state), inflight=set(range(inflight)), last_dispatch=last)
-    w = b._pick(_request(), b._candidates())
+    w = b.dispatcher.pick(_request(), b.table.free())
     return None if w is None else w.id
 
 
