@@ -46,6 +46,7 @@ RING_IT = object()        # `Routes.on_lane`: taken, and its worker must be rung
 REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
 RETRY_S = 1.0            # ... and this soon after a route failed (a broker that did not answer: REFRESH_S, since
                          # each unanswered question costs its caller the question's timeout)
+ROUTES_TIMEOUT_S = 0.5     # how long a call waits for the broker's table of direct routes before going without
 SEND_HWM = 64            # requests queued towards one worker before a send is refused (and goes to the broker)
 _LEAVING = (Reason.STOPPING, Reason.WORKER_FAULT)   # a worker's replies that say it is going: send it nothing more
 
