@@ -15,9 +15,10 @@ the worker's stamps share (compute.py `_answer`):
 - `worker gap`: one reply built -> the next request read (what the worker waits on between calls).
 
 Two hooks time the client, wrapped here by timing functions (nothing else changes): `Routes.send`, stamped as it is
-called, and `Client._spin_lanes`, stamped when it saw the answer. A call that went another way (a socket, a sleep on
-the lane) is counted in `total` only. Prints p50 / p95 in microseconds. The parts are differences of consecutive
-stamps: they add up to the total, and every one is >= 0 when the stamps are where they should be (tests/test_lane.py).
+called, and `Receiver._spin_lanes` (client/receiver.py), stamped when it saw the answer. A call that went another way
+(a socket, a sleep on the lane) is counted in `total` only. Prints p50 / p95 in microseconds. The parts are
+differences of consecutive stamps: they add up to the total, and every one is >= 0 when the stamps are where they
+should be (tests/test_lane.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import numpy as np
 from benchmarks.common import add_pool, parser, pool, write
 from laya_pool.client import direct
 from laya_pool.client.pool import Client
+from laya_pool.client.receiver import Receiver
 
 PARTS = ("total", "client before", "pickup", "worker", "notice", "client after", "worker gap")
 WARMUP = 50
@@ -41,7 +43,7 @@ WARMUP = 50
 def hooked(marks: dict[str, float]) -> Iterator[None]:
     """Stamp `marks["sent"]` when a request goes to a route and `marks["seen"]` when the spin saw its answer (the
     hooks are undone on leaving)."""
-    send, spin = direct.Routes.send, Client._spin_lanes
+    send, spin = direct.Routes.send, Receiver._spin_lanes
 
     def timed_send(self: Any, rid: int, frames: list[Any]) -> bool:
         # Before: the worker may read the lane the moment its number is written, before `send` returns.
@@ -54,11 +56,11 @@ def hooked(marks: dict[str, float]) -> Iterator[None]:
             marks["seen"] = time.monotonic()
         return out
 
-    direct.Routes.send, Client._spin_lanes = timed_send, timed_spin
+    direct.Routes.send, Receiver._spin_lanes = timed_send, timed_spin
     try:
         yield
     finally:
-        direct.Routes.send, Client._spin_lanes = send, spin
+        direct.Routes.send, Receiver._spin_lanes = send, spin
 
 
 def timed_call(client: Client, rows: list, marks: dict[str, float]) -> tuple[float, dict[str, float] | None, dict]:

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from laya_pool.broker.broker import Broker, BrokerConfig, Job
+from laya_pool.broker.broker import Broker, BrokerConfig
+from laya_pool.broker.dispatch import Job
 from laya_pool.broker.replies import ReplyCache
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import WorkerState
@@ -75,6 +76,39 @@ def test_worker_state_predicates(state):
     assert state == state.value and f"{state}" == state.value    # travels in status as its text
 
 
+# ------------------------------------------------------------------------------------------------ WorkerTable
+
+def _ready_header(wid: str, fp: str, credit: int = 2, max_tokens: int = 100) -> dict:
+    return {"id": wid, "fingerprint": fp, "credit": credit,
+            "capacity": {"max_tokens": max_tokens, "max_rows": 4, "max_markers": 8}}
+
+
+def test_the_worker_table_alone():
+    """Registration, the model rule and the questions dispatch asks, without sockets."""
+    from laya_pool.broker.table import WorkerTable
+    t = WorkerTable(BrokerConfig())
+    a = t.admit(b"a", _ready_header("a", "f" * 64), 10.0, 3.0)
+    assert "a" not in t.workers and a.registrations == 1 and a.expiry == 13.0, "admitted, not yet in"
+    t.add(a)
+    assert t.pool_fp == "f" * 64 and t.of(b"a") is a, "a bare broker follows its first worker's model"
+    other = t.admit(b"b", _ready_header("b", "e" * 64, max_tokens=500), 10.0, 3.0)
+    t.add(other)
+    assert other.state is WorkerState.MISMATCH and [w.id for w in t.serving()] == ["a"]
+    assert t.capacity() == {"capacity": {"max_tokens": 100, "max_rows": 4, "max_markers": 8}}, "the pool's model's"
+    assert [w.id for w in t.free()] == ["a", "b"], "a mismatched worker is free for requests that name it"
+    a.inflight.update({1, 2})
+    assert [w.id for w in t.free()] == ["b"], "no credit left"
+    a.completed = 5
+    again = t.admit(b"a", _ready_header("a", "f" * 64), 20.0, 3.0)
+    t.add(again)
+    assert t.of(b"a") is again and (again.completed, again.registrations, again.inflight) == (5, 2, set())
+    with pytest.raises(wire.ProtocolError, match="identity"):
+        t.admit(b"x", _ready_header("y", "f" * 64), 0.0, 3.0)
+    with pytest.raises(wire.ProtocolError, match="max_rows"):
+        t.admit(b"z", {**_ready_header("z", "f" * 64), "capacity": {"max_tokens": 1, "max_markers": 1}}, 0.0, 3.0)
+    assert "z" not in t.workers and t.of(b"z") is None
+
+
 # ------------------------------------------------------------------------------------------------ requeue
 
 @pytest.fixture
@@ -97,18 +131,18 @@ REQUEUE = [
 @pytest.mark.parametrize("lost,times,want", REQUEUE)
 def test_requeue_goes_to_the_front_until_its_chances_are_spent(broker, lost, times, want):
     behind = Job(1, "request", ("c", 1), [b"x"], 1)
-    broker.queue.append(behind)
+    broker.dispatcher.queue.append(behind)
     job = Job(2, "request", ("c", 2), [b"y"], 2, worker="0")
     got = []
     for _ in range(times):
-        ok = broker._requeue(job, lost=lost)
+        ok = broker.dispatcher.requeue(job, lost=lost)
         got.append(ok)
         if ok:
-            assert broker.queue[0] is job and job.worker is None
-            broker.queue.popleft()
+            assert broker.dispatcher.queue[0] is job and job.worker is None
+            broker.dispatcher.queue.popleft()
     assert got == want
     assert (job.attempts, job.bounces) == ((times, 0) if lost else (0, times))
-    assert list(broker.queue) == [behind]
+    assert list(broker.dispatcher.queue) == [behind]
 
 
 def _dealer(ctx, identity: bytes, endpoint: str):
@@ -133,7 +167,7 @@ def _register(broker, worker, max_tokens: int) -> None:
 def test_a_lost_job_fails_as_workers_lost_after_max_attempts(broker, tmp_path):
     import zmq
 
-    from laya_pool.broker.broker import WorkerInfo
+    from laya_pool.broker.table import WorkerInfo
     ctx = zmq.Context()
     client = _dealer(ctx, b"client", f"ipc://{tmp_path}/fe")
     try:
@@ -142,8 +176,8 @@ def test_a_lost_job_fails_as_workers_lost_after_max_attempts(broker, tmp_path):
         broker._receive_all(broker.frontend, broker.on_frontend)
         assert client.poll(5000) and wire.decode(client.recv_multipart()).header["rid"] == 1
         w = WorkerInfo(id="0", identity=b"0")
-        broker._lost(Job(2, "request", None, [b"client"], 7, attempts=2), w, "died")
-        assert not broker.queue and w.lost == 1 and broker.counters["requeued"] == 1
+        broker.dispatcher.lost(Job(2, "request", None, [b"client"], 7, attempts=2), w, "died")
+        assert not broker.dispatcher.queue and w.lost == 1 and broker.counters["requeued"] == 1
         assert client.poll(5000)
         rep = wire.parse_reply(wire.decode(client.recv_multipart()))
         assert rep.status == wire.STATUS_FINAL and rep.error["reason"] == "workers-lost" and rep.rid == 7
@@ -158,26 +192,27 @@ def test_queued_describes_are_counted_through_dispatch_loss_and_expiry(broker, t
     import zmq
 
     def counted() -> None:
-        assert broker.describes_queued == sum(j.kind == "describe" for j in broker.queue)
+        assert broker.dispatcher.describes_queued == sum(j.kind == "describe" for j in broker.dispatcher.queue)
 
     ctx = zmq.Context()
     w = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")
     try:
         for rid in (1, 2):
-            broker.on_describe([b"client"], wire.decode(wire.encode(wire.Cmd.DESCRIBE, {"rid": rid})))
-        broker.queue.append(Job(9, "request", ("c", 9), [b"client"], 9))
+            broker.client_handlers.on_describe([b"client"], wire.decode(wire.encode(wire.Cmd.DESCRIBE, {"rid": rid})))
+        broker.dispatcher.queue.append(Job(9, "request", ("c", 9), [b"client"], 9))
         counted()
-        assert broker.describes_queued == 2
+        assert broker.dispatcher.describes_queued == 2
         _register(broker, w, max_tokens=100)      # the describes (not bound by its credit of 1) go, the request waits
         counted()
-        assert broker.describes_queued == 0 and len(broker.inflight) == 2 and len(broker.queue) == 1
-        broker._worker_lost(broker.workers["w0"], WorkerState.DEAD, "test")   # the describes come back
+        d = broker.dispatcher
+        assert d.describes_queued == 0 and len(d.inflight) == 2 and len(d.queue) == 1
+        broker.dispatcher.worker_lost(broker.table.workers["w0"], WorkerState.DEAD, "test")   # the describes come back
         counted()
-        assert broker.describes_queued == 2 and len(broker.queue) == 3
+        assert broker.dispatcher.describes_queued == 2 and len(broker.dispatcher.queue) == 3
         broker.cfg.queue_timeout_s = 0.0
-        broker._expire_queue(float("inf"))
+        broker.dispatcher.expire_queue(float("inf"))
         counted()
-        assert broker.describes_queued == 0 and not broker.queue
+        assert broker.dispatcher.describes_queued == 0 and not broker.dispatcher.queue
     finally:
         w.close(0)
         ctx.term()
@@ -199,10 +234,11 @@ def test_dispatch_leaves_the_jobs_it_passed_over_in_front_in_their_order(broker,
     w = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")
     try:
         big, too_big, small, after = _queued(1, 50), _queued(2, 60), _queued(3, 4), _queued(4, 4)
-        broker.queue.extend([big, too_big, small, after])
+        broker.dispatcher.queue.extend([big, too_big, small, after])
         _register(broker, w, max_tokens=10)
-        assert list(broker.queue) == [big, too_big, after], "the two that fit no worker stay in front, in order"
-        assert small.worker == "w0" and len(broker.inflight) == 1
+        assert list(broker.dispatcher.queue) == [big, too_big, after], \
+            "the two that fit no worker stay in front, in order"
+        assert small.worker == "w0" and len(broker.dispatcher.inflight) == 1
     finally:
         w.close(0)
         ctx.term()
@@ -218,15 +254,15 @@ def test_a_worker_leaving_in_good_order_hands_back_what_was_on_its_way(broker, t
     worker = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")
     try:
         _register(broker, worker, 1000)
-        w = broker.workers["w0"]
+        w = broker.table.workers["w0"]
         job = Job(5, "request", ("c", 9), [b"client"], 9, worker="w0")
-        broker.inflight[job.id] = job
+        broker.dispatcher.inflight[job.id] = job
         w.inflight.add(job.id)
         worker.send_multipart(wire.encode(wire.Cmd.DISCONNECT, {"reason": reason}))
         assert broker.backend.poll(5000)
         broker._receive_all(broker.backend, broker.on_backend)
         assert (job.attempts, job.bounces) == ((1, 0) if lost else (0, 1)), (job.attempts, job.bounces)
-        assert broker.queue[0] is job and w.lost == (1 if lost else 0) and not w.inflight
+        assert broker.dispatcher.queue[0] is job and w.lost == (1 if lost else 0) and not w.inflight
     finally:
         worker.close(0)
         ctx.term()
@@ -243,12 +279,12 @@ def test_a_request_addressed_to_a_restarting_worker_waits_for_it_and_says_whom_i
     worker = _dealer(ctx, b"w0", f"ipc://{tmp_path}/be")
     try:
         _register(broker, worker, 1000)
-        w = broker.workers["w0"]
+        w = broker.table.workers["w0"]
         addressed = _queued(11, 4)
         addressed.target = "w0"
         addressed.req.worker = "w0"
         addressed.worker = "w0"
-        broker.inflight[addressed.id] = addressed
+        broker.dispatcher.inflight[addressed.id] = addressed
         w.inflight.add(addressed.id)
         worker.send_multipart(wire.encode(wire.Cmd.DRAIN, {"reason": "restart"}))
         if how == "handed back":
@@ -259,9 +295,9 @@ def test_a_request_addressed_to_a_restarting_worker_waits_for_it_and_says_whom_i
         while w.state.value != "restarting" and time.monotonic() < deadline:
             if broker.backend.poll(100):
                 broker._receive_all(broker.backend, broker.on_backend)
-        assert w.state.value == "restarting" and list(broker.queue) == [addressed] and addressed.bounces == 1
+        assert w.state.value == "restarting" and list(broker.dispatcher.queue) == [addressed] and addressed.bounces == 1
         _register(broker, worker, 1000)                 # back: the request goes to it
-        assert not broker.queue and addressed.worker == "w0"
+        assert not broker.dispatcher.queue and addressed.worker == "w0"
         assert worker.poll(5000)
         msg = wire.decode(worker.recv_multipart())
         while msg.cmd != wire.Cmd.REQUEST:              # (what the broker says to a registering worker first)
@@ -310,7 +346,7 @@ def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_dir
                 break
             if broker.backend.poll(100):
                 broker._receive_all(broker.backend, broker.on_backend)
-        assert sorted(broker.workers) == ["a", "b", "c", "d", "f"], sorted(broker.workers)
+        assert sorted(broker.table.workers) == ["a", "b", "c", "d", "f"], sorted(broker.table.workers)
         for wid, field in (("e", "direct"), ("g", "direct_key")):
             assert socks[wid].poll(2000)
             refused = wire.decode(socks[wid].recv_multipart())
@@ -318,18 +354,19 @@ def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_dir
         # (in the order the READYs came, which ZeroMQ's fair queueing over five sockets does not fix)
         a, b, f = ["a", "tcp://127.0.0.1:4001", "h1"], ["b", "ipc:///tmp/b.sock", "h1"], \
             ["f", "tcp://10.1.2.3:4006", "h1", key]
-        assert sorted(broker.routes()) == [a, b, f]
-        broker.workers["a"].state = WorkerState.DRAINING
-        assert sorted(broker.routes()) == [b, f]
+        assert sorted(broker.table.routes()) == [a, b, f]
+        broker.table.workers["a"].state = WorkerState.DRAINING
+        assert sorted(broker.table.routes()) == [b, f]
         # A pool with keys (its backend admits only workers' keys) lists no direct socket without its key, even on
         # loopback: its clients would have nothing to authenticate it by.
         broker.cfg.keys = "/keys"
         header = {"id": "h", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
                   "capacity": {"max_tokens": 100, "max_rows": 4, "max_markers": 8}, "direct": "tcp://127.0.0.1:4008"}
         with pytest.raises(wire.ProtocolError, match="direct_key"):
-            broker.on_ready(b"h", wire.decode(wire.encode(wire.Cmd.READY, header)), 0.0)
-        broker.on_ready(b"h", wire.decode(wire.encode(wire.Cmd.READY, {**header, "direct_key": key})), 0.0)
-        assert broker.routes()[-1] == ["h", "tcp://127.0.0.1:4008", "?", key]
+            broker.worker_handlers.on_ready(b"h", wire.decode(wire.encode(wire.Cmd.READY, header)), 0.0)
+        keyed = {**header, "direct_key": key}
+        broker.worker_handlers.on_ready(b"h", wire.decode(wire.encode(wire.Cmd.READY, keyed)), 0.0)
+        assert broker.table.routes()[-1] == ["h", "tcp://127.0.0.1:4008", "?", key]
         assert broker.status()["workers"][1]["direct"] == "ipc:///tmp/b.sock"
     finally:
         for s in socks.values():
@@ -357,4 +394,4 @@ def test_a_laya2_worker_is_told_why_in_its_own_layout(broker, tmp_path):
     assert frames[:2] == [wire.LAYA2, bytes([wire.Cmd.DISCONNECT])], frames
     reason = msgpack.unpackb(frames[2])["reason"]
     assert "version" in reason and "LAYA3" in reason, reason
-    assert "w2" not in broker.workers
+    assert "w2" not in broker.table.workers

@@ -10,7 +10,7 @@ from laya_pool.protocol import wire
 
 
 def _route(worker: str, outstanding: int, up: bool = True) -> Route:
-    return Route(worker, f"tcp://127.0.0.1:{1000 + int(worker)}", outstanding=dict.fromkeys(range(outstanding), 0.0),
+    return Route(worker, f"tcp://127.0.0.1:{1000 + int(worker)}", inflight=dict.fromkeys(range(outstanding), 0.0),
                  up=up, connected=True)
 
 
@@ -108,7 +108,7 @@ def test_a_worker_that_says_it_is_stopping_is_sent_nothing_more():
         wait_until(lambda: _connected(routes, "w"), 5, "the route never connected")
         assert routes.send(1, frames)
         routes.answered(1, wire.STATUS_OK)
-        assert routes.routes["w"].up and not routes.routes["w"].outstanding
+        assert routes.routes["w"].up and not routes.routes["w"].inflight
         assert routes.send(2, frames)
         routes.answered(2, wire.STATUS_RETRYABLE, "stopping")
         assert routes.routes["w"].up is False and routes.send(3, frames) is False
@@ -117,9 +117,9 @@ def test_a_worker_that_says_it_is_stopping_is_sent_nothing_more():
         # A retry through the broker detaches the direct attempt; one that heard nothing blames its worker.
         assert routes.send(4, frames) and routes.send(5, frames)
         routes.detach(4)
-        assert routes.routes["w"].up and set(routes.routes["w"].outstanding) == {5}
+        assert routes.routes["w"].up and set(routes.routes["w"].inflight) == {5}
         routes.detach(5, blame=True)
-        assert routes.routes["w"].up is False and not routes.routes["w"].outstanding and not routes.by_rid
+        assert routes.routes["w"].up is False and not routes.routes["w"].inflight and not routes.by_rid
         # ... unless a message came from its worker after this attempt went out: alive, the attempt only queued there
         routes.asked([["w", endpoint, "here"]], now=2.0)
         r = routes.routes["w"]
@@ -127,7 +127,7 @@ def test_a_worker_that_says_it_is_stopping_is_sent_nothing_more():
         routes.heard_from(r)                       # (what the clients' readers call for each message on the route)
         routes.answered(6, wire.STATUS_OK)
         routes.detach(7, blame=True)
-        assert r.up and not r.outstanding and routes.send(8, frames)
+        assert r.up and not r.inflight and routes.send(8, frames)
         assert routes.send(9, frames)
         routes.answered(8)                         # a call that ended with no reply (gave up): heard nothing
         routes.detach(9, blame=True)               # nothing came since 9 went out: blamed

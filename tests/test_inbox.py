@@ -1,6 +1,7 @@
-"""The data thread's inbox (worker/inbox.py `SocketInbox`) on real sockets: with a group computing it reads the
-socket that last gave a request again without a poll (hot reads); every request is still taken exactly once from
-either socket, a landed group is still seen, and with nothing computing it never reads without a poll."""
+"""The data thread's inbox (worker/inbox.py `SocketInbox`, its reading in worker/reading.py) on real sockets: with a
+group computing it reads the socket that last gave a request again without a poll (hot reads); every request is still
+taken exactly once from either socket, a landed group is still seen, and with nothing computing it never reads without
+a poll."""
 from __future__ import annotations
 
 import time
@@ -12,6 +13,7 @@ import zmq
 from laya_pool.protocol import contract, wire
 from laya_pool.worker import inbox as inbox_module
 from laya_pool.worker.inbox import NOTHING, SocketInbox
+from laya_pool.worker.reading import HOT_READS
 
 
 class _Flight:
@@ -119,4 +121,4 @@ def test_a_requests_message_does_not_keep_the_brokers_request_waiting(sockets, t
     time.sleep(0.3)
     got = [2000] + _take(inbox, n)
     assert sorted(got) == [7] + list(range(2000, 2000 + n))
-    assert got.index(7) <= inbox_module.HOT_READS + 2, got.index(7)
+    assert got.index(7) <= HOT_READS + 2, got.index(7)

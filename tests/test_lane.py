@@ -353,7 +353,7 @@ def test_a_request_on_a_lane_its_worker_closed_is_lost_and_resent():
         theirs.leave()
         assert routes.lane_ready() and routes.answers() == []
         assert routes.take_lost() == [5] and routes.take_lost() == [] and routes.dropped == 1
-        assert r.lane is None and not r.lane_refused and routes.waiting == [] and 5 not in r.outstanding
+        assert r.lane is None and not r.lane_refused and routes.waiting == [] and 5 not in r.inflight
     finally:
         sock.close(0)
         mine.unlink()

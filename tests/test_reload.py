@@ -173,21 +173,23 @@ def test_reading_a_reload_from_the_status():
 
 
 def test_the_broker_serves_the_new_model_once_half_the_ready_workers_have_it(tmp_path):
-    from laya_pool.broker.broker import Broker, BrokerConfig, WorkerInfo
+    from laya_pool.broker.broker import Broker, BrokerConfig
+    from laya_pool.broker.table import WorkerInfo
     from laya_pool.protocol.contract import WorkerState
     A, B = "a" * 64, "b" * 64
     b = Broker(BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be", fingerprint=A,
                             operator_secret=False))
     try:
+        t = b.table
         for i in "012":
-            b.workers[i] = WorkerInfo(id=i, identity=i.encode(), fingerprint=A)
-        b.reload = {"id": "r", "model": "/m", "fingerprint": B, "previous": A}
-        b.workers["0"].fingerprint, b.workers["0"].state = B, WorkerState.MISMATCH    # 1 new, 2 old
-        b._maybe_switch_model()
-        assert b.pool_fp == A and [w.id for w in b._serving()] == ["1", "2"]
-        b.workers["1"].fingerprint, b.workers["1"].state = B, WorkerState.MISMATCH    # 2 new, 1 old
-        b._maybe_switch_model()
-        assert b.pool_fp == B == b.cfg.fingerprint and [w.id for w in b._serving()] == ["0", "1"]
-        assert b.workers["2"].state is WorkerState.MISMATCH                            # waits for its turn
+            t.workers[i] = WorkerInfo(id=i, identity=i.encode(), fingerprint=A)
+        t.reload = {"id": "r", "model": "/m", "fingerprint": B, "previous": A}
+        t.workers["0"].fingerprint, t.workers["0"].state = B, WorkerState.MISMATCH    # 1 new, 2 old
+        b.dispatcher.switch_model()
+        assert t.pool_fp == A and [w.id for w in t.serving()] == ["1", "2"]
+        t.workers["1"].fingerprint, t.workers["1"].state = B, WorkerState.MISMATCH    # 2 new, 1 old
+        b.dispatcher.switch_model()
+        assert t.pool_fp == B == b.cfg.fingerprint and [w.id for w in t.serving()] == ["0", "1"]
+        assert t.workers["2"].state is WorkerState.MISMATCH                            # waits for its turn
     finally:
         b.shutdown()

@@ -303,7 +303,7 @@ shapes = (Shape(4, 128, 4), Shape(1, 64, 2))
 rt = Runtime(load_checkpoint(sys.argv[1]), device="cuda", config=RuntimeConfig(
     mode="graph-cached", capacity=Capacity(max_tokens=2048, max_rows=8, max_markers=64, row_markers=8),
     warmup_shapes=shapes, compile_procs=0))
-ahead = rt._compile_ahead([Shape(1, 64, 2), *shapes], 3, children) if sys.argv[2] != "plain" else None
+ahead = rt.capturer.compile_ahead([Shape(1, 64, 2), *shapes], 3, children) if sys.argv[2] != "plain" else None
 def built():   # kernel binaries and their launchers (C modules Triton compiles on a kernel's first launch)
     return {str(p) for p in cache.rglob("*") if p.suffix in (".cubin", ".so")}
 before = built()

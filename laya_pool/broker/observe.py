@@ -169,8 +169,12 @@ class PoolObserver:
 
     def _families(self, now: float, view: dict[str, Any]) -> Iterator[Metric]:
         st = self.status or {}
-        broker = st.get("broker", {})
-        workers = st.get("workers", [])
+        yield from self._broker_gauges(now, st.get("broker", {}))
+        yield from self._worker_gauges(st.get("workers", []))
+        yield from self._counter_families(view)
+        yield from self._histogram_families()
+
+    def _broker_gauges(self, now: float, broker: dict[str, Any]) -> Iterator[Metric]:
         fresh = self.status is not None and now - self.updated <= self.stale_after_s
         yield _gauge("broker_up", "1 when the supervisor got the broker's status recently", [({}, float(fresh))])
         yield _gauge("status_age_seconds", "seconds since the supervisor last got the broker's status",
@@ -183,6 +187,8 @@ class PoolObserver:
                                 ("inflight", "inflight", "requests (and describe calls) held by workers"),
                                 ("cached_replies", "cached_replies", "finished replies kept for retries")):
             yield _gauge(name, text, [({}, _num(broker.get(key)))] if broker else [])
+
+    def _worker_gauges(self, workers: list[dict[str, Any]]) -> Iterator[Metric]:
         states: dict[str, int] = {}
         for w in workers:
             states[str(w.get("state"))] = states.get(str(w.get("state")), 0) + 1
@@ -200,6 +206,7 @@ class PoolObserver:
             yield _gauge(name, text, [({"worker": str(w.get("id")), "device": str(w.get("device"))}, fn(w))
                                       for w in workers])
 
+    def _counter_families(self, view: dict[str, Any]) -> Iterator[Metric]:
         t = self.totals
         for name, text in (
                 ("requests", "requests answered, by outcome (ok, final, retryable) and reason (empty: ok, or "
@@ -232,7 +239,6 @@ class PoolObserver:
                                           "restart, restart-worker)", [({"worker": w}, n) for w, n in restarts.items()])
         yield _counter("broker_restarts", "times the supervisor started the broker again",
                        [({}, view["broker_restarts"])] if "broker_restarts" in view else [])
-        yield from self._histogram_families()
 
     def _histogram_families(self) -> Iterator[Metric]:
         text = {"queue_seconds": "seconds a request waited in the broker's queue, per dispatch",

@@ -7,7 +7,7 @@
    moves the workers one at a time: SIGTERM (the worker finishes what it holds; the broker sends queued
    work elsewhere), start it again on DIR, wait until it has registered with the new fingerprint, next.
 3. The broker serves the new fingerprint once at least as many ready workers have it as have the old one
-   (`Broker._maybe_switch_model`). Before that, new-model workers wait ("mismatch"); after it, the
+   (broker/table.py `WorkerTable.switch_model`). Before that, new-model workers wait ("mismatch"); after it, the
    old-model workers wait for their turn. A client whose answer carries the new fingerprint fetches the
    new model card and asks again (client/pool.py `_predict_plan`), so no request fails and none is
    answered with a card of another model.

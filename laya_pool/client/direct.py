@@ -4,13 +4,14 @@ A worker may take requests on a socket of its own (announced to the broker in it
 table of them out (`routes` in a ping's reply). In a pool without keys those sockets are on loopback, for clients
 on the worker's host; in a pool with keys each is a CURVE server with the worker's key, which the table gives, so
 a client with the pool's keys authenticates it and may use it from any host. The blocking `Client` sends a
-request's FIRST attempt to the worker with the fewest of this client's requests outstanding there, and every later
-attempt through the broker, which stays the path of last resort: a worker that refuses (stopping, busy, handed
-back), goes quiet past the attempt's share of the deadline, or drops its connection (killed: the call re-sends at
-once, through the broker) costs one attempt, not the call. A quiet worker is sent nothing more until the next table
-only if nothing came from it since that attempt went out (else it is alive and the attempt waited in its queue). The
-broker's reply cache does not see a direct attempt, so a request whose direct attempt ran but whose answer was lost
-runs again through the broker: at-least-once, as a forward is deterministic.
+request's FIRST attempt to the worker the pool's routing policy chooses (protocol/routing.py, as the broker does:
+the fewest of this client's requests in flight there), and every later attempt through the broker, which stays the
+path of last resort: a worker that refuses (stopping, busy, handed back), goes quiet past the attempt's share of the
+deadline, or drops its connection (killed: the call re-sends at once, through the broker) costs one attempt, not the
+call. A quiet worker is sent nothing more until the next table only if nothing came from it since that attempt
+went out (else it is alive and the attempt waited in its queue). The broker's reply cache does not see a direct
+attempt, so a request whose direct attempt ran but whose answer was lost runs again through the broker:
+at-least-once, as a forward is deterministic.
 
 `pick` (the choice) and `usable` (the table) are pure, so they are tested without sockets; `Routes` holds one DEALER
 per worker and its monitor: a route is used only once its handshake is done (until then the attempt goes to the
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from laya_pool.protocol import wire
+from laya_pool.protocol import routing, wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.lane import Lane, lane_of, lane_rid, supported
 
@@ -45,6 +46,7 @@ RING_IT = object()        # `Routes.on_lane`: taken, and its worker must be rung
 REFRESH_S = 5.0          # the table is asked for again this often (workers come, go and restart on new ports)
 RETRY_S = 1.0            # ... and this soon after a route failed (a broker that did not answer: REFRESH_S, since
                          # each unanswered question costs its caller the question's timeout)
+ROUTES_TIMEOUT_S = 0.5     # how long a call waits for the broker's table of direct routes before going without
 SEND_HWM = 64            # requests queued towards one worker before a send is refused (and goes to the broker)
 _LEAVING = (Reason.STOPPING, Reason.WORKER_FAULT)   # a worker's replies that say it is going: send it nothing more
 
@@ -56,7 +58,9 @@ class Route:
     endpoint: str
     sock: Any = None
     mon: Any = None
-    outstanding: dict[int, float] = field(default_factory=dict)   # request ids sent here and not answered: when
+    inflight: dict[int, float] = field(default_factory=dict)   # request ids sent here and not answered: when
+    credit: int = 1           # (a client does not know its worker's credit: each of its requests counts one)
+    last_dispatch: float = 0.0    # when this client last sent it an attempt (ties go to the least recent)
     heard: float = float("-inf")   # when a message last came from this worker (alive, if slow, since then)
     up: bool = True           # False once its connection dropped or it refused as stopping (until the table drops it)
     connected: bool = False   # its handshake is done and no disconnect followed (from its monitor's events)
@@ -69,15 +73,14 @@ class Route:
     together: bool = False    # a reply on this route said its worker takes REQUESTS messages (`wire.TOGETHER`)
 
 
-def pick(routes: Sequence[Route], turn: int) -> Route | None:
-    """The usable route with the fewest of our requests outstanding; ties go round-robin from `turn`."""
-    best: Route | None = None
-    n = len(routes)
-    for i in range(n):
-        r = routes[(turn + i) % n]
-        if r.up and r.connected and (best is None or len(r.outstanding) < len(best.outstanding)):
-            best = r
-    return best
+def _usable(r: Route) -> bool:
+    return r.up and r.connected
+
+
+def pick(routes: Sequence[Route], turn: int, policy: routing.Policy | None = None) -> Route | None:
+    """The route the pool's routing policy (protocol/routing.py) chooses among the usable ones (up, connected), by
+    this client's requests in flight on each: ties to the one it sent to least recently, then from `turn` on."""
+    return (policy or routing.policy())(routes, turn, _usable)
 
 
 class Target(NamedTuple):
@@ -131,6 +134,7 @@ class Routes:
         self.by_socket: dict[Any, Route] = {}
         self.next_ask = 0.0       # when to ask the broker for the table again
         self.turn = 0
+        self.policy = routing.policy()
         self.sent = 0             # attempts that went direct (for tests and stats)
         self.dropped = 0          # ... and were on a connection that dropped (each went again through the broker)
         self.lanes = lanes and supported()
@@ -167,7 +171,7 @@ class Routes:
         if not routes:
             return None
         self.turn += 1
-        return pick(routes, self.turn)
+        return pick(routes, self.turn, self.policy)
 
     def send(self, rid: int, frames: list[Any]) -> bool:
         """Send one attempt of request `rid` to a worker directly; False: none could take it (go to the broker)."""
@@ -190,7 +194,7 @@ class Routes:
     def took(self, r: Route, rid: int) -> None:
         """Request `rid`'s attempt went to route `r` (sent by the caller: the asyncio client sends through its own
         view of the socket)."""
-        r.outstanding[rid] = time.monotonic()
+        r.inflight[rid] = r.last_dispatch = time.monotonic()
         self.by_rid[rid] = r
         self.sent += 1
 
@@ -207,7 +211,7 @@ class Routes:
         r = self.by_rid.pop(rid, None) if isinstance(rid, int) else None
         if r is None:
             return
-        r.outstanding.pop(rid, None)
+        r.inflight.pop(rid, None)
         self._unwait(r, rid)
         if status == wire.STATUS_RETRYABLE and reason in _LEAVING:
             self._fail(r)
@@ -234,7 +238,7 @@ class Routes:
         load."""
         r = self.by_rid.pop(rid, None)
         if r is not None:
-            sent = r.outstanding.pop(rid, float("-inf"))
+            sent = r.inflight.pop(rid, float("-inf"))
             self._unwait(r, rid)
             if blame and r.heard < sent:
                 self._fail(r)
@@ -254,11 +258,11 @@ class Routes:
                     self._ask_lane(r)         # the connection came back (the first is asked for at `_open`)
             elif r is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
                 r.connected = False
-                lost.extend(r.outstanding)
-                self.dropped += len(r.outstanding)
-                for rid in r.outstanding:
+                lost.extend(r.inflight)
+                self.dropped += len(r.inflight)
+                for rid in r.inflight:
                     self.by_rid.pop(rid, None)
-                r.outstanding.clear()
+                r.inflight.clear()
                 self._drop_lane(r)        # its worker may be gone: what was on the lane is lost with the rest
                 self._fail(r)
 
@@ -281,7 +285,7 @@ class Routes:
                 out.append(frames)
             elif frames is None:          # gone, unanswered
                 self.by_rid.pop(rid, None)
-                r.outstanding.pop(rid, None)
+                r.inflight.pop(rid, None)
                 self.lost.append(rid)
                 self.dropped += 1
             if r.lane.gone():
@@ -417,9 +421,9 @@ class Routes:
     def _close(self, r: Route) -> None:
         self._drop_lane(r)
         # What is out on it will not be answered here (its socket closes): re-sent at once, as a dropped connection's.
-        self.lost.extend(r.outstanding)
-        self.dropped += len(r.outstanding)
-        for rid in r.outstanding:
+        self.lost.extend(r.inflight)
+        self.dropped += len(r.inflight)
+        for rid in r.inflight:
             self.by_rid.pop(rid, None)
         try:
             r.sock.disable_monitor()

@@ -27,7 +27,6 @@ files. This module imports neither torch nor anything from the worker or broker 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -39,10 +38,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import zmq
@@ -50,14 +49,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from laya_pool.protocol import contract, settings, wire
 from laya_pool.protocol.contract import Reason, WorkerState
-from laya_pool.protocol.lane import NAP_MS
 from laya_pool.protocol.qtypes import QUESTION_TYPES
 from laya_pool.protocol.wire import Cmd
 
 from . import batching, scan
 from .abstain import apply_confidence_gate, check_min_confidence
 from .card import CardError
-from .direct import RETRY_S, RING_IT, Routes
+from .direct import RETRY_S, ROUTES_TIMEOUT_S, Routes
+from .direct_async import AsyncRoutes
 from .errors import (
     BadModelCard,
     MalformedReply,
@@ -69,9 +68,12 @@ from .errors import (
     PoolUnreachable,
     RequestFailed,
 )
+from .flights import Flights
+from .plans import Await, Call, Many, NeedCard, Plan, T, header_only, starter
+from .receiver import Receiver
 from .retry import Action, Attempts, RetryPolicy, Step, reply_error
-from .state import alone, in_background
-from .watch import EVENTS, ConnectionWatch
+from .state import in_background
+from .watch import EVENTS, RECONNECTED, ConnectionWatch
 
 __all__ = ["Client", "AsyncClient", "ForwardResult", "LocalPool", "local_pool", "PoolError", "RequestFailed",
            "PoolUnavailable", "PoolBusy", "PoolNoWorker", "PoolUnreachable", "PoolTimeout", "MalformedReply",
@@ -85,13 +87,6 @@ log = logging.getLogger("laya-pool.client")
 # every worker busy, while a batch of thousands of states neither fills the broker's queue (shared by every
 # client; a full one answers "busy") nor waits so long behind itself that its own requests time out.
 BATCH_IN_FLIGHT = 16
-# An asyncio client's direct requests of one event-loop turn travel together (`_send_together`): at most this many in
-# one REQUESTS message, each at most TOGETHER_BYTES (a larger one goes alone), so a message stays far below a direct
-# socket's size limit.
-TOGETHER = 64
-TOGETHER_BYTES = 256 << 10
-ROUTES_TIMEOUT_S = 0.5     # how long a call waits for the broker's table of direct routes before going without
-T = TypeVar("T")
 
 
 @dataclass
@@ -113,13 +108,6 @@ class ForwardResult:
         return iter((self.logits, self.act))
 
 
-_RECONNECTED = object()     # `Client._wait`, `AsyncClient`'s waiters: the connection came back; re-send now
-_LANE = "lane"              # `Client._poll`: a lane has an answer (a key beside the ready sockets)
-# A request on a lane is waited for by polling its answer for up to this long, then asleep on it until the worker wakes
-# it (protocol/lane.py); 5 ms covers a forward up to 4x256 on the H200. By default only when no
-# other Python thread could want the GIL (client/state.py `alone`): a polling thread holds it, and another thread
-# that wants it waits up to Python's switch interval (5 ms) for it.
-LANE_SPIN_MS = 5.0
 
 
 def configure_curve_client(sock: zmq.Socket, keys: str | os.PathLike, role: str = "client") -> None:
@@ -151,70 +139,6 @@ def _split_rows(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
         out.append(flat[at:at + n].copy())
         at += n
     return out
-
-
-# ---------------------------------------------------------------------------------------------- plans
-
-@dataclass(frozen=True)
-class _Call:
-    """A plan's step: one pool call (sent and retried by the driver); its answer is (message, attempts)."""
-    cmd: Cmd
-    build: Callable[[int, str], list[Any]]     # (request id, client id) -> frames
-    timeout: float | None = None
-    retries: int | None = None
-    on_sent: Callable[[], None] | None = None  # work that overlaps the wait (after the first send)
-    direct: bool = False                       # the first attempt may go to a worker directly (client/direct.py)
-
-
-@dataclass(frozen=True)
-class _Card:
-    """A plan's step: the model card (the driver fetches it once, under its own lock where it has one)."""
-    timeout: float | None
-    refresh: bool = False
-
-
-@dataclass(frozen=True)
-class _Await:
-    """A plan's step: wait for work running in a thread (the whole state's tokens); its answer is its result.
-    The asyncio driver awaits it, so the event loop never blocks on it."""
-    future: concurrent.futures.Future
-
-
-@dataclass(frozen=True)
-class _Many:
-    """A plan's step: several requests (each a plan of its own); its answer is their results, in order.
-    Both drivers keep up to `BATCH_IN_FLIGHT` of their calls on the wire together (the pool merges them)."""
-    plans: list[Generator[Any, Any, Any]]
-
-
-@dataclass
-class _InFlight:
-    """One of the blocking driver's `_Many` plans while its pool call is out (`Client._run_all`)."""
-    index: int                  # the plan's place in the results
-    plan: Generator[Any, Any, Any]
-    started: float              # when the plan began: its calls share one deadline
-    frames: list[Any]
-    attempts: Attempts
-    on_sent: Callable[[], None] | None
-    direct: bool = False
-    step: Step = Step(Action.WAIT)
-    due: float = 0.0            # when `step` is due: a wait's end (then `woke`) or a backoff's (then `step`)
-    backing_off: bool = False
-
-
-Plan = Generator["_Call | _Card | _Await | _Many", Any, T]
-
-
-def _header_only(cmd: Cmd, **fields: Any) -> Callable[[int, str], list[Any]]:
-    return lambda rid, cid: wire.encode(cmd, {"rid": rid, **fields})
-
-
-def _starter(encoded: list[Any]) -> Callable[[], None]:
-    """What a request does once sent: start tokenizing its states whole in the background (their usage counts)."""
-    def start() -> None:
-        for e in encoded:
-            e.state.start()
-    return start
 
 
 class _as_pool_errors:  # noqa: N801 - used as `with _as_pool_errors():`, as the function it was
@@ -295,7 +219,7 @@ class _Base:
                       on_sent: Callable[[], None] | None = None) -> Plan[ForwardResult]:
         arrays = self._pack(rows)
         self._check_fits(len(arrays["lengths"]), len(arrays["ids"]), len(arrays["markers"]), "rows")
-        msg, attempts = yield _Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries,
+        msg, attempts = yield Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries,
                                     on_sent, direct=worker is None)
         reply = wire.parse_reply(msg)
         if reply.status == wire.STATUS_FINAL:
@@ -312,7 +236,7 @@ class _Base:
 
     def _describe_plan(self, timeout: float | None, refresh: bool) -> Plan[dict[str, Any]]:
         if self._card_dict is None or refresh:
-            msg, _ = yield _Call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
+            msg, _ = yield Call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
                                  timeout)
             self._set_card(self._body(msg))
             cap = msg.header.get("capacity")
@@ -320,26 +244,26 @@ class _Base:
         return self._card_dict
 
     def _status_plan(self, timeout: float | None, retries: int | None) -> Plan[dict[str, Any]]:
-        msg, _ = yield _Call(Cmd.STATUS, _header_only(Cmd.STATUS), timeout, retries)
+        msg, _ = yield Call(Cmd.STATUS, header_only(Cmd.STATUS), timeout, retries)
         return self._body(msg)
 
     def _drain_plan(self, worker: str, restart: bool, timeout: float | None) -> Plan[dict[str, Any]]:
         # Not retried: a drain is an operator's one-off, and a repeated one would find the worker draining.
         op = {"op": self.operator} if self.operator else {}
-        msg, _ = yield _Call(Cmd.DRAIN, _header_only(Cmd.DRAIN, worker=str(worker), restart=bool(restart), **op),
+        msg, _ = yield Call(Cmd.DRAIN, header_only(Cmd.DRAIN, worker=str(worker), restart=bool(restart), **op),
                              timeout, 0)
         return self._body(msg)
 
     def _reload_plan(self, model: str, fingerprint: str, reload_id: str,
                      timeout: float | None) -> Plan[dict[str, Any]]:
         op = {"op": self.operator} if self.operator else {}
-        msg, _ = yield _Call(Cmd.RELOAD, _header_only(Cmd.RELOAD, model=str(model), fingerprint=str(fingerprint),
+        msg, _ = yield Call(Cmd.RELOAD, header_only(Cmd.RELOAD, model=str(model), fingerprint=str(fingerprint),
                                                       id=str(reload_id), **op), timeout, 0)
         return self._body(msg)
 
     def _ping_plan(self, timeout: float | None) -> Plan[float]:
         t = time.perf_counter()
-        yield _Call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT), timeout, 0)
+        yield Call(Cmd.HEARTBEAT, header_only(Cmd.HEARTBEAT), timeout, 0)
         return time.perf_counter() - t
 
     # -- the SDK's inference API (laya.Agent's predict_batch, predict_long, decide, decide_batch) -----------
@@ -355,7 +279,7 @@ class _Base:
         if not questions:
             results = [batching.empty_result() for _ in states]
         else:
-            card = yield _Card(timeout)
+            card = yield NeedCard(timeout)
             results = yield from self._answer_states(card, states, questions, lang, max_len, head_max_len, batch_size,
                                                      timeout, retries, worker, mode)
         apply_confidence_gate(results, threshold)
@@ -377,8 +301,8 @@ class _Base:
             chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
 
             # The whole states' counts (usage) are tokenized while the pool computes.
-            replies = yield _Many([self._forward_plan([row for i in chunk for row in encoded[i].rows], timeout, retries,
-                                                      worker, mode, False, _starter([encoded[i] for i in chunk]))
+            replies = yield Many([self._forward_plan([row for i in chunk for row in encoded[i].rows], timeout, retries,
+                                                      worker, mode, False, starter([encoded[i] for i in chunk]))
                                    for chunk in chunks])
             outputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             for chunk, res in zip(chunks, replies):
@@ -389,7 +313,7 @@ class _Base:
             for i, e in enumerate(encoded):
                 pending = e.state.pending()
                 if pending is not None:
-                    yield _Await(pending)
+                    yield Await(pending)
                 if not e.state.window_agrees():
                     # The state window (client/state.py) disagrees with the whole state's tokens, which its
                     # argument says cannot happen: answer from rows built from the whole state, and say so.
@@ -405,7 +329,7 @@ class _Base:
                         for i, e in enumerate(encoded)]
             if refreshed:
                 break
-            card = yield _Card(timeout, refresh=True)   # the pool now serves another model
+            card = yield NeedCard(timeout, refresh=True)   # the pool now serves another model
         raise PoolError(f"the pool answered with model {stale[0][:12]} but describes {card.fingerprint[:12]}")
 
     def _predict_long_plan(self, state: Any, questions: dict[Any, Any], window: int | None, stride: int | None,
@@ -422,7 +346,7 @@ class _Base:
         for qid in questions:
             semantics.check_question(qid, questions[qid])
         internal = {qid: semantics.to_internal(questions[qid]) for qid in questions}
-        card = yield _Card(timeout)
+        card = yield NeedCard(timeout)
         budget, step, room = scan.window_budget(card, list(internal.values()), card.max_len, card.head_max_len,
                                                 window, stride)
         def tokenize() -> list[int]:
@@ -432,7 +356,7 @@ class _Base:
                 raise text.state_error(state, e) from e
         # The whole document is tokenized (the windows are cut from its ids) off the caller's thread, so
         # AsyncClient's event loop goes on meanwhile.
-        state_ids = yield _Await(in_background(tokenize))
+        state_ids = yield Await(in_background(tokenize))
         if len(state_ids) <= (budget if window and window > 0 else room):
             # It fits one row: the plain answer, read whole.
             single = dict((yield from self._predict_plan(state, questions, timeout, retries, None, None, worker, mode,
@@ -489,7 +413,7 @@ class _Base:
             from .decode import resolve_lang_temperatures
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")        # the clamping warnings come with the card's own values
-                resolve_lang_temperatures(lang_temperatures, [1.0, 1.0, 1.0])
+                resolve_lang_temperatures(lang_temperatures, [1.0] * len(QUESTION_TYPES))
         if calibration is not None:
             from .calibration import load_calibration
             calibration = load_calibration(calibration)
@@ -618,6 +542,7 @@ class Client(_Base):
         self._poller.register(self._mon, zmq.POLLIN)
         self._routes = (Routes(self._ctx, self._poller, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES, lanes=lanes,
                                keys=self.keys, key_role=self.key_role) if direct else None)
+        self._receiver = Receiver(self._sock, self._mon, self._poller, self._routes, self.spin, self.spin_auto)
 
     # -- the pool's API ----------------------------------------------------------------------------------
     def forward(self, rows: Sequence[tuple[Any, Any, int]], *, timeout: float | None = None,
@@ -717,22 +642,26 @@ class Client(_Base):
             try:
                 step = next(plan)
                 while True:
-                    if isinstance(step, _Card):
-                        step = plan.send(self.card(timeout=self._left(step.timeout, started), refresh=step.refresh))
-                    elif isinstance(step, _Await):
-                        step = plan.send(step.future.result())
-                    elif isinstance(step, _Many):
-                        step = plan.send(self._run_all(step.plans))
-                    else:
+                    if isinstance(step, Call):
                         step = plan.send(self.call(step.cmd, step.build, step.timeout, step.retries, step.on_sent,
                                                    started=started, direct=step.direct))
+                    else:
+                        step = plan.send(self._answer(step, started))
             except StopIteration as done:
                 return done.value
 
+    def _answer(self, step: NeedCard | Await | Many, started: float) -> Any:
+        """The answer to a plan's step other than a pool call."""
+        if isinstance(step, NeedCard):
+            return self.card(timeout=self._left(step.timeout, started), refresh=step.refresh)
+        if isinstance(step, Await):
+            return step.future.result()
+        return self._run_all(step.plans)
+
     # -- several plans' calls on the wire together (a predict_batch larger than one request) ----------------
     def _run_all(self, plans: list[Plan[Any]]) -> list[Any]:
-        """The plans with up to `BATCH_IN_FLIGHT` of their calls out at once over this one socket, results in
-        order: each plan runs until it asks for a pool call, and every call's attempts advance on their own
+        """The plans with up to `BATCH_IN_FLIGHT` of their calls out at once over this one socket (client/flights.py),
+        results in order: each plan runs until it asks for a pool call, and every call's attempts advance on their own
         (client/retry.py) as its reply, its timeout or the connection's events come. The first failure is raised;
         replies still owed to the other calls are dropped as stale when they come. The client's lock is held
         throughout, so calls from other threads take turns with the whole batch (they would drop its replies)."""
@@ -741,103 +670,7 @@ class Client(_Base):
         with self._lock:
             if os.getpid() != self._pid:
                 raise PoolError("a Client cannot be used across fork(); create one in the child")
-            results: list[Any] = [None] * len(plans)
-            queued = list(enumerate(plans))[::-1]
-            flights: dict[int, _InFlight] = {}      # by request id
-            while queued or flights:
-                while queued and len(flights) < BATCH_IN_FLIGHT:
-                    i, plan = queued.pop()
-                    self._advance(i, plan, time.monotonic(), None, flights, results)
-                if flights:
-                    self._progress(flights, results)
-            return results
-
-    def _advance(self, i: int, plan: Plan[Any], started: float, answer: Any, flights: dict[int, _InFlight],
-                 results: list[Any]) -> None:
-        """Run plan `i` (sending it `answer`; None: start it) until it asks for a pool call, which goes out, or ends."""
-        try:
-            step = next(plan) if answer is None else plan.send(answer)
-            while not isinstance(step, _Call):
-                if isinstance(step, _Card):
-                    step = plan.send(self.card(timeout=self._left(step.timeout, started), refresh=step.refresh))
-                elif isinstance(step, _Await):
-                    step = plan.send(step.future.result())
-                else:
-                    step = plan.send(self._run_all(step.plans))
-        except StopIteration as done:
-            results[i] = done.value
-            return
-        if step.direct and not flights:
-            # Not with calls out: the question's own wait would drop their replies as stale (asked again later).
-            self._ask_routes()
-        rid = next(self._rids)
-        f = _InFlight(i, plan, started, step.build(rid, self.cid), self._attempts(step.timeout, step.retries, started),
-                      step.on_sent, step.direct)
-        flights[rid] = f
-        self._drive(rid, f, f.attempts.start(), flights, results)
-
-    def _drive(self, rid: int, f: _InFlight, step: Step, flights: dict[int, _InFlight], results: list[Any],
-               msg: wire.Message | None = None) -> None:
-        """Carry out `step` for call `rid` until it must wait for something: a reply, its timeout or a backoff."""
-        while True:
-            if step.sleep:
-                f.step, f.due, f.backing_off = Step(step.action, step.seconds), time.monotonic() + step.sleep, True
-                return
-            if step.action is Action.SEND:
-                if self._sock is None:
-                    raise PoolError("the client is closed")
-                step = self._send(f.frames, f.attempts, rid if f.direct else None)
-                if f.on_sent is not None:
-                    f.on_sent, on_sent = None, f.on_sent
-                    on_sent()
-            elif step.action is Action.WAIT:
-                f.step, f.due, f.backing_off = step, time.monotonic() + step.seconds, False
-                return
-            elif step.action is Action.RETURN:
-                del flights[rid]
-                self._advance(f.index, f.plan, f.started, (msg, f.attempts.attempts), flights, results)
-                return
-            else:
-                del flights[rid]
-                self._forget(rid)
-                raise f.attempts.error(self.endpoint)
-
-    def _progress(self, flights: dict[int, _InFlight], results: list[Any]) -> None:
-        """Take what has come (replies, connection events), then act for calls whose wait or backoff is over, then
-        wait for the first of: a reply, an event, the next call's timeout or backoff. Replies are read before any
-        timeout is judged, so work between two polls never turns an answered call into a timed-out one."""
-        self._take(0, flights, results)
-        for rid, f in list(flights.items()):
-            if rid in flights and f.due <= time.monotonic():
-                step = f.step if f.backing_off else f.attempts.woke(self._watch.up, self._watch.trouble)
-                self._drive(rid, f, step, flights, results)
-        if flights:
-            self._take(max(1, int((min(f.due for f in flights.values()) - time.monotonic()) * 1000) + 1), flights,
-                       results)
-
-    def _take(self, wait_ms: int, flights: dict[int, _InFlight], results: list[Any]) -> None:
-        """Poll up to `wait_ms`; hand every reply that came to its call, and a new broker to every waiting call."""
-        if self._sock is None:
-            raise PoolError("the client is closed")
-        ready = self._poll(wait_ms, sole=len(flights) == 1)
-        if ready.get(self._mon) and self._events():     # a new broker: what was sent died with the old one
-            for rid, f in list(flights.items()):
-                if rid in flights and not f.backing_off:
-                    self._drive(rid, f, f.attempts.reconnected(), flights, results)
-        # Replies before dropped connections: a worker that answered and then left must not cost its answer.
-        for msg in self._replies(ready):
-            rid = msg.header.get("rid")
-            f = flights.get(rid) if isinstance(rid, int) else None
-            if f is None:
-                continue    # a stale reply to an earlier attempt or an abandoned call
-            status = msg.header.get("status")
-            if f.backing_off and status not in (wire.STATUS_OK, wire.STATUS_FINAL):
-                continue    # an earlier attempt's retryable answer: the backoff already stands for it
-            self._drive(rid, f, f.attempts.replied(status, reply_error(msg.header)), flights, results, msg)
-        for rid in self._dropped(ready):               # a worker's direct connection dropped with them on it
-            f = flights.get(rid)
-            if f is not None and not f.backing_off:
-                self._drive(rid, f, f.attempts.reconnected(), flights, results)
+            return Flights(self, plans, BATCH_IN_FLIGHT).run()
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
              retries: int | None = None, on_sent: Callable[[], None] | None = None,
@@ -867,7 +700,7 @@ class Client(_Base):
                             on_sent = None
                     elif step.action is Action.WAIT:
                         msg = self._wait(rid, time.monotonic() + step.seconds)
-                        if msg is _RECONNECTED:       # a new broker, or the worker it went to: it died with it
+                        if msg is RECONNECTED:       # a new broker, or the worker it went to: it died with it
                             step, msg = attempts.reconnected(), None
                         elif msg is None:
                             step = attempts.woke(self._watch.up, self._watch.trouble)
@@ -889,7 +722,7 @@ class Client(_Base):
             return
         routes.next_ask = time.monotonic() + RETRY_S      # this call's own ping must not ask again
         try:
-            msg, _ = self.call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT, routes=True), ROUTES_TIMEOUT_S, 0)
+            msg, _ = self.call(Cmd.HEARTBEAT, header_only(Cmd.HEARTBEAT, routes=True), ROUTES_TIMEOUT_S, 0)
             table = msg.header.get("routes", [])
         except PoolError:
             table = None
@@ -898,122 +731,6 @@ class Client(_Base):
     def _forget(self, rid: int) -> None:
         if self._routes is not None:
             self._routes.answered(rid)
-
-    def _dropped(self, ready: dict[Any, int]) -> list[int]:
-        """Request ids whose worker's direct connection dropped (from the routes' monitors that are ready) or whose
-        worker closed the lane they were on."""
-        if self._routes is None:
-            return []
-        lost = self._routes.take_lost()               # on lanes their workers closed
-        for s in ready:
-            r = self._routes.owner(s)
-            if r is not None and s is r.mon:
-                lost.extend(self._routes.events(s))
-        return lost
-
-    def _replies(self, ready: dict[Any, int]) -> Iterator[wire.Message]:
-        """Every message waiting on the ready reply sockets (the broker's, then the workers' direct ones), and the
-        lanes' answers."""
-        if ready.get(_LANE):
-            for frames in self._routes.answers():
-                msg = wire.decode(frames)
-                self._routes.replied(msg.header)
-                yield msg
-        socks = [self._sock] if ready.get(self._sock) else []
-        if self._routes is not None:
-            socks += [s for s in ready if s is not self._sock and s is not self._mon and self._is_route(s)]
-        for s in socks:
-            while True:
-                try:
-                    frames = wire.recv_frames(s)
-                except zmq.Again:
-                    break
-                msg = wire.decode(frames)            # a reply that breaks the protocol is an error, not noise
-                if self._routes is not None:
-                    if s is not self._sock:
-                        self._routes.heard_from(self._routes.owner(s))
-                    self._routes.replied(msg.header)
-                yield msg
-
-    def _is_route(self, s: Any) -> bool:
-        r = self._routes.owner(s) if self._routes is not None else None
-        return r is not None and s is r.sock
-
-    def _poll(self, wait_ms: int, sole: bool = True) -> dict[Any, int]:
-        """The sockets ready within `wait_ms`, polling without sleeping for the first `spin_ms` of it. `sole`: one
-        call is out (a lane's answer is all it waits for)."""
-        if self._routes is not None and self._routes.waiting:
-            return self._poll_lanes(wait_ms, sole)
-        if self.spin:
-            end = time.perf_counter() + min(self.spin, wait_ms / 1000.0)
-            while True:
-                ready = self._poller.poll(0)
-                if ready:
-                    return dict(ready)
-                if time.perf_counter() >= end:
-                    break
-            wait_ms = max(0, wait_ms - int(self.spin * 1000))
-        return dict(self._poller.poll(wait_ms))
-
-    def _poll_lanes(self, wait_ms: int, sole: bool) -> dict[Any, int]:
-        """`_poll` with requests on lanes: their answers (`_LANE`) or the sockets ready within `wait_ms`, polling
-        first (`_spin_lanes`), then asleep NAP_MS at a time, looking at the sockets in between: on the lane (a futex
-        the worker wakes: protocol/lane.py) when the one call out (`sole`) waits there, else on the sockets, asking
-        the lanes' workers to ring there."""
-        deadline = time.perf_counter() + wait_ms / 1000.0
-        spin = self.spin or (LANE_SPIN_MS / 1000.0 if self.spin_auto and alone() else 0.0)
-        if spin:
-            ready = self._spin_lanes(min(deadline, time.perf_counter() + spin))
-            if ready is not None:
-                return ready
-        while True:
-            if self._routes.lane_ready():
-                return {_LANE: 1}
-            ready = self._poller.poll(0)
-            left = deadline - time.perf_counter()
-            if ready or left <= 0:
-                return self._with_lanes(ready)
-            waiting = self._routes.waiting
-            if sole and len(waiting) == 1 and waiting[0].lane.sleep(min(NAP_MS / 1000.0, left)):
-                continue
-            ready = self._sleep_on_sockets(min(NAP_MS, int(left * 1000) + 1))
-            if ready:
-                return self._with_lanes(ready)
-
-    def _sleep_on_sockets(self, ms: int) -> list:
-        """Sleep on the sockets up to `ms`, the lanes' workers asked to ring us there after answering."""
-        waiting = list(self._routes.waiting)
-        for r in waiting:
-            r.lane.ring_me(True)
-        try:
-            if self._routes.lane_ready():     # answered before it saw the ask
-                return []
-            return self._poller.poll(ms)
-        finally:
-            for r in waiting:
-                if r.lane is not None:
-                    r.lane.ring_me(False)
-
-    def _spin_lanes(self, end: float) -> dict[Any, int] | None:
-        """Poll the lanes without sleeping until `end`, the sockets every 32 looks; None: nothing came."""
-        routes = self._routes
-        looks = 0
-        while True:
-            if routes.lane_ready():
-                return {_LANE: 1}
-            looks += 1
-            if looks % 32 == 0:
-                ready = self._poller.poll(0)
-                if ready:
-                    return self._with_lanes(ready)
-                if time.perf_counter() >= end:
-                    return None
-
-    def _with_lanes(self, ready: list) -> dict[Any, int]:
-        out = dict(ready)
-        if self._routes.lane_ready():
-            out[_LANE] = 1
-        return out
 
     def _send(self, frames: list[Any], attempts: Attempts, rid: int | None = None) -> Step:
         """One attempt: the first of a request that may go direct (`rid` given) to a worker when one takes it, any
@@ -1041,17 +758,17 @@ class Client(_Base):
     def _wait(self, rid: int, deadline: float) -> Any:
         while True:
             remaining = deadline - time.monotonic()
-            ready = self._poll(max(1, int(remaining * 1000))) if remaining > 0 else {}
+            ready = self._receiver.poll(max(1, int(remaining * 1000))) if remaining > 0 else {}
             # Replies first: a worker that answered and then left (or a broker that did) must not cost the answer.
-            for msg in self._replies(ready):
+            for msg in self._receiver.replies(ready):
                 if msg.header.get("rid") == rid:
-                    self._dropped(ready)           # read the monitors' events all the same
+                    self._receiver.dropped(ready)           # read the monitors' events all the same
                     return msg
                 # a stale reply to an earlier attempt or an abandoned call: drop it
             if ready.get(self._mon) and self._events():
-                return _RECONNECTED
-            if rid in self._dropped(ready):
-                return _RECONNECTED
+                return RECONNECTED
+            if rid in self._receiver.dropped(ready):
+                return RECONNECTED
             if remaining <= 0 or not ready:
                 return None
 
@@ -1111,14 +828,10 @@ class AsyncClient(_Base):
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock, self._mon = self._socket(self._ctx)
         # Route sockets are plain ones on the same context (a non-blocking send is refused at once, as Client's);
-        # a task per route reads each through an asyncio view of it (`_watch_route`).
-        self._routes = (Routes(zmq.Context.shadow(self._ctx.underlying), None, wire.MAX_BODY_BYTES
-                               + wire.MAX_HEADER_BYTES, watch=self._watch_route, unwatch=self._unwatch_route,
-                               keys=self.keys, key_role=self.key_role, lanes=lanes) if direct else None)
-        self._route_tasks: dict[str, tuple[list[asyncio.Task], list[Any]]] = {}
+        # a task per route reads each through an asyncio view of it (client/direct_async.py).
+        self._direct = AsyncRoutes(self, self._ctx, lanes) if direct else None
+        self._routes = self._direct.routes if self._direct is not None else None
         self._waiters: dict[int, asyncio.Future] = {}
-        # Direct requests waiting for this turn's REQUESTS message, by worker (`_send_together`).
-        self._outbox: dict[str, list[tuple[int, list[Any], asyncio.Future]]] = {}
         self._reader: asyncio.Task | None = None
         self._card_lock: asyncio.Lock | None = None
         # The same watch as Client's (client/watch.py), read by a task of its own instead of a poller.
@@ -1207,12 +920,12 @@ class AsyncClient(_Base):
             try:
                 step = next(plan)
                 while True:
-                    if isinstance(step, _Card):
+                    if isinstance(step, NeedCard):
                         step = plan.send(await self.card(timeout=self._left(step.timeout, started),
                                                          refresh=step.refresh))
-                    elif isinstance(step, _Await):
+                    elif isinstance(step, Await):
                         step = plan.send(await asyncio.wrap_future(step.future))
-                    elif isinstance(step, _Many):
+                    elif isinstance(step, Many):
                         step = plan.send(await self._run_all(step.plans))
                     else:
                         step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
@@ -1250,7 +963,7 @@ class AsyncClient(_Base):
                 log.warning("dropped an undecodable message from %s (%s)", source, e)
                 continue
             if route is not None and not route.together and msg.header.get(wire.TOGETHER) is True:
-                route.together = True         # its worker takes REQUESTS (`_send_together`)
+                route.together = True         # its worker takes REQUESTS (client/direct_async.py `_send_together`)
             self._deliver(msg)
 
     def _deliver(self, msg: wire.Message) -> None:
@@ -1267,158 +980,10 @@ class AsyncClient(_Base):
         if self._routes is not None:
             self._routes.replied(msg.header)
             if self._routes.waiting and self._routes.lane_ready():     # a ring: answers (or a close) on lanes
-                self._lane_answers()
+                self._direct.lane_answers()
         fut = self._waiters.get(rid)
         if fut is not None and not fut.done():
             fut.set_result(msg)
-
-    def _lane_answers(self) -> None:
-        """Hand the lanes' answers to their calls; a call whose lane its worker closed unanswered re-sends now."""
-        for frames in self._routes.answers():
-            try:
-                self._deliver(wire.decode(frames))
-            except wire.ProtocolError as e:      # as on a socket: it fails no call (each waits for its own reply)
-                log.warning("dropped an undecodable answer from a lane (%s)", e)
-        self._resend_lost()
-
-    def _resend_lost(self) -> None:
-        """Calls whose attempt was on a lane its worker closed, or on a route that closed: they re-send now."""
-        for rid in self._routes.take_lost():
-            fut = self._waiters.get(rid)
-            if fut is not None and not fut.done():
-                fut.set_result(_RECONNECTED)
-
-    # -- requests straight to the workers (client/direct.py) ------------------------------------------------
-    async def _ask_routes(self) -> None:
-        routes = self._routes
-        if routes is None or not routes.due(time.monotonic()):
-            return
-        routes.next_ask = time.monotonic() + RETRY_S      # one question at a time, whatever the tasks
-        try:
-            msg, _ = await self.call(Cmd.HEARTBEAT, _header_only(Cmd.HEARTBEAT, routes=True), ROUTES_TIMEOUT_S, 0)
-            table = msg.header.get("routes", [])
-        except PoolError:
-            table = None
-        if self._sock is not None:
-            routes.asked(table, time.monotonic())
-            self._resend_lost()           # what was out on a route the table dropped
-            await self._send_asks()
-
-    async def _send_asks(self) -> None:
-        """Lane requests the routes made (client/direct.py `take_asks`), through each route's asyncio view."""
-        for r, ask in self._routes.take_asks():
-            tasks = self._route_tasks.get(r.worker)
-            try:
-                if tasks is None:
-                    raise zmq.Again
-                await tasks[1][0].send_multipart(ask, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self._routes.unask(r)          # (asked for again with a later table)
-
-    async def _send_direct(self, rid: int, framed: list[Any]) -> bool:
-        """Through the route's asyncio view, never its plain socket: a send on a ZeroMQ socket may take the
-        edge-triggered readiness of its file descriptor that the view's pending receive waits on, and a reply that
-        came meanwhile would then wait for the next event to be read (pyzmq's own sends look again; ours would not)."""
-        r = self._routes.choose()
-        if r is None or r.worker not in self._route_tasks:
-            return False
-        view = self._route_tasks[r.worker][1][0]
-        # A lane only with other calls of this client out (`_waiters` holds this one too). The event loop cannot wait
-        # on a lane, so a lane's answer comes as a ring on this very socket and then a read of the lane: for a lone
-        # call that costs more than the answer on the socket (1x48 at 1 in flight, H200 host: 2.01 against 1.88 ms
-        # p50), while with calls out together lanes win (at 64: 7,595 against 6,403 req/s;
-        # docs/decisions/0014-clients-straight-to-the-workers.md).
-        if len(self._waiters) > 1 and r.lane_open and r.lane_rid is None:
-            took = self._routes.on_lane(r, rid, framed)
-            if took is RING_IT:
-                with contextlib.suppress(zmq.Again):     # its queue is full: it is awake enough
-                    await view.send_multipart(self._routes.ring(r), flags=zmq.NOBLOCK)
-            if took:
-                return True
-        # This client reads BUNDLEs (`_deliver`): the worker may answer this request with the others of ours it runs in
-        # the same forward, in one message.
-        framed = wire.with_bundles(framed) if self.bundles else framed
-        if (self.together and r.together and len(self._waiters) > 1 and len(framed) == 2
-                and len(framed[1]) <= TOGETHER_BYTES):
-            return await self._send_together(r, rid, framed)
-        try:
-            await view.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:           # its queue is full
-            return False
-        self._routes.took(r, rid)
-        return True
-
-    async def _send_together(self, r: Any, rid: int, framed: list[Any]) -> bool:
-        """With other calls out, this turn's direct requests to one worker go in one REQUESTS message: a call that
-        resumes with a reply sends its next request, and the calls whose replies came in one bundle resume in one turn
-        of the event loop (`_flush`, started by the first of them, runs after the rest have queued theirs). The
-        request is counted as out now, so the next call's choice of worker sees it."""
-        fut = asyncio.get_running_loop().create_future()
-        queued = self._outbox.get(r.worker)
-        if queued is None:
-            queued = self._outbox[r.worker] = []
-            asyncio.ensure_future(self._flush(r))
-        queued.append((rid, framed, fut))
-        self._routes.took(r, rid)
-        return await fut
-
-    async def _flush(self, r: Any) -> None:
-        """Send what `_send_together` queued for `r`'s worker: one REQUESTS message per up to TOGETHER requests
-        (alone when there is one); each call learns whether its request left (if not, it goes through the broker)."""
-        queued = self._outbox.pop(r.worker, [])
-        for at in range(0, len(queued), TOGETHER):
-            # Only what is still this route's: a route closed (a new table, its connection dropped) since took those
-            # requests as lost, and their calls re-send them once (`_resend_lost`); sent here, they would go twice.
-            part = [item for item in queued[at:at + TOGETHER] if self._routes.by_rid.get(item[0]) is r]
-            ok = False
-            try:
-                tasks = self._route_tasks.get(r.worker)
-                if part and tasks is not None:
-                    frames = part[0][1] if len(part) == 1 else wire.requests_message([f for _, f, _ in part])
-                    await tasks[1][0].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    ok = True
-            except zmq.Again:       # its queue is full: these go through the broker
-                pass
-            except Exception:       # noqa: BLE001 - a call must never wait on a send that will not happen
-                log.exception("could not send %d requests to worker %s together", len(part), r.worker)
-            finally:
-                for rid, _, fut in queued[at:at + TOGETHER]:
-                    lost = self._routes.by_rid.get(rid) is not r
-                    if not ok and not lost:
-                        self._routes.unsent(rid)
-                    if not fut.done():
-                        fut.set_result(ok or lost)      # lost: its call waits for the re-send `_resend_lost` asks
-
-    def _watch_route(self, r: Any) -> None:
-        import zmq.asyncio
-
-        views = [zmq.asyncio.Socket.shadow(r.sock.underlying), zmq.asyncio.Socket.shadow(r.mon.underlying)]
-        tasks = [asyncio.ensure_future(self._read(views[0], f"worker {r.worker}", r)),
-                 asyncio.ensure_future(self._watch_monitor(r, views[0], views[1]))]
-        self._route_tasks[r.worker] = (tasks, views)
-
-    def _unwatch_route(self, r: Any) -> None:
-        tasks, views = self._route_tasks.pop(r.worker, ([], []))
-        for t in tasks:
-            t.cancel()
-        for v in views:
-            v.close(linger=0)         # the asyncio views own nothing of their own: this closes the route's sockets
-
-    async def _watch_monitor(self, r: Any, view: Any, mon: Any) -> None:
-        """A route's connection events: a dropped one re-sends at once what was on it (its replies read first)."""
-        while True:
-            await mon.poll(flags=zmq.POLLIN)
-            while True:            # replies that came before the drop count (client/direct.py)
-                try:
-                    frames = await view.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._deliver(wire.decode(frames))
-            for rid in self._routes.events(r.mon):
-                fut = self._waiters.get(rid)
-                if fut is not None and not fut.done():
-                    fut.set_result(_RECONNECTED)
-            await self._send_asks()       # a connection back asks for its lane again
 
     async def _watch_connection(self) -> None:
         """Wait for monitor events (polled, never received here, so `_events` may read them at any time)."""
@@ -1432,7 +997,7 @@ class AsyncClient(_Base):
         if _feed_events(self._watch, self._mon_now):
             for fut in self._waiters.values():
                 if not fut.done():
-                    fut.set_result(_RECONNECTED)
+                    fut.set_result(RECONNECTED)
 
     async def _send(self, frames: list[Any], attempts: Attempts, rid: int | None = None) -> Step:
         # Never block on a full queue (no connection, or the pool refuses our handshake): back off and retry,
@@ -1441,7 +1006,7 @@ class AsyncClient(_Base):
         framed = wire.with_budget(frames, attempts.budget_ms())
         if rid is not None and self._routes is not None:
             if attempts.attempts == 1:
-                if await self._send_direct(rid, framed):
+                if await self._direct.send(rid, framed):
                     return attempts.sent(True)
             else:
                 self._routes.detach(rid, blame=attempts.silent)
@@ -1462,8 +1027,8 @@ class AsyncClient(_Base):
             self._reader = asyncio.ensure_future(self._read())
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch_connection())
-        if direct:
-            await self._ask_routes()
+        if direct and self._direct is not None:
+            await self._direct.ask()
         rid = next(self._rids)
         frames = build(rid, self.cid)
         loop = asyncio.get_running_loop()
@@ -1486,7 +1051,7 @@ class AsyncClient(_Base):
                         step = attempts.woke(self._watch.up, self._watch.trouble)
                         continue
                     msg = fut.result()
-                    if msg is _RECONNECTED:       # a new broker, or the worker it went to: it died with it
+                    if msg is RECONNECTED:       # a new broker, or the worker it went to: it died with it
                         step, msg = attempts.reconnected(), None
                         continue
                     step = attempts.replied(msg.header.get("status"), reply_error(msg.header))

@@ -152,8 +152,8 @@ def _finished(_: Future | None) -> None:
 
 def alone() -> bool:
     """Whether no other Python thread of this process could want the GIL now: the caller's is the only one, but for
-    this module's tokenizing thread with nothing to do (a client polling for its answer holds the GIL; client/pool.py
-    `Client._poll_lanes`)."""
+    this module's tokenizing thread with nothing to do (a client polling for its answer holds the GIL;
+    client/receiver.py `Receiver._poll_lanes`)."""
     if _queued:
         return False
     n = threading.active_count()

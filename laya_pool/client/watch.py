@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import zmq
 
+# A waiting call's wake-up: the connection came back (a new broker, or the worker its attempt went to died with it),
+# so what was sent is lost: re-send now (`Client._wait`, `AsyncClient`'s waiters).
+RECONNECTED = object()
+
 EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 

@@ -10,7 +10,7 @@ batch-invariant too, and a shape not (yet) proven runs our kernel: the bits neve
 
 A proof needs a host synchronisation, so none runs inside a graph capture or a compile-ahead recording
 (kernels/compile.py): those shapes run our kernel until an eager forward of the same shape proves them, which the
-worker's capture does first (worker/runtime.py `_capture`). What cuBLAS's product leaves to others:
+worker's capture does first (worker/capture.py `Capturer.capture`). What cuBLAS's product leaves to others:
 - QKV: the product lands in the checkpoint's row order and `rope` rotates query and key heads in place with the ROPE
   epilogue's arithmetic (kernels/gemm.py: the product rounded to bf16, each product with the tables rounded alone);
 - residual: the bf16 product is left as a one-chunk `Pending` that the next LayerNorm adds to the fp32 stream

@@ -161,16 +161,24 @@ class ReferenceModel:
     @torch.no_grad()
     def forward(self, ids, row_start, row_len, qtype, markers, max_row_len: int,
                 taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.arch
         L = int(max_row_len)
         if not 0 < L <= self.max_positions:
             raise ValueError(f"max_row_len {L} must be in 1..{self.max_positions}")
-        dev = self.device
-        R = row_start.shape[0]
-        K = markers.shape[1]
-        d, H, D = a.hidden, a.heads, a.head_dim
+        tok, keep = self._scatter(ids, row_start, row_len, L)
+        # ---- attention masks (True = may attend), [R, 1, L, L]
+        global_ok, local_ok = sdk_masks(keep, self.arch.half_window)
+        h = self._encode(tok, global_ok, local_ok, taps)
+        h = self._decide(h, qtype, global_ok, taps)
+        logits, present = self._score(h, markers)
+        act_probs = self._act(h, logits, present)
+        if taps is not None:
+            taps["logits"] = logits
+            taps["act"] = act_probs
+        return logits, act_probs
 
-        # ---- scatter packed rows into [R, L]
+    def _scatter(self, ids, row_start, row_len, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed rows scattered into [R, L] token ids, and which positions a row keeps."""
+        dev = self.device
         pos = self.positions[:L]                                             # [L]
         row_start = row_start.to(device=dev, dtype=torch.long)
         row_len = row_len.to(device=dev, dtype=torch.long)
@@ -180,12 +188,14 @@ class ReferenceModel:
         keep = valid | (pos[None, :] == 0)
         flat = ids.to(device=dev, dtype=torch.long).reshape(-1)
         gidx = (row_start[:, None] + pos[None, :]).clamp(0, flat.shape[0] - 1)
-        tok = torch.where(valid, flat[gidx], torch.full_like(gidx, a.pad_id))
+        tok = torch.where(valid, flat[gidx], torch.full_like(gidx, self.arch.pad_id))
+        return tok, keep
 
-        # ---- attention masks (True = may attend), [R, 1, L, L]
-        global_ok, local_ok = sdk_masks(keep, a.half_window)
-
-        # ---- encoder
+    def _encode(self, tok, global_ok, local_ok, taps: dict | None) -> torch.Tensor:
+        """The encoder: [R, L] token ids -> [R, L, d] fp32 hidden states, final norm applied."""
+        a = self.arch
+        R, L = tok.shape
+        d, H, D = a.hidden, a.heads, a.head_dim
         h = self._norm(F.embedding(tok, self.tok_emb), self.emb_norm, None, a.norm_eps)   # [R, L, d] fp32
         if taps is not None:
             taps["embeddings"] = h.float()
@@ -209,9 +219,13 @@ class ReferenceModel:
         h = self._norm(h, self.final_norm, None, a.norm_eps)
         if taps is not None:
             taps["final_norm"] = h.float()
+        return h
 
-        # ---- decision head: pre-norm TransformerEncoderLayers with key padding, ReLU MLP
-        qt = qtype.to(device=dev, dtype=torch.long)
+    def _decide(self, h, qtype, global_ok, taps: dict | None) -> torch.Tensor:
+        """The decision head: pre-norm TransformerEncoderLayers with key padding, ReLU MLP, over h + type_emb."""
+        a = self.arch
+        R, L, d = h.shape
+        qt = qtype.to(device=self.device, dtype=torch.long)
         h = h + self.type_emb[qt][:, None, :]
         HH = a.head_heads
         HD = d // HH
@@ -232,22 +246,28 @@ class ReferenceModel:
             h = h + self._lin(F.relu(self._lin(x, lay["l1_w"], lay["l1_b"])), lay["l2_w"], lay["l2_b"]).float()
             if taps is not None:
                 taps[f"head.{j}"] = h.float()
+        return h
 
-        # ---- scorer at the [MASK] markers
-        mk = markers.to(device=dev, dtype=torch.long)
+    def _score(self, h, markers) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scorer at the [MASK] markers: one logit per option [R, K] (absent markers ABSENT_LOGIT), and which
+        markers are present."""
+        R, L, d = h.shape
+        K = markers.shape[1]
+        mk = markers.to(device=self.device, dtype=torch.long)
         present = mk >= 0                                                    # [R, K]
         midx = mk.clamp(0, L - 1)
         m = torch.gather(h, 1, midx[:, :, None].expand(R, K, d))             # [R, K, d] fp32
         m = self._norm(m, self.sc_norm_w, self.sc_norm_b, HEAD_NORM_EPS)
         m = F.gelu(self._lin(m, self.sc1_w, self.sc1_b))
         logits = self._lin(m, self.sc3_w, self.sc3_b).squeeze(-1).float()
-        logits = logits.masked_fill(~present, ABSENT_LOGIT)
+        return logits.masked_fill(~present, ABSENT_LOGIT), present
 
-        # ---- confidence features and the act head (fp32 features, as the SDK computes them)
+    def _act(self, h, logits, present) -> torch.Tensor:
+        """The confidence features and the act head (fp32 features, as the SDK computes them): [R, n_act] probs."""
         # The confidence features reduce over the markers. Reduce over one fixed width (padding slots
         # hold exp(-1e4 - max) == 0) so the summation order, and so every bit, is the same whatever
         # marker width the caller or a graph bucket padded the request to.
-        wide = F.pad(logits, (0, self.max_positions + 1 - K), value=ABSENT_LOGIT)
+        wide = F.pad(logits, (0, self.max_positions + 1 - logits.shape[1]), value=ABSENT_LOGIT)
         p = torch.softmax(wide, -1)
         kf = present.sum(-1).clamp(min=2).float()
         ent = -(p * torch.log(p.clamp_min(1e-9))).sum(-1) / torch.log(kf)
@@ -256,11 +276,7 @@ class ReferenceModel:
         feats = torch.stack([top1, top1 - top2, ent, kf / 255.0], -1)
         act_in = torch.cat([h[:, 0].float(), feats], -1)
         act = self._lin(F.gelu(self._lin(act_in, self.act0_w, self.act0_b)), self.act2_w, self.act2_b)
-        act_probs = torch.softmax(act.float(), -1)
-        if taps is not None:
-            taps["logits"] = logits
-            taps["act"] = act_probs
-        return logits, act_probs
+        return torch.softmax(act.float(), -1)
 
     __call__ = forward
 

@@ -139,96 +139,113 @@ def main(argv=None) -> int:
 
 
 def compare(args, Client, RequestFailed) -> int:
-    if True:
-        client = Client(args.frontend, timeout=args.timeout)
-        card = client.card()
-        workers = [w for w in client.status()["workers"] if w["state"] in ("ready", "mismatch")]
-        cases = frozen_cases(card)
-        fingerprints = {w["id"]: w["fingerprint"] for w in workers}
-        pool_fp = card.fingerprint
-        ref = Reference(args.model) if args.model else None
-        print(f"{len(workers)} workers, {len(cases)} cases, reference: {ref.name if ref else 'none (no --model)'}",
-              flush=True)
-        outputs: dict = {}          # (worker, mode, order) -> list of (logits, act)
-        taps: dict = {}
-        failures: list[str] = []
-        bar = Progress(len(workers) * len(MODES) * 2 * len(cases), "compare", enabled(getattr(args, "quiet", False)))
-        for w in workers:
-            dtype = "fp32" if w["device"] == "cpu" else "bf16"
-            for mode in MODES:
-                for order in ("forward", "reverse"):
-                    idx = list(range(len(cases)))[:: 1 if order == "forward" else -1]
-                    got = {}
-                    try:
-                        for i in idx:
-                            res = client.forward(cases[i][1], worker=w["id"], mode=mode)
-                            got[i] = (res.flat, res.act, res.metrics.get("first_call", False))
-                            bar.update()
-                    except RequestFailed as e:
-                        if e.field == "mode":
-                            break           # this worker does not run this mode (a CPU worker: eager only)
-                        raise
-                    outputs[(w["id"], dtype, mode, order)] = [got[i] for i in range(len(cases))]
-                bar.close()
-                print(f"  {w['id']} {mode}: {'done' if (w['id'], dtype, mode, 'forward') in outputs else 'n/a'}",
-                      flush=True)
-            if ref is not None:
-                taps[w["id"]] = [client.forward(rows, worker=w["id"], mode="eager", taps=True).taps
-                                 for _, rows in cases]
-        rows_out = []
-        refs = [ref.run(rows) for _, rows in cases] if ref else None
-        for (wid, dtype, mode, order), outs in outputs.items():
-            if order != "forward":
-                continue
-            row = {"worker": wid, "dtype": dtype, "mode": mode, "ok": True, "notes": []}
-            rev = outputs[(wid, dtype, mode, "reverse")]
-            if any(not (np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])) for a, b in zip(outs, rev)):
-                row["notes"].append("forward and reverse order differ")
-            eager = outputs.get((wid, dtype, "eager", "forward"))
-            if eager is not None and any(not np.array_equal(a[0], b[0]) for a, b in zip(outs, eager)):
-                row["notes"].append("differs from its own eager output")
-            # Byte-identity is asked of workers serving the same model; one serving another model is
-            # reported for that, and against the reference, not held against the healthy ones.
-            fp = fingerprints[wid]
-            if fp != pool_fp:
-                row["notes"].append(f"serves model {fp[:12]}, the pool serves {pool_fp[:12]}")
-            peers = [k for k in outputs if k[1] == dtype and k[2] == mode and k[3] == "forward" and k[0] != wid
-                     and fingerprints[k[0]] == fp]
-            for peer in peers:
-                if any(not (np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
-                       for a, b in zip(outs, outputs[peer])):
-                    row["notes"].append(f"differs from worker {peer[0]}")
-            if refs is not None:
-                dl = max(float(np.abs(o[0] - r[0]).max()) for o, r in zip(outs, refs))
-                dp = 0.0
-                for (_, rows), o, r in zip(cases, outs, refs):
-                    counts = [len(x[1]) for x in rows]
-                    dp = max(dp, max(float(np.abs(a - b).max()) for a, b in
-                                     zip(softmax_rows(o[0], counts), softmax_rows(r[0], counts))))
-                da = max(float(np.abs(o[1] - r[1]).max()) for o, r in zip(outs, refs))
-                row.update(max_dlogit=dl, max_dp=dp, max_dact=da)
-                if dp > TOL[dtype]["dp"] or da > TOL[dtype]["dp"]:
-                    row["notes"].append(f"against the reference: max|dp| {dp:.3g}, max|d act| {da:.3g} "
-                                        f"over the {dtype} tolerance {TOL[dtype]['dp']}")
-                    first = first_divergence(taps[wid], cases, refs, TOL[dtype]["nrms"])
-                    if first:
-                        row["notes"].append(f"first diverging tap: {first}")
-            row["ok"] = not row["notes"]
-            if not row["ok"]:
-                failures.append(f"worker {wid} ({mode}): " + "; ".join(row["notes"]))
-            rows_out.append(row)
-        print(f"\n{'worker':10} {'dtype':5} {'mode':13} {'max|dlogit|':>11} {'max|dp|':>9} {'max|dact|':>9}  verdict")
-        for r in rows_out:
-            print(f"{r['worker']:10} {r['dtype']:5} {r['mode']:13} {r.get('max_dlogit', float('nan')):11.3g} "
-                  f"{r.get('max_dp', float('nan')):9.3g} {r.get('max_dact', float('nan')):9.3g}  "
-                  f"{'OK' if r['ok'] else 'MISMATCH: ' + '; '.join(r['notes'])}")
-        report = {"frontend": args.frontend, "reference": ref.name if ref else None, "cases": [n for n, _ in cases],
-                  "tolerances": TOL, "results": rows_out, "failures": failures,
-                  "workers": [{k: w[k] for k in ("id", "device", "state", "fingerprint")} for w in workers]}
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report, indent=2))
-        print("compare_workers:", "OK, every worker agrees" if not failures else f"{len(failures)} mismatches")
-        return 1 if failures else 0
+    client = Client(args.frontend, timeout=args.timeout)
+    card = client.card()
+    workers = [w for w in client.status()["workers"] if w["state"] in ("ready", "mismatch")]
+    cases = frozen_cases(card)
+    fingerprints = {w["id"]: w["fingerprint"] for w in workers}
+    ref = Reference(args.model) if args.model else None
+    print(f"{len(workers)} workers, {len(cases)} cases, reference: {ref.name if ref else 'none (no --model)'}",
+          flush=True)
+    outputs, taps = _run_cases(client, workers, cases, ref is not None, RequestFailed,
+                               enabled(getattr(args, "quiet", False)))
+    refs = [ref.run(rows) for _, rows in cases] if ref else None
+    rows_out, failures = [], []
+    for (wid, dtype, mode, order), outs in outputs.items():
+        if order != "forward":
+            continue
+        row = _verdict(wid, dtype, mode, outs, outputs, fingerprints, card.fingerprint)
+        if refs is not None:
+            _against_reference(row, outs, cases, refs, taps[wid])
+        row["ok"] = not row["notes"]
+        if not row["ok"]:
+            failures.append(f"worker {wid} ({mode}): " + "; ".join(row["notes"]))
+        rows_out.append(row)
+    print(f"\n{'worker':10} {'dtype':5} {'mode':13} {'max|dlogit|':>11} {'max|dp|':>9} {'max|dact|':>9}  verdict")
+    for r in rows_out:
+        print(f"{r['worker']:10} {r['dtype']:5} {r['mode']:13} {r.get('max_dlogit', float('nan')):11.3g} "
+              f"{r.get('max_dp', float('nan')):9.3g} {r.get('max_dact', float('nan')):9.3g}  "
+              f"{'OK' if r['ok'] else 'MISMATCH: ' + '; '.join(r['notes'])}")
+    report = {"frontend": args.frontend, "reference": ref.name if ref else None, "cases": [n for n, _ in cases],
+              "tolerances": TOL, "results": rows_out, "failures": failures,
+              "workers": [{k: w[k] for k in ("id", "device", "state", "fingerprint")} for w in workers]}
+    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.report).write_text(json.dumps(report, indent=2))
+    print("compare_workers:", "OK, every worker agrees" if not failures else f"{len(failures)} mismatches")
+    return 1 if failures else 0
+
+
+def _run_cases(client, workers: list[dict], cases, with_taps: bool, RequestFailed, progress: bool) -> tuple[dict, dict]:
+    """Every case on every worker in every mode it runs, in forward and reverse order: ({(worker, dtype, mode,
+    order): [(logits, act, first_call)] in case order}, {worker: its eager taps per case} when `with_taps`)."""
+    outputs: dict = {}          # (worker, mode, order) -> list of (logits, act)
+    taps: dict = {}
+    bar = Progress(len(workers) * len(MODES) * 2 * len(cases), "compare", progress)
+    for w in workers:
+        dtype = "fp32" if w["device"] == "cpu" else "bf16"
+        for mode in MODES:
+            for order in ("forward", "reverse"):
+                idx = list(range(len(cases)))[:: 1 if order == "forward" else -1]
+                got = {}
+                try:
+                    for i in idx:
+                        res = client.forward(cases[i][1], worker=w["id"], mode=mode)
+                        got[i] = (res.flat, res.act, res.metrics.get("first_call", False))
+                        bar.update()
+                except RequestFailed as e:
+                    if e.field == "mode":
+                        break           # this worker does not run this mode (a CPU worker: eager only)
+                    raise
+                outputs[(w["id"], dtype, mode, order)] = [got[i] for i in range(len(cases))]
+            bar.close()
+            print(f"  {w['id']} {mode}: {'done' if (w['id'], dtype, mode, 'forward') in outputs else 'n/a'}",
+                  flush=True)
+        if with_taps:
+            taps[w["id"]] = [client.forward(rows, worker=w["id"], mode="eager", taps=True).taps
+                             for _, rows in cases]
+    return outputs, taps
+
+
+def _verdict(wid: str, dtype: str, mode: str, outs: list, outputs: dict, fingerprints: dict, pool_fp: str) -> dict:
+    """A worker's row in one mode: its answers against its reverse order, its own eager answers and its peers'."""
+    row = {"worker": wid, "dtype": dtype, "mode": mode, "ok": True, "notes": []}
+    rev = outputs[(wid, dtype, mode, "reverse")]
+    if any(not (np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])) for a, b in zip(outs, rev)):
+        row["notes"].append("forward and reverse order differ")
+    eager = outputs.get((wid, dtype, "eager", "forward"))
+    if eager is not None and any(not np.array_equal(a[0], b[0]) for a, b in zip(outs, eager)):
+        row["notes"].append("differs from its own eager output")
+    # Byte-identity is asked of workers serving the same model; one serving another model is
+    # reported for that, and against the reference, not held against the healthy ones.
+    fp = fingerprints[wid]
+    if fp != pool_fp:
+        row["notes"].append(f"serves model {fp[:12]}, the pool serves {pool_fp[:12]}")
+    peers = [k for k in outputs if k[1] == dtype and k[2] == mode and k[3] == "forward" and k[0] != wid
+             and fingerprints[k[0]] == fp]
+    for peer in peers:
+        if any(not (np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
+               for a, b in zip(outs, outputs[peer])):
+            row["notes"].append(f"differs from worker {peer[0]}")
+    return row
+
+
+def _against_reference(row: dict, outs: list, cases, refs: list, worker_taps: list) -> None:
+    """The row's distance from the reference (max |d logit|, |d p|, |d act|), a note past the dtype's tolerance."""
+    dtype = row["dtype"]
+    dl = max(float(np.abs(o[0] - r[0]).max()) for o, r in zip(outs, refs))
+    dp = 0.0
+    for (_, rows), o, r in zip(cases, outs, refs):
+        counts = [len(x[1]) for x in rows]
+        dp = max(dp, max(float(np.abs(a - b).max()) for a, b in
+                         zip(softmax_rows(o[0], counts), softmax_rows(r[0], counts))))
+    da = max(float(np.abs(o[1] - r[1]).max()) for o, r in zip(outs, refs))
+    row.update(max_dlogit=dl, max_dp=dp, max_dact=da)
+    if dp > TOL[dtype]["dp"] or da > TOL[dtype]["dp"]:
+        row["notes"].append(f"against the reference: max|dp| {dp:.3g}, max|d act| {da:.3g} "
+                            f"over the {dtype} tolerance {TOL[dtype]['dp']}")
+        first = first_divergence(worker_taps, cases, refs, TOL[dtype]["nrms"])
+        if first:
+            row["notes"].append(f"first diverging tap: {first}")
 
 
 def first_divergence(worker_taps: list[dict], cases, refs, tol: float) -> str | None:

@@ -247,33 +247,13 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     from `mix`); returns the measurements, with the CPU each process used (`pool_pids`: a callable giving the
     pool's pids and roles, for a pool on this host). `keys`: a pool with CURVE keys (`laya-pool keys`)."""
     mix = mix or [(rows, tokens, 1.0)]
-    warm_failed = []
-    with Client(endpoint, timeout=10.0, retries=3, keys=keys) as c:   # one warm call per shape apart, not timed
-        for r, t, _ in mix:
-            try:
-                c.forward(_rows(r, t))
-            except Exception as e:
-                warm_failed.append(f"{type(e).__name__}: {e}")
-        # a CPU worker computes inside its launch, so its stamps say nothing of a device: only CUDA workers' count
-        on_cuda = {w["id"] for w in c.status()["workers"] if str(w.get("device", "")).startswith("cuda")}
+    warm_failed, on_cuda = _warm(endpoint, mix, keys)
     time.sleep(HEARTBEAT_S)                    # the warm calls in the workers' stats
     counted = _worker_counts(endpoint, keys)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = max(1, min(procs, concurrency))
-    shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
-    gate = ctx.Barrier(procs + 1)
-    children = [ctx.Process(target=_client_proc,
-                            args=(endpoint, n, seconds, mix, i, q, gate, direct, keys, lanes, bundles, together))
-                for i, n in enumerate(shares)]
-    for p in children:
-        p.start()
-    try:
-        gate.wait(START_S)
-    except threading.BrokenBarrierError:
-        for p in children:
-            p.kill()
-        raise RuntimeError(f"the {procs} client processes did not all start within {START_S:.0f} s") from None
+    children = _start_clients(ctx, q, endpoint, concurrency, procs, seconds, mix,
+                              (direct, keys, lanes, bundles, together))
     t0 = time.perf_counter()
     killed: dict = {}
     if kill_after is not None:
@@ -290,6 +270,47 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
         p.join(30)
     time.sleep(HEARTBEAT_S)                    # the run's last requests in the workers' stats
     grouped = groups(counted, _worker_counts(endpoint, keys))
+    run = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds}
+    return _summary(run, parts, mix, warm_failed, on_cuda, killed, grouped, used)
+
+
+def _warm(endpoint: str, mix: list[Shape], keys: str | None) -> tuple[list[str], set[str]]:
+    """One warm call per shape apart, not timed: (what failed, the ids of the CUDA workers)."""
+    warm_failed = []
+    with Client(endpoint, timeout=10.0, retries=3, keys=keys) as c:
+        for r, t, _ in mix:
+            try:
+                c.forward(_rows(r, t))
+            except Exception as e:
+                warm_failed.append(f"{type(e).__name__}: {e}")
+        # a CPU worker computes inside its launch, so its stamps say nothing of a device: only CUDA workers' count
+        on_cuda = {w["id"] for w in c.status()["workers"] if str(w.get("device", "")).startswith("cuda")}
+    return warm_failed, on_cuda
+
+
+def _start_clients(ctx: Any, q: Any, endpoint: str, concurrency: int, procs: int, seconds: float, mix: list[Shape],
+                   options: tuple) -> list:
+    """`procs` client processes sharing `concurrency` requests in flight, started together (a barrier);
+    `options`: (direct, keys, lanes, bundles, together) for `_client_proc`."""
+    procs = max(1, min(procs, concurrency))
+    shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    gate = ctx.Barrier(procs + 1)
+    children = [ctx.Process(target=_client_proc, args=(endpoint, n, seconds, mix, i, q, gate, *options))
+                for i, n in enumerate(shares)]
+    for p in children:
+        p.start()
+    try:
+        gate.wait(START_S)
+    except threading.BrokenBarrierError:
+        for p in children:
+            p.kill()
+        raise RuntimeError(f"the {procs} client processes did not all start within {START_S:.0f} s") from None
+    return children
+
+
+def _summary(run: dict, parts: list[dict], mix: list[Shape], warm_failed: list[str], on_cuda: set[str], killed: dict,
+             grouped: Any, used: list[dict]) -> dict:
+    """The run's measurements (`run`: endpoint, concurrency, procs, seconds) from the client processes' parts."""
     per_shape = {f"{r}x{t}": [x for part in parts for x in part["latencies"][f"{r}x{t}"]] for r, t, _ in mix}
     everything = [x for xs in per_shape.values() for x in xs]
     failed = warm_failed + [x for part in parts for x in part["failed"]]
@@ -299,12 +320,11 @@ def run_load(endpoint: str, *, concurrency: int, procs: int, seconds: float, row
     # request comes at once, before the worker's groups settle)
     stamps = [tuple(x) for part in parts for x in part.get("stamps", []) if x[0] in on_cuda]
     device = device_time(stamps, since=min((x[1] for x in stamps), default=0.0) + 1.0) if not killed else None
-    out = {"endpoint": endpoint, "concurrency": concurrency, "procs": len(children), "seconds": seconds,
-           "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
+    out = {**run, "rows": mix[0][0], "tokens": mix[0][1], "answered": total["answered"], "lost": len(failed),
            "errors": failed[:5], "p50_ms": total["p50_ms"],
            # the answers within the run's seconds, which every client process began at once: not those that came
            # after (they were sent within it) nor the processes' start-up (0.5 s or more, 6% of an 8 s run)
-           "in_window": in_window, "throughput_rps": in_window / seconds,
+           "in_window": in_window, "throughput_rps": in_window / run["seconds"],
            "p95_ms": total["p95_ms"], "killed": killed or None, "groups": grouped, "device": device, "cpu": used,
            "paths": {k: sum(part["paths"].get(k, 0) for part in parts) for k in ("direct", "on_lanes", "dropped")}}
     if len(mix) > 1:
@@ -399,6 +419,33 @@ def _line(name: str, r: dict) -> str:
 
 
 def main() -> int:
+    ap = _parser()
+    args = ap.parse_args()
+    global QUIET
+    QUIET = args.quiet
+    if not args.frontend and not args.model:
+        ap.error("give --frontend or --model")
+    try:
+        args.concurrency = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+        args.mix = parse_mix(args.mix) if args.mix else None
+    except ValueError as e:
+        ap.error(str(e))
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error("--concurrency: positive integers")
+    report = _measure(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.png:
+        plot(report, args.png)
+    runs = [x for r in report.values() if isinstance(r, dict) for x in (r.get("sweep") or [r]) if "lost" in x]
+    lost = sum(x["lost"] for x in runs)
+    if lost:
+        first = next(x["errors"][0] for x in runs if x.get("errors"))
+        print(f"LOST {lost} requests; first error: {first}")
+    return 1 if lost else 0
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--frontend", help="a running pool (else --model starts pools)")
     ap.add_argument("--model")
@@ -430,18 +477,11 @@ def main() -> int:
                          "for A/B runs")
     ap.add_argument("--keys", help="a pool with CURVE keys: the `laya-pool keys` directory (the pools this starts "
                                    "use it too)")
-    args = ap.parse_args()
-    global QUIET
-    QUIET = args.quiet
-    if not args.frontend and not args.model:
-        ap.error("give --frontend or --model")
-    try:
-        args.concurrency = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-        args.mix = parse_mix(args.mix) if args.mix else None
-    except ValueError as e:
-        ap.error(str(e))
-    if not args.concurrency or min(args.concurrency) < 1:
-        ap.error("--concurrency: positive integers")
+    return ap
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    """The report: a running pool (--frontend) at each concurrency, or the pools this starts (and a baseline)."""
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.frontend:
         runs = [run_load(args.frontend, concurrency=n, procs=args.procs, seconds=args.seconds, rows=args.rows,
@@ -468,16 +508,7 @@ def main() -> int:
         if "baseline" in report:
             report["ratio"] = report["pool"]["throughput_rps"] / report["baseline"]["throughput_rps"]
             print(f"throughput ratio pool / baseline (at concurrency {args.concurrency[-1]}): {report['ratio']:.2f}x")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    if args.png:
-        plot(report, args.png)
-    runs = [x for r in report.values() if isinstance(r, dict) for x in (r.get("sweep") or [r]) if "lost" in x]
-    lost = sum(x["lost"] for x in runs)
-    if lost:
-        first = next(x["errors"][0] for x in runs if x.get("errors"))
-        print(f"LOST {lost} requests; first error: {first}")
-    return 1 if lost else 0
+    return report
 
 
 if __name__ == "__main__":

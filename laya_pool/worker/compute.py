@@ -4,6 +4,10 @@ Words: a *request* is what the broker sent (`wire.Request`, queued here as `Queu
 the runtime runs in one forward (`worker.batch.Batch`: one request's rows, or a group's merged); a
 *group* is the requests that share one forward (`worker.merge.Group`, dynamic batching).
 
+This module is the thread's loop and what it waits for; which requests share a forward is worker/grouping.py's,
+launching a group and answering its members worker/running.py's (mixins of `Compute`: one thread's state, and no
+indirection on the data thread's path).
+
 The thread owns the runtime. It takes its work from an inbox (worker/inbox.py): in a worker its own data socket
 to the broker, polled together with the launched group's event, so it is the worker's *data thread*; in tests a
 queue. It sends every encoded reply through `reply` (in a worker, on the same data socket). Every request message
@@ -25,7 +29,6 @@ Every request gets exactly one reply:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -36,14 +39,15 @@ from laya_pool.protocol import settings, wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.histogram import SECONDS_BOUNDS, Histogram
 
-from .batch import Batch, RequestError
+from .grouping import DONE, Grouping, Queued
 from .inbox import NOTHING, QueueInbox
 from .landing import Landed
 from .merge import Group
+from .running import Flight, Running
 
 log = logging.getLogger("laya-pool.worker")
 
-_DONE, _IDLE = object(), object()    # what `_next` returns besides a queued request (and NOTHING)
+_IDLE = object()    # what `_next` returns after an idle-time capture (besides a request, DONE and NOTHING)
 # Nothing launched and nothing arriving for this long: idle enough to capture a missed bucket (a request that
 # arrives during the capture waits for it, tens of ms, once per bucket; a short gap in steady traffic does not count).
 IDLE_S = 0.005
@@ -52,33 +56,6 @@ IDLE_S = 0.005
 # 1.3-1.9 us on an H100), so past it a second forward is cheaper than more padding: a mixed load ran 1.5-1.7x
 # faster with the bound (docs/decisions/0013-merge-waste-bound.md).
 MERGE_WASTE = 512
-BUNDLE_MOST = 64        # replies in one BUNDLE (--max-batch has no bound; a bundle's header grows ~66 bytes a reply)
-
-
-@dataclass
-class Queued:
-    """A request taken from the broker, waiting for (or in) the compute thread."""
-    session: int          # the registration it arrived under
-    req: wire.Request
-    received: float       # time.monotonic() when the I/O thread decoded it
-    expires: float | None = None   # when its caller gives up (this host's monotonic clock); None: no deadline
-    to: Any = None     # a client's own request: its identity on the direct socket, or its lane (None: the broker's)
-
-    @classmethod
-    def of(cls, session: int, req: wire.Request, received: float, to: Any = None) -> Queued:
-        """`req` as it arrived at `received`: its budget (the caller's time left) counts from then."""
-        expires = None if req.budget_ms is None else received + req.budget_ms / 1e3
-        return cls(session, req, received, expires, to)
-
-
-@dataclass
-class Flight:
-    """A launched group: its members, their rows in the same order, and the runtime's handle."""
-    members: list[Queued]
-    group: Group
-    job: Any              # runtime.Launched
-    started: float        # time.monotonic() just before the launch
-    launched: float = 0.0 # time.monotonic() once the launch returned (the device has its work)
 
 
 @dataclass(frozen=True)
@@ -97,7 +74,7 @@ class FaultHooks:
                    fault_rows=settings.get("LAYA_WORKER_FAULT_ROWS", env))
 
 
-class Compute:
+class Compute(Grouping, Running):
     def __init__(self, runtime: Any, worker_id: str, fingerprint: str, max_group: int,
                  reply: Callable[[list[Any], bytes | None], None], counts: dict[str, int],
                  faults: FaultHooks = FaultHooks(), inbox: Any = None, merge_waste: int | None = MERGE_WASTE):
@@ -172,7 +149,7 @@ class Compute:
                 first = self.waiting.popleft()
             else:
                 first = self._next()
-                if first is _DONE:
+                if first is DONE:
                     self._complete_oldest()
                     continue
                 if first is _IDLE or first is NOTHING:
@@ -202,7 +179,7 @@ class Compute:
         self.inbox.close()
 
     def _next(self) -> Queued | None | object:
-        """The next queued request (None: the stop sentinel), or _DONE when the oldest launched group finished
+        """The next queued request (None: the stop sentinel), or DONE when the oldest launched group finished
         first, or _IDLE after an idle-time capture, or NOTHING after half a second of nothing."""
         if self.flights:
             return self._request_or_done()
@@ -218,7 +195,7 @@ class Compute:
         return self._get(0.5)
 
     def _get(self, timeout: float) -> Queued | None | object:
-        """The next request (None: stop), _DONE when a launched group landed, or NOTHING after `timeout` s."""
+        """The next request (None: stop), DONE when a launched group landed, or NOTHING after `timeout` s."""
         deadline = time.monotonic() + timeout
         while True:
             item = self.inbox.get(max(0.0, deadline - time.monotonic()))
@@ -227,7 +204,7 @@ class Compute:
             done = self._landed(item)
             if done is not None:
                 if done:
-                    return _DONE
+                    return DONE
                 continue            # a stale landing: that group was answered already
             return item
 
@@ -240,7 +217,7 @@ class Compute:
             if done is None:
                 return item
             if done:
-                return _DONE
+                return DONE
 
     def _landed(self, item: Any) -> bool | None:
         """None: not a landing; True: a launched group still waiting to be answered landed; False: a stale one."""
@@ -249,7 +226,7 @@ class Compute:
         return any(f is item.flight for f in self.flights)
 
     def _request_or_done(self) -> Queued | None | object:
-        """With a group launched: the next request to arrive, or _DONE once the oldest launched group landed (groups
+        """With a group launched: the next request to arrive, or DONE once the oldest launched group landed (groups
         land in launch order). Waits in the inbox: a queue the landing watch wakes, or (a worker's) the data socket
         polled with the group's event."""
         while True:
@@ -259,7 +236,7 @@ class Compute:
             if item is not NOTHING:
                 return item
             if self.flights[0].job.done():
-                return _DONE       # its Landed was taken already (it ended the group being formed), or is on its way
+                return DONE       # its Landed was taken already (it ended the group being formed), or is on its way
             item = self._get(0.5)
             if item is not NOTHING:
                 return item
@@ -267,7 +244,7 @@ class Compute:
                 return None        # the I/O thread gave up on the device: stop, handing back what was launched
 
     def _more(self) -> Queued | None | object:
-        """The next request for the group being formed, or _DONE: launch it now.
+        """The next request for the group being formed, or DONE: launch it now.
 
         With nothing launched, a group takes what is queued and goes (a lone request never waits). With a group
         computing, the next one keeps taking requests as they arrive (each validated on arrival) until it is full
@@ -276,7 +253,7 @@ class Compute:
         item = self._get_nowait()
         if item is not NOTHING:
             return item
-        return self._request_or_done() if self.flights else _DONE
+        return self._request_or_done() if self.flights else DONE
 
     def _idle_work(self) -> None:
         """A missed bucket's capture, while nothing waits (a request arriving now waits for it: tens of ms)."""
@@ -319,274 +296,6 @@ class Compute:
         while self.flights:
             self.complete(self.flights.popleft())
         self.busy_since = None
-
-    def admit(self, q: Queued) -> Batch | None:
-        """The request's rows if this worker can run them; otherwise answer it here and return None."""
-        req = q.req
-        if self.faults.hang_rows and len(req.lengths) == self.faults.hang_rows:
-            log.warning("worker %s: LAYA_WORKER_HANG_ROWS: hanging on request %s", self.id, req.tag,
-                        extra={"request": req.tag})
-            threading.Event().wait()
-        if q.session != self.session and q.to is None:     # (a client's own request is no broker's to re-send)
-            self.counts["dropped"] += 1
-            self.reply(self._error(req, wire.STATUS_RETRYABLE, "dropped after re-registering", reason=Reason.STALE),
-                       q.to)
-            return None
-        if q.expires is not None and time.monotonic() >= q.expires:
-            # Its caller has given up: computing it would only delay the requests behind it.
-            self.counts["expired"] += 1
-            self.reply(self._error(req, wire.STATUS_RETRYABLE, f"worker {self.id}: the request's deadline passed "
-                                   "before compute started", reason=Reason.EXPIRED), q.to)
-            return None
-        try:
-            batch = Batch(req.ids, req.lengths, req.types, req.marker_counts, req.markers)    # (0.2 us; by names 0.7)
-            # (its arrays are parse_request's; its values are checked with its group's, `_valid`)
-            self.rt.check_request(batch, mode=req.mode, taps=req.taps, parsed=True)
-            return batch
-        except Exception as e:  # noqa: BLE001 - host-side only (no device work yet): refuse this one request
-            self._refuse(q, e, "read")
-            return None
-
-    def _refuse(self, q: Queued, e: Exception, doing: str) -> None:
-        """Answer `q`, whose host-side check raised `e`: a `RequestError` names its field and row; anything else is
-        an internal error of this request alone (no device work was done for it)."""
-        if isinstance(e, RequestError):
-            self.counts["request_errors"] += 1
-            self.reply(self._refusal(q.req, e), q.to)
-            return
-        self.counts["internal_errors"] += 1
-        log.exception("worker %s: could not %s request %s", self.id, doing, q.req.tag, extra={"request": q.req.tag})
-        self.reply(self._internal(q.req, e), q.to)
-
-    def take_group(self, first: Queued, more: bool = True) -> tuple[list[Queued], Group, bool]:
-        """`first` and the requests that can share its forward: (the members, their rows as a Group in the same
-        order, whether the stop sentinel was seen). Requests set aside before (`waiting`) are offered first, then
-        what arrives (`more`: the sentinel is not read yet).
-
-        Only requests in the worker's own mode without taps are merged; one that asks for something else
-        runs alone. A request that would overflow the workspace ends the group; one that would take the group's
-        padding (`Group.waste`) past `merge_waste` tokens is set aside, and the group goes on without it. What is
-        set aside stays in arrival order, first in line for the next group."""
-        members: list[Queued] = []
-        group = Group(step=self.row_step)
-        earlier, self.waiting = self.waiting, deque()
-        kept: list[Queued] = []           # set aside from `earlier`: older than what is left there
-        later: list[Queued] = []          # set aside from new arrivals
-        stop = False
-        q: Queued | None = first
-        aside = later                     # where `q` goes if set aside (`first` is never: it leads the group)
-        try:
-            while q is not None:
-                special = q.req.taps or q.req.mode not in (None, self.rt.config.mode)
-                if members and special:
-                    aside.append(q)
-                    break
-                batch = self.admit(q)
-                if batch is not None:
-                    if members and not group.admits(batch, self.rt.capacity):
-                        aside.append(q)
-                        break
-                    if members and self.merge_waste is not None and group.waste(batch) > self.merge_waste:
-                        self.counts["set_aside"] += 1
-                        aside.append(q)
-                    else:
-                        group.add(batch)
-                        members.append(q)
-                        if special:
-                            break
-                # Enough set aside for a group of their own: launch this one, they come next.
-                if len(members) >= self.max_group or len(kept) + len(later) >= self.max_group:
-                    break
-                aside = kept if earlier else later
-                nxt = earlier.popleft() if earlier else (self._more() if more else _DONE)
-                if nxt is _DONE:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                q = nxt
-        finally:                          # (an answer that raised must not drop what waits)
-            self.waiting.extend(kept)
-            self.waiting.extend(earlier)
-            self.waiting.extend(later)
-        return members, group, stop
-
-    def run_group(self, members: list[Queued], group: Group) -> None:
-        """One forward for the whole group, one reply per member, answered before this returns."""
-        flight = self.start(members, group)
-        if flight is not None:
-            self.complete(flight)
-
-    def start(self, members: list[Queued], group: Group) -> Flight | None:
-        """Launch the group's forward; its replies come from `complete`. A launch that fails is answered here
-        (None)."""
-        from .upload import UploadError  # imports the CUDA runtime bindings: not before main() has
-
-        if self.fatal is not None:       # an earlier member broke the device: hand the rest to another worker
-            for q in members:
-                self.reply(self._handed_back(q), q.to)
-            return None
-        # Outside the guard below: a refusal sent here is not the run's failure (its member would be answered twice).
-        members, group = self._valid(members, group)
-        if not members:
-            return None
-        try:
-            return self._launch(members, group)
-        except UploadError as e:
-            if e.sticky:
-                # The copy failed because the context is poisoned (an earlier kernel faulted): nothing more can run
-                # here. Hand the group back and leave; the supervisor starts a fresh worker.
-                self.counts["internal_errors"] += 1
-                log.error("worker %s: %s: the device context is broken, leaving", self.id, e)
-                for q in members:
-                    self.reply(self._handed_back(q, "the device context broke"), q.to)
-                self.fatal = f"upload on a broken context: {e}"
-                return None
-            # The group drained before raising, so the staging is safe to reuse: keep serving, and let
-            # the broker run these requests elsewhere.
-            self.counts["upload_errors"] += 1
-            tags = ", ".join(q.req.tag for q in members)
-            log.warning("worker %s: %s (requests %s, handed back)", self.id, e, tags, extra={"request": tags})
-            for q in members:
-                self.reply(self._error(q.req, wire.STATUS_RETRYABLE, f"worker {self.id}: {e}",
-                                       reason=Reason.UPLOAD_FAILED), q.to)
-            return None
-        except Exception as e:  # noqa: BLE001 - every failure must be answered
-            self._recover(members, group, e)
-            return None
-
-    def complete(self, flight: Flight) -> None:
-        """Wait for a launched group and answer every member."""
-        members, group = flight.members, flight.group
-        if self.fatal is not None:       # the device may be broken or hung: do not wait on it
-            for q in members:
-                self.reply(self._handed_back(q), q.to)
-            return
-        try:
-            replies = self._answer(flight)
-        except Exception as e:  # noqa: BLE001 - every failure must be answered
-            self._recover(members, group, e)
-            return
-        if len(members) > 1:
-            self.counts["merged_runs"] += 1
-            self.counts["merged_requests"] += len(members)
-        self.counts["ok"] += len(members)
-        for to, frames, answers in replies:
-            self.reply(frames, to, answers)
-        now = time.monotonic()
-        for q in members:
-            self.answer_seconds.observe(now - q.received)
-
-    def _recover(self, members: list[Queued], group: Group, e: Exception) -> None:
-        if len(members) > 1:
-            # Each member passed alone, so run them alone: whatever failed finds its owner, and the
-            # others are answered here instead of each losing an attempt with the group.
-            for q, batch in zip(members, group.batches):
-                self.run_group([q], Group([batch]))
-            return
-        self.fail(members[0], e)
-
-    def _valid(self, members: list[Queued], group: Group) -> tuple[list[Queued], Group]:
-        """The members whose rows' values pass, and their group; each other one refused, naming its field and row.
-
-        `admit` checked each request's structure, so the merged rows line up with the members' and one check of the
-        group's values passes exactly when every member's would (worker/batch.py `validate_structure`): ~30 numpy
-        and list passes a group instead of a member. Only a group that fails is checked member by member. Host work
-        alone, so anything it raises is one request's refusal (as in `admit`), never a device failure."""
-        try:
-            self.rt.check_values(group.merged())
-            return members, group
-        except Exception:  # noqa: BLE001 - whose rows they are is found member by member
-            pass
-        kept: list[Queued] = []
-        batches = []
-        for q, batch in zip(members, group.batches):
-            try:
-                self.rt.check_values(batch)
-            except Exception as e:  # noqa: BLE001 - host-side only: refuse this one request
-                self._refuse(q, e, "check")
-                continue
-            kept.append(q)
-            batches.append(batch)
-        return kept, Group(batches)
-
-    def _launch(self, members: list[Queued], group: Group) -> Flight:
-        """Launch the group (inside the caller's guard: a failure here is the run's)."""
-        started = time.monotonic()
-        first = members[0].req
-        if self.faults.fault_rows and any(b.rows == self.faults.fault_rows for b in group.batches):
-            raise RuntimeError(f"LAYA_WORKER_FAULT_ROWS: injected fault on a group with a {self.faults.fault_rows}"
-                               "-row request")
-        # Every member passed `check` in admit and the group fits the workspace: no second validation.
-        job = self.rt.launch(group.merged(), mode=first.mode, taps=first.taps, checked=True)
-        return Flight(members, group, job, started, time.monotonic())
-
-    def _answer(self, flight: Flight) -> list[tuple[Any, list[Any], int]]:
-        """Wait for the group and build its replies (inside the caller's guard): (to, frames, requests answered).
-
-        A client that reads bundles (`wire.accepts_bundles`: the asyncio client, on the direct socket) gets the
-        replies to all its requests of this forward in one BUNDLE: at load a forward answers ~32 requests of a few
-        clients, and a reply alone costs the data thread 6 us to encode and send, one of 8 in a bundle 1.8
-        (docs/decisions/0017-bundles-on-requests-opt-in.md). Lanes carry one request at a time, the broker reads
-        REPLYs: those go alone."""
-        res = self.rt.finish(flight.job)
-        done = time.monotonic()
-        members, t0 = flight.members, flight.started
-        # received_at ... done_at: this host's monotonic clock, so a client on the same host can place the worker's
-        # part of a round trip, hand-offs included (benchmarks/overhead.py); meaningless across hosts. What the members
-        # share is packed once (wire.Replies).
-        answers = wire.Replies(worker=self.id, fingerprint=self.fingerprint, together=True, metrics=dict(
-            res.metrics, batched=len(members), started_at=t0, launched_at=flight.launched,
-            landed_at=getattr(flight.job, "landed_at", None) or done, done_at=done))
-        encode = answers.alone if len(members) == 1 else answers.encode    # (a lone reply: packed whole)
-        replies: list[tuple[Any, list[Any], int]] = []
-        bundles: dict[bytes, list[tuple[Any, Any, Any, dict]]] = {}
-        for q, (logits, act) in zip(members, flight.group.split(res.logits, res.act)):
-            own = {"queue_ms": (t0 - q.received) * 1e3, "worker_ms": (done - q.received) * 1e3,
-                   "received_at": q.received}
-            if type(q.to) is bytes and res.taps is None and wire.accepts_bundles(q.req.header):
-                bundles.setdefault(q.to, []).append((q.req.rid, logits, act, own))
-            else:
-                replies.append((q.to, encode(q.req.rid, logits, act, own, taps=res.taps), 1))
-        for to, items in bundles.items():
-            if len(items) == 1:
-                replies.append((to, encode(*items[0]), 1))
-                continue
-            for at in range(0, len(items), BUNDLE_MOST):       # (a header stays far below the wire's 64 KiB)
-                part = items[at:at + BUNDLE_MOST]
-                self.counts["bundles"] += 1
-                self.counts["bundled"] += len(part)
-                replies.append((to, answers.bundle(part), len(part)))
-        return replies
-
-    def fail(self, q: Queued, e: Exception) -> None:
-        """Answer one request whose run raised `e`."""
-        if isinstance(e, RequestError):
-            self.counts["request_errors"] += 1
-            self.reply(self._refusal(q.req, e), q.to)
-            return
-        self.counts["internal_errors"] += 1
-        if self.rt.is_cuda:
-            log.exception("worker %s: device failure on request %s", self.id, q.req.tag, extra={"request": q.req.tag})
-            self.reply(self._handed_back(q, type(e).__name__), q.to)
-            self.fatal = f"{type(e).__name__}: {e}"     # the context may be poisoned
-            return
-        log.exception("worker %s: internal error on request %s", self.id, q.req.tag, extra={"request": q.req.tag})
-        self.reply(self._internal(q.req, e), q.to)
-
-    # -- replies ---------------------------------------------------------------------------------------------
-    def _error(self, req: wire.Request, status: str, message: str, **kw: Any) -> list[Any]:
-        return wire.encode_error(req.rid, status, message, worker=self.id, **kw)
-
-    def _refusal(self, req: wire.Request, e: RequestError) -> list[Any]:
-        return self._error(req, wire.STATUS_FINAL, str(e), field=e.field, row=e.row)
-
-    def _internal(self, req: wire.Request, e: Exception) -> list[Any]:
-        return self._error(req, wire.STATUS_FINAL, f"internal error: {type(e).__name__}: {e}", reason=Reason.INTERNAL)
-
-    def _handed_back(self, q: Queued, why: str = "an earlier request broke the device") -> list[Any]:
-        return self._error(q.req, wire.STATUS_RETRYABLE, f"worker {self.id} failed ({why}); another worker will run it",
-                           reason=Reason.WORKER_FAULT)
 
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.monotonic()

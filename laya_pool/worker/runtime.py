@@ -6,11 +6,11 @@ and record the slot's done event: that is `launch`, which returns without waitin
 event and cuts the answers out of the slot. With two slots (CUDA, `overlap=True`) the compute thread launches
 group N+1 before it finishes group N, so the device never waits for the host's validation and packing
 (docs/architecture.md, "Overlap"). `run` is both in a row. A CPU runtime runs the same path eagerly inside
-`launch`, reading the staging in place, with one slot.
+`launch`, reading the staging in place, with one slot. Graphs are captured, released and warmed up by
+worker/capture.py's `Capturer`; the bucket a group runs in is chosen here (`_plan`).
 """
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from laya_pool.kernels import cublas
-from laya_pool.kernels.compile import procs_for, release
 from laya_pool.kernels.fast import FastModel, supports
 from laya_pool.kernels.reference import ReferenceModel
 from laya_pool.protocol import settings
 from laya_pool.protocol.contract import MODES
 
 from .batch import Batch, Limits, RequestError, validate_structure, validate_values
+from .capture import CaptureError, Capturer
 from .checkpoint import Checkpoint
 from .graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
 from .slots import SlotLedger, SlotState
@@ -62,17 +62,6 @@ def parse_shapes(text: str) -> tuple[Shape, ...]:
             raise ValueError(f"bad shape {part!r}: rows, length and markers must be positive")
         out.append(Shape(rows, row_len, markers))
     return tuple(out)
-
-
-def pool_bytes(pool) -> int:
-    """Bytes of the segments the caching allocator holds for one private graph pool."""
-    pool = tuple(pool)
-    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if tuple(seg.get("segment_pool_id", ())) == pool)
-
-
-class CaptureError(RuntimeError):
-    """A CUDA graph capture that failed; its bucket runs eager from then on."""
 
 
 def _pow2(n: int, low: int) -> int:
@@ -231,6 +220,25 @@ class Runtime:
         cap = Capacity(cap.max_tokens, cap.max_rows, cap.max_markers, min(cap.row_markers, arch.max_len))
         self.capacity = cap
         self.limits = Limits(arch.vocab_size, arch.max_len, cap.max_tokens, cap.max_rows, cap.max_markers)
+        self._choose_forward(arch, checkpoint)
+        self._open_device(cap, arch.n_act, self.is_cuda if cfg.overlap is None else cfg.overlap)
+        self.capturer = Capturer(self, Shape(1, ROW_LEN_STEP, 2))
+        self.cache = GraphCache(cfg.cache_policy, self.capturer.capture, self.capturer.release)
+        # The default fixed graph holds the "16 questions at full length" class of request.
+        self.fixed_shape = cfg.fixed_shape or Shape(min(16, cap.max_rows), arch.max_len, min(32, cap.row_markers))
+        self.fixed: GraphEntry | None = None
+        self.fixed_failed: str | None = None
+        if self.is_cuda:
+            # Weights, tables and the zeroed mirror were queued on the default stream; our stream is
+            # non-blocking, so make it wait once before it reads any of them.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.capture_fault = None          # test hook: called inside a capture, may break it
+        self.before_capture = None         # set by the compute thread: quiesce its landing watch
+        self.served = 0
+        self.first_call_ms: dict[str, float] = {}
+
+    def _choose_forward(self, arch: Any, checkpoint: Checkpoint) -> None:
+        """The model: the fast forward where it runs, else the reference (`why_reference`); how graphs launch."""
         # The fast path wherever it runs (CUDA, bf16): its answers are the reference path's (large preset: 99.22% of
         # the SDK's decisions, every decisive one) at 3.7x the speed at 1x48 (graph replay, H200).
         # LAYA_FORWARD=reference keeps the reference forward.
@@ -256,9 +264,11 @@ class Runtime:
             self.forward_detail = f"fast (attention {self.model.attention}, GELU {gelu})"
         else:
             self.forward_detail = f"reference ({self.why_reference})"
+
+    def _open_device(self, cap: Capacity, n_act: int, overlap: bool) -> None:
+        """The staging slots (two with `overlap`), the worker's stream, the uploads and the slots' done events."""
         # Two slots let the host pack group N+1 while group N computes; the CPU computes inside launch: one.
-        overlap = self.is_cuda if cfg.overlap is None else cfg.overlap
-        self.workspace = Workspace(cap, arch.n_act, self.device, slots=2 if overlap else 1)
+        self.workspace = Workspace(cap, n_act, self.device, slots=2 if overlap else 1)
         self.slots = SlotLedger(len(self.workspace.slots))
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         if self.is_cuda and self.why_reference is None:
@@ -270,19 +280,6 @@ class Runtime:
             from .upload import UploadGroup
             self.upload = UploadGroup(self.workspace, self.stream.cuda_stream)
             self.events = [Event() for _ in self.workspace.slots]
-        self.cache = GraphCache(cfg.cache_policy, self._capture, self._release)
-        # The default fixed graph holds the "16 questions at full length" class of request.
-        self.fixed_shape = cfg.fixed_shape or Shape(min(16, cap.max_rows), arch.max_len, min(32, cap.row_markers))
-        self.fixed: GraphEntry | None = None
-        self.fixed_failed: str | None = None
-        if self.is_cuda:
-            # Weights, tables and the zeroed mirror were queued on the default stream; our stream is
-            # non-blocking, so make it wait once before it reads any of them.
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.capture_fault = None          # test hook: called inside a capture, may break it
-        self.before_capture = None         # set by the compute thread: quiesce its landing watch
-        self.served = 0
-        self.first_call_ms: dict[str, float] = {}
 
     # -- identity -------------------------------------------------------------------------------------
     @property
@@ -322,137 +319,10 @@ class Runtime:
     def _forward(self, shape: Shape, taps: dict | None = None, slot: int = 0):
         return self.model.forward(*self.workspace.views(shape, slot), shape.row_len, taps=taps)
 
-    def _capture(self, shape: Shape) -> GraphEntry:
-        s = self.stream
-        with torch.cuda.stream(s):
-            # Warm-up on the capture stream (lazy handles, workspaces), over a mirror with no request in it: the
-            # real one holds the last group, laid out for its own shape, whose rows may reach past this shape's
-            # tokens: attention trusts each row's bounds and would read and write past its buffers.
-            self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
-        torch.cuda.synchronize(self.device)
-        if self.before_capture is not None:
-            # Another thread's CUDA call during a (global-mode) capture breaks it: the landing watch must be done
-            # with its event waits (they return at once: the device is synchronized) before the capture begins.
-            self.before_capture()
-        pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        failure = None
-        # No garbage collection inside the capture (torch collects once before it begins): a finalizer that frees a
-        # CUDA resource (a module, an event, a host buffer) would be an illegal call in a global-mode capture.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=pool, stream=s):
-                outputs = self._forward(shape)
-                if self.capture_fault is not None:
-                    self.capture_fault()
-        except Exception as e:
-            failure = f"{type(e).__name__}: {e}"
-        finally:
-            if collecting:
-                gc.enable()
-        if failure is not None:
-            # Out of the except block, so the traceback no longer pins the capture's tensors. A graph
-            # whose capture failed never releases its pool by itself: release it here.
-            # torch's capture_end throws before it stops routing the capture stream's allocations into the
-            # pool, so later eager work on our stream would land in a pool nobody frees: stop it first.
-            graph = outputs = None
-            torch.cuda.synchronize(self.device)
-            try:
-                torch._C._cuda_endAllocateToPool(self.device.index, pool)
-            except RuntimeError:
-                pass                       # capture_end got far enough to do it itself
-            torch._C._cuda_releasePool(self.device.index, pool)
-            torch.cuda.empty_cache()
-            raise CaptureError(f"capture of {shape} failed: {failure}")
-        torch.cuda.synchronize(self.device)
-        nbytes = pool_bytes(pool)
-        extra: dict[str, Any] = {"shape": shape}
-        raw = getattr(graph, "raw_cuda_graph_exec", None)      # (torch >= 2.9; older ones replay through torch)
-        logits, act = outputs
-        # (Only outputs the graph itself writes in place: a copy made contiguous out here would never change.)
-        if self.graph_launch == "direct" and raw is not None and logits.is_contiguous() and act.is_contiguous():
-            from .cudart import graph_exec
-            # What `_submit_direct` needs per launch, read once: the exec handle and where the readbacks come from.
-            extra["direct"] = (graph_exec(raw()), logits.data_ptr(), 4 * logits.numel(), act.data_ptr(),
-                               4 * act.numel())
-        return GraphEntry(graph=graph, outputs=outputs, pool=pool, nbytes=nbytes, extra=extra)
-
-    def _release(self, entry: GraphEntry) -> int:
-        """Destroy a graph and its pool; return the bytes the driver got back (measured)."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
-        entry.graph.reset()
-        entry.graph = entry.outputs = entry.pool = None
-        torch.cuda.empty_cache()
-        return before - torch.cuda.memory_reserved(self.device)
-
     def warmup(self, progress: Callable[[int, int, str], None] | None = None,
                compilers: list | None = None) -> dict[str, float]:
-        """Capture what steady traffic will need, off the request path; returns ms per step. `progress(i, n,
-        what)` is called before each step (the worker logs it: a long warm-up is not silent). `compilers`: compile
-        processes started already (kernels/compile.py `spawn`, the worker's first step), used instead of starting
-        `procs_for(config.compile_procs)` of them here; each is reaped here, given work or not."""
-        out = {}
-        if not self.is_cuda:
-            if compilers:
-                release(compilers)
-            return out
-        say = progress or (lambda i, n, what: None)
-        cached = self.warmup_plan() if self.config.mode == "graph-cached" else []
-        fixed = self.config.mode == "graph-fixed" and self.fixed is None and self.fixed_failed is None
-        first = Shape(1, ROW_LEN_STEP, 2)
-        procs = len(compilers) if compilers else procs_for(self.config.compile_procs)
-        n = 1 + (procs > 1) + fixed + len(cached)
-        if procs > 1:
-            say(1, n, f"kernels, compiled in {procs} processes{' started early' if compilers else ''}")
-            t = time.perf_counter()
-            out["compile"] = self._compile_ahead([first] + ([self.fixed_shape] if fixed else []) + cached, procs,
-                                                 compilers)
-            out["compile ms"] = (time.perf_counter() - t) * 1e3
-        elif compilers:
-            release(compilers)
-        say(1 + (procs > 1), n, "eager forward")
-        t = time.perf_counter()
-        with torch.cuda.stream(self.stream):
-            self.model.forward(*self.workspace.blank_views(first), first.row_len)
-        self.stream.synchronize()
-        out["eager"] = (time.perf_counter() - t) * 1e3
-        fixed_step = 2 + (procs > 1)
-        if fixed:
-            say(fixed_step, n, f"fixed graph {_shape_text(self.fixed_shape)}")
-            t = time.perf_counter()
-            try:
-                self.fixed = self._capture(self.fixed_shape)
-            except CaptureError as e:
-                self.fixed_failed = str(e)
-            out[f"fixed {self.fixed_shape}"] = (time.perf_counter() - t) * 1e3
-        for i, shape in enumerate(cached):
-            say(fixed_step + fixed + i, n, f"bucket {_shape_text(shape)}")
-            t = time.perf_counter()
-            self.cache.lookup(shape, count=False)
-            out[f"cached {shape}"] = (time.perf_counter() - t) * 1e3
-        return out
-
-    def _compile_ahead(self, shapes: list[Shape], procs: int, compilers: list | None = None) -> dict:
-        """The kernels the forwards of `shapes` launch, compiled into Triton's on-disk cache by `procs` processes
-        (kernels/compile.py; `compilers`: those processes, started already); the forwards here launch nothing."""
-        from laya_pool.kernels.compile import compile_in_processes, recorded, target_of, triton_knobs
-        try:
-            if triton_knobs() is None:
-                return {"skipped": "no Triton"}
-            with recorded() as specs, torch.cuda.stream(self.stream):
-                for shape in shapes:
-                    self.model.forward(*self.workspace.blank_views(shape), shape.row_len)
-            out = compile_in_processes(specs, procs, target_of(self.device.index or 0), children=compilers)
-            compilers = None          # reaped there
-            return out
-        except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up compiles whatever this did not
-            return {"error": f"{type(e).__name__}: {e}"}
-        finally:
-            if compilers:
-                release(compilers)
+        """Capture what steady traffic will need, off the request path (worker/capture.py `Capturer.warmup`)."""
+        return self.capturer.warmup(progress, compilers)
 
     @property
     def has_idle_work(self) -> bool:
@@ -473,7 +343,7 @@ class Runtime:
             if self.fixed_shape.fits(batch) and self.fixed_failed is None:
                 if self.fixed is None:
                     try:
-                        self.fixed = self._capture(self.fixed_shape)
+                        self.fixed = self.capturer.capture(self.fixed_shape)
                     except CaptureError as e:
                         self.fixed_failed = str(e)      # the fixed graph cannot exist: serve eager from now on
                         return self.exact(batch), None, {"graph": "fixed-failed"}
@@ -679,7 +549,7 @@ class Runtime:
                                                              "drains": self.upload.drains},
                 "slots": self.slots.n, "launched": self.slots.launched, "pending_captures": len(self.cache.pending),
                 # The buckets traffic missed most, captured since or not: what the warm-up options could name.
-                "missed_shapes": [[_shape_text(k), n] for k, n in sorted(self.cache.missed.items(),
+                "missed_shapes": [[k.text(), n] for k, n in sorted(self.cache.missed.items(),
                                                                           key=lambda kv: -kv[1])[:MISSED_LISTED]],
                 "graph_launch": self.graph_launch, "direct_launches": self.direct_launches}
 
@@ -687,15 +557,10 @@ class Runtime:
         if self.is_cuda:
             self.cache.clear()
             if self.fixed is not None:
-                self._release(self.fixed)
+                self.capturer.release(self.fixed)
                 self.fixed = None
             self.stream.synchronize()
             for ev in self.events:
                 ev.close()
             self.events = []
         self.workspace.close()
-
-
-def _shape_text(shape: Shape) -> str:
-    """ROWSxLENGTHxMARKERS, as --warmup-shapes writes a bucket."""
-    return f"{shape.rows}x{shape.row_len}x{shape.row_markers}"

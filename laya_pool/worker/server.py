@@ -411,6 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = WorkerConfig("", "", "")
     p = argparse.ArgumentParser(prog="python -m laya_pool.worker.server", description="a laya-pool worker process",
                                 allow_abbrev=False)
+    _serving_args(p, d)
+    _capacity_args(p, d)
+    _timing_args(p)
+    _data_path_args(p, d)
+    return p
+
+
+def _serving_args(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
+    """What the worker serves, where, and how much work it takes at once."""
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--device", default=d.device, help="cpu or cuda:N")
     p.add_argument("--backend", required=True, help="the broker's worker endpoint")
@@ -440,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "number; env LAYA_DATA_CPU. Off by default: on hosts whose vCPUs change speed every few "
                         "tens of ms, a CPU quick at start is not quick a minute later "
                         "(docs/decisions/0019-data-thread-pinning-off.md)")
+
+
+def _capacity_args(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
+    """The largest request, the graphs captured before READY and how groups overlap."""
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--max-markers", type=int, default=None)
@@ -462,6 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph-cached: a request whose bucket was not captured runs in a larger captured bucket "
                         "(same answers) or eager, and its bucket is captured when no request waits (idle); inline: "
                         "the request waits for the capture (env LAYA_CAPTURE_MISSES)")
+
+
+def _timing_args(p: argparse.ArgumentParser) -> None:
+    """How the worker's threads share the interpreter, compile and wait."""
     p.add_argument("--gil-switch-ms", type=float, default=settings.get("LAYA_GIL_SWITCH_MS"),
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms). The I/O "
                         "thread draining a burst of requests, or the compute thread admitting a group, holds it for "
@@ -478,6 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "while a group computes it always polls): ~0.2 ms less a request at 1x48, at the price of "
                         f"smaller groups at load. Default {POLL_US_CUDA} on CUDA, 0 on a CPU; env LAYA_WORKER_POLL_US "
                         "(docs/decisions/0015-poll-windows.md)")
+
+
+def _data_path_args(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
+    """Where requests come in (the data thread's socket, the direct socket, lanes), and the rest."""
     p.add_argument("--data-requests", default=settings.get("LAYA_DATA_REQUESTS"),
                    choices=("auto", "on", "off"),
                    help="on: the broker sends requests to the data thread's own socket; off: to the I/O thread, "
@@ -502,7 +523,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=settings.raw(logs.LEVEL_ENV) or d.log_level)
-    return p
 
 
 def _config_problem(cfg: WorkerConfig, parse_shapes: Any, default_warmup: str,

@@ -43,6 +43,10 @@ class Shape:
         return (batch.rows <= self.rows and batch.max_row_len <= self.row_len
                 and batch.max_row_markers <= self.row_markers)
 
+    def text(self) -> str:
+        """ROWSxLENGTHxMARKERS, as --warmup-shapes writes a bucket."""
+        return f"{self.rows}x{self.row_len}x{self.row_markers}"
+
 
 @dataclass
 class Slot:
