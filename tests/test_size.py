@@ -17,11 +17,6 @@ ALLOWED = {
     # Split by the fast-numerics work that owns these two files.
     "kernels/fast.py": "split with the fast numerics",
     "kernels/gemm.py": "split with the fast numerics",
-    # Lab measurements, moving out of the package to benchmarks/.
-    "tools/overhead.py": "moving to benchmarks/",
-    "tools/broker_rate.py": "moving to benchmarks/",
-    "tools/topology.py": "moving to benchmarks/",
-    "tools/client_speed.py": "moving to benchmarks/",
 }
 
 
