@@ -582,3 +582,15 @@ def test_up_starts_the_gateway_beside_the_pool_and_stops_it(tiny_ckpt, tmp_path)
         if up.poll() is None:
             up.kill()
             up.wait(10)
+
+
+def test_up_with_its_api_port_taken_stops_with_78(tiny_ckpt, tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        up = subprocess.run([sys.executable, "-m", "laya_pool", "up", "--model", str(tiny_ckpt), "--devices", "cpu",
+                             "--threads", "1", "--frontend", f"ipc://{tmp_path}/fe", "--backend",
+                             f"ipc://{tmp_path}/be", "--api", str(held.getsockname()[1])], cwd=ROOT,
+                            env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 78, up.stderr[-3000:]
+    assert "cannot listen on 127.0.0.1:" in up.stderr and "gateway cannot start (exit 78" in up.stderr

@@ -169,7 +169,7 @@ class Gateway:
             when, st = self.status
             if time.monotonic() - when > STATUS_TTL_S:
                 try:
-                    st = await self.client.status(timeout=2.0, retries=0)
+                    st = await self.client.status(timeout=1.0, retries=0)
                 except PoolError:
                     st = None
                 self.status = (time.monotonic(), st)
