@@ -6,9 +6,9 @@ Everything a decision loop needs is importable from here: the clients, `local_po
 error a pool call raises. The names are loaded on first use, so `import laya_pool` costs nothing and a broker
 or worker process (which imports this package as its parent) loads no client code it does not use.
 
-Layout: the rooms (protocol, client, kernels, worker, broker, tools) are this package's subpackages; `client` and
-`kernels` depend on nothing of ours but `protocol`, `worker` uses `kernels` and `protocol`, `broker` uses
-`protocol`, and `tools` may use every room.
+Layout: the rooms (protocol, client, kernels, worker, broker, gateway, tools) are this package's subpackages;
+`client` and `kernels` depend on nothing of ours but `protocol`, `worker` uses `kernels` and `protocol`, `broker` uses
+`protocol`, the HTTP `gateway` uses `client` and `protocol`, and `tools` may use every room.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`laya-pool` (also `python -m laya_pool`): the pool's commands and the tools, one program.
 
-    laya-pool up | status | drain | restart-worker | predict | keys | broker ...     (broker/cli.py)
+    laya-pool up | api | status | drain | restart-worker | predict | keys | broker ...     (broker/cli.py)
     laya-pool make-checkpoint | bench | load | compare-workers | demo ...            (tools/)
 
 The pool's commands are the broker room's CLI; the tools (tools/) use every room, so this dispatcher, which
@@ -24,9 +24,10 @@ TOOLS = {
 }
 # (The benchmarks behind the documented figures are not installed: benchmarks/ in a checkout, benchmarks/README.md.)
 # Modules only the server extra brings (laya-pool[server]): a command that needs one says so instead of a traceback.
-SERVER_ONLY = ("torch", "safetensors", "psutil", "prometheus_client", "cuda", "triton")
+SERVER_ONLY = ("torch", "safetensors", "psutil", "prometheus_client", "cuda", "triton", "fastapi", "starlette",
+               "uvicorn")
 # The pool's own commands that start workers (which need the server extra) on this machine.
-NEEDS_SERVER = {"up": ("torch", "safetensors", "psutil", "prometheus_client")}
+NEEDS_SERVER = {"up": ("torch", "safetensors", "psutil", "prometheus_client"), "api": ("fastapi", "uvicorn")}
 
 
 def _needs_server(command: str, missing: list[str]) -> int:

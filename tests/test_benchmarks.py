@@ -64,6 +64,26 @@ def test_client_speed_writes_a_row_per_shape(tiny_ckpt, tmp_path):
     assert all(0 < row[s]["p50"] <= row[s]["p95"] for row in rows for s in ("encode", "pack", "decode"))
 
 
+@pytest.mark.timeout(400)
+def test_http_measures_the_gateway_and_laya_serve_and_writes_them(tiny_ckpt, tmp_path):
+    pytest.importorskip("laya.serve")
+    pytest.importorskip("uvicorn")
+    r = _run("benchmarks.http", "--model", str(tiny_ckpt), "--devices", "cpu", "--clients", "1,3", "--seconds", "1",
+             "--warmup", "2", "--procs", "2", "--out", str(tmp_path), timeout=380)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((tmp_path / "http.json").read_text())["result"]
+    for n in ("1", "3"):
+        for kind in ("gateway", "laya-serve"):
+            row = got["rows"][n][kind]
+            assert row["clients"] == int(n) and row["decisions_per_s"] > 0 and row["not_200"] == {}
+            assert 0 < row["p50_ms"] <= row["p95_ms"] and row["requests"] >= row["decisions_per_s"]
+        assert got["rows"][n]["gateway_over_laya_serve"] == round(
+            got["rows"][n]["gateway"]["decisions_per_s"] / got["rows"][n]["laya-serve"]["decisions_per_s"], 2)
+    assert got["gateway_minus_client_p50_ms"] == round(got["rows"]["1"]["gateway"]["p50_ms"]
+                                                       - got["client_predict_p50_ms"], 3)
+    assert "at 1 client: gateway p50 - Client.predict p50 = " in r.stdout
+
+
 def test_a_benchmark_takes_no_abbreviated_flag(tiny_ckpt):
     r = _run("benchmarks.client_speed", "--model", str(tiny_ckpt), "--call", "8")
     assert r.returncode == 2 and "unrecognized arguments: --call 8" in r.stderr, r.stderr

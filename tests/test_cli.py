@@ -55,6 +55,15 @@ def _cases(tmp: Path) -> list[tuple[list[str], dict, int, str]]:
         (["up", "--model", f"{tmp}/empty"], {"LAYA_POOL_WORKERS_PER_DEVICE": "two"}, 2,
          "$LAYA_POOL_WORKERS_PER_DEVICE: 'two' is not an integer"),
         (["up", "--model", f"{tmp}/empty", "--http", "0.0.0.0:9464"], {}, 2, "refusing to serve --http"),
+        (["up", "--model", f"{tmp}/empty", "--api", "0.0.0.0:9465"], {}, 2, "refusing to serve the API on 0.0.0.0"),
+        (["up", "--model", f"{tmp}/empty", "--api", "9465", "--api-key-file", f"{tmp}/nokey"], {}, 2,
+         "--api-key-file: cannot read"),
+        (["api", "--listen", "0.0.0.0:9466"], {}, 2, "refusing to serve the API on 0.0.0.0: not a loopback address"),
+        (["api", "--listen", "host:port"], {}, 2, "--listen 'host:port': expected PORT or HOST:PORT"),
+        (["api", "--api-key", "k", "--api-key-file", f"{tmp}/bad.json"], {}, 2, "not both"),
+        (["api", "--listen", "0.0.0.0:9466"], {"LAYA_POOL_API_KEY": "  "}, 2, "the API key is empty"),
+        (["api", "--max-concurrent", "0"], {}, 2, "must be greater than 0"),
+        (["api", "--frontend", "localhost:5555"], {}, 2, "is not an endpoint"),
         (["reload", "--model", f"{tmp}/nowhere"], {}, 2, "--model: "),
         (["drain", "0", "--keys", f"{tmp}/nokeys"], {}, 2, "--keys: "),
         (["frobnicate"], {}, 2, "invalid choice: 'frobnicate'"),
@@ -75,6 +84,16 @@ def test_user_errors_are_one_line_with_their_exit_code(tmp_path):
                 or not lines[0].startswith("laya-pool")):
             bad.append(f"{argv}: exit {p.returncode} (want {code}), stderr:\n{err}")
     assert not bad, "\n\n".join(bad)
+
+
+def test_api_on_a_taken_port_exits_78():
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        p = _spawn("api", "--listen", str(held.getsockname()[1]))
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 78 and "cannot listen on 127.0.0.1:" in err and "Traceback" not in err, err
 
 
 def test_the_check_catches_a_traceback():

@@ -2,7 +2,8 @@
 
 protocol imports nothing of ours; the client and the kernels import only the protocol; the worker uses the
 kernels and the protocol, never the client or the broker; the broker core speaks only the protocol, and the
-operator tools beside it (cli, supervisor) reach a pool through the client's public `client.pool`. No broker
+operator tools beside it (cli, supervisor) reach a pool through the client's public `client.pool`. The HTTP gateway is
+a pool client: the client and the protocol, nothing else of ours, never torch or the SDK. No broker
 module imports the worker, the kernels or torch: workers are processes started by module name. The tools
 (tools/: bench, load, ...) may use every room; no room imports them.
 
@@ -30,7 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "laya_pool"
-OURS = {"protocol", "client", "kernels", "worker", "broker", "tools", "benchmarks"}
+OURS = {"protocol", "client", "kernels", "worker", "broker", "gateway", "tools", "benchmarks"}
 
 ALLOWED = {           # room -> the packages of ours its modules may import
     "protocol": {"protocol"},
@@ -38,11 +39,15 @@ ALLOWED = {           # room -> the packages of ours its modules may import
     "client": {"client", "protocol"},
     "worker": {"worker", "kernels", "protocol"},
     "broker": {"broker", "protocol"},
-    "tools": {"protocol", "client", "kernels", "worker", "broker", "tools"},
+    "gateway": {"gateway", "client", "protocol"},
+    "tools": {"protocol", "client", "kernels", "worker", "broker", "gateway", "tools"},
 }
-# The operator tools may use the client library, and only its public pool module.
-EXCEPTIONS = {"broker/cli.py": {"client.pool"}, "broker/supervisor.py": {"client.pool"}}
-NEVER = {"broker": {"torch"}, "protocol": {"torch", "zmq.asyncio"}, "client": {"torch", "transformers", "laya"}}
+# The operator tools may use the client library, and only its public pool module; the CLI builds the gateway's
+# command (`laya-pool api`) and runs it.
+EXCEPTIONS = {"broker/cli.py": {"client.pool", "gateway.options", "gateway.server"},
+              "broker/supervisor.py": {"client.pool"}}
+NEVER = {"broker": {"torch"}, "protocol": {"torch", "zmq.asyncio"}, "client": {"torch", "transformers", "laya"},
+         "gateway": {"torch", "transformers", "laya"}}
 
 
 def _raw_imports(path: Path) -> set[str]:

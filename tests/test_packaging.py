@@ -24,7 +24,7 @@ from packaging.markers import Marker
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("protocol", "client", "kernels", "worker", "broker", "tools")
+ROOMS = ("protocol", "client", "kernels", "worker", "broker", "gateway", "tools")
 BASE = {"pyzmq", "msgpack", "numpy", "tokenizers"}
 HEAVY = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|jax.*|tensorflow.*)$")
 
@@ -110,17 +110,18 @@ from laya_pool import AsyncClient, Client, local_pool, PoolError, RequestFailed,
 import laya_pool.client.errors, laya_pool.broker.broker, laya_pool.broker.cli
 assert laya_pool.client.errors.PoolError is PoolError and issubclass(RequestFailed, PoolError)
 laya_pool.broker.cli.build_parser()
-mods = sorted(m for m in sys.modules if m.split(".")[0] in ("protocol", "client", "kernels", "worker", "broker"))
+mods = sorted(m for m in sys.modules if m.split(".")[0] in ("protocol", "client", "kernels", "worker", "broker",
+                                                             "gateway"))
 print(json.dumps({"file": laya_pool.__file__, "path": list(laya_pool.__path__), "bare": mods,
-                  "server_only": [m for m in ("torch", "psutil", "prometheus_client", "safetensors", "cuda", "triton")
-                                  if m in sys.modules]}))
+                  "server_only": [m for m in ("torch", "psutil", "prometheus_client", "safetensors", "cuda", "triton",
+                                              "fastapi", "starlette", "uvicorn") if m in sys.modules]}))
 """
     out = subprocess.run([str(env / "bin" / "python"), "-c", probe], cwd=tmp_path, check=True, capture_output=True,
                          text=True, timeout=120)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     site = str(_site_packages(env))
     assert got["file"].startswith(site) and got["path"] == [str(Path(site) / "laya_pool")]
-    # the client, a broker alone and the operator CLI run on the base install
+    # the client, a broker alone and the operator CLI (its parser holds `api`'s flags) run on the base install
     assert got["bare"] == [] and got["server_only"] == []
 
 

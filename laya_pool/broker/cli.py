@@ -7,6 +7,7 @@
     laya-pool reload --model DIR           roll the pool onto another checkpoint, one worker at a time
     laya-pool predict --state TEXT --questions JSON
     laya-pool keys --out DIR               CURVE keys (needed to bind a non-loopback address)
+    laya-pool api --listen [HOST:]PORT     the SDK server's HTTP API (/v1/systemone) in front of a pool
     laya-pool broker ...                   a broker alone (workers started elsewhere)
 
 Operator commands talk to the pool through its frontend (`--frontend`, default $LAYA_POOL_FRONTEND or
@@ -50,8 +51,8 @@ EXIT_CODES = (
     (EXIT_UNREACHABLE, "the pool did not answer: nothing listening at the frontend, or busy / no worker until the "
                        "timeout"),
     (EXIT_NOT_ALLOWED, "not allowed: drain / restart-worker / reload need the pool's operator credential"),
-    (EXIT_CONFIG, "`up`: the checkpoint or the configuration is unusable, or an endpoint or --http port is taken "
-                  "(restarting will not help)"),
+    (EXIT_CONFIG, "`up`, `api`: the checkpoint or the configuration is unusable, or an endpoint or an --http / --api "
+                  "port is taken (restarting will not help)"),
     (EXIT_INTERRUPTED, "interrupted (SIGINT) while waiting"),
 )
 
@@ -135,6 +136,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             raise UsageError(why)
     if a.keys and not Path(a.keys).is_dir():
         raise UsageError(f"--keys: {a.keys} is not a directory (laya-pool keys --out DIR makes one)")
+    api_key = _api_key(a, "--api") if a.api is not None else None
     model = _checkpoint_dir("--model", a.model)
     from .broker import policy_argv
     broker_args = policy_argv(a) + (["--insecure-backend"] if a.insecure_backend else [])
@@ -143,8 +145,33 @@ def cmd_up(a: argparse.Namespace) -> int:
                            frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                            mode=a.mode, credit=a.credit, keys=a.keys, broker_args=broker_args,
                            worker_args=worker_args, drain_timeout=a.drain_timeout)
-    cfg.http = a.http
+    cfg.http, cfg.api, cfg.api_key = a.http, a.api, api_key
     return Supervisor(cfg).run()
+
+
+def _api_key(a: argparse.Namespace, flag: str) -> str | None:
+    """The gateway's API key from the arguments (or their variables), refused where the address needs one."""
+    import laya_pool.gateway.options as options
+    try:
+        key = options.api_key(a.api_key, a.api_key_file)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    why = options.refusal(getattr(a, flag.lstrip("-")), key, flag)
+    if why is not None:
+        raise UsageError(why)
+    return key
+
+
+def cmd_api(a: argparse.Namespace) -> int:
+    import laya_pool.gateway.options as options
+    if a.keys and not Path(a.keys).is_dir():
+        raise UsageError(f"--keys: {a.keys} is not a directory (laya-pool keys --out DIR makes one)")
+    try:
+        cfg = options.config_from_args(a)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    from laya_pool.gateway.server import serve
+    return serve(cfg)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -426,6 +453,7 @@ def build_parser(more_help: str = "") -> argparse.ArgumentParser:
     up = command("up", "run a pool in the foreground until SIGINT/SIGTERM")
     _add_up(up)
     _add_operator_commands(command)
+    _add_api(command)
     s = command("keys", "generate CURVE keys")
     s.add_argument("--out", required=True, help="directory to write the keys to")
     s.add_argument("--force", action="store_true", help="replace existing keys")
@@ -488,9 +516,28 @@ def _add_up(up: argparse.ArgumentParser) -> None:
                          "slow requests finish)")
     up.add_argument("--http", default=None, metavar="[HOST:]PORT",
                     help="serve /metrics and /health/{live,ready} here (a bare port: 127.0.0.1; default: off)")
+    up.add_argument("--api", default=None, metavar="[HOST:]PORT",
+                    help="serve the SDK server's HTTP API here (`laya-pool api` beside the pool; a bare port: "
+                         "127.0.0.1; beyond loopback only with an API key; default: off)")
+    from laya_pool.gateway.options import add_key_arguments
+    add_key_arguments(up)
     _check_endpoint_types(up)
     _from_environment(up)
     up.set_defaults(fn=cmd_up)
+
+
+def _add_api(command: Any) -> None:
+    import laya_pool.gateway.options as options
+    s = command("api", "serve the SDK server's HTTP API (laya serve: /v1/systemone, /health) in front of a pool")
+    s.add_argument("--frontend", type=_endpoint, default=contract.default_frontend(),
+                   help=f"the pool's client endpoint (default: ${contract.FRONTEND_ENV} or %(default)s)")
+    s.add_argument("--keys", default=settings.raw(ENV_PREFIX + "KEYS"),
+                   help=f"CURVE key directory of a pool that has keys (default: ${ENV_PREFIX}KEYS, else none)")
+    options.add_arguments(s)
+    for action in s._actions:
+        if action.dest in ("api_key", "api_key_file"):
+            action.help += f" [${env_name(action)}]"
+    s.set_defaults(fn=cmd_api)
 
 
 def env_name(action: argparse.Action) -> str:

@@ -6,10 +6,8 @@ answers while the supervisor runs, also while the broker is down or restarting: 
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,30 +16,12 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
+from laya_pool.protocol.listen import family as _family
+from laya_pool.protocol.listen import is_loopback_host, parse_listen
+
 from .observe import PoolObserver
 
 log = logging.getLogger("laya-pool.http")
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """`PORT`, `:PORT`, `HOST:PORT` or `[V6]:PORT` -> (host, port); a bare port listens on 127.0.0.1."""
-    value = value.strip()
-    host, sep, port = value.rpartition(":")
-    if not sep:
-        host, port = "", value
-    host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--http {value!r}: expected PORT or HOST:PORT")
-    return host, int(port)
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False       # a host name: it may resolve to anything, so it counts as exposed
 
 
 def refusal(listen: str, keys: str | None) -> str | None:
@@ -106,10 +86,6 @@ class MetricsServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def _family(host: str) -> int:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _reply(req: BaseHTTPRequestHandler, code: int, body: bytes, content_type: str) -> None:

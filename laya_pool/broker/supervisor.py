@@ -6,14 +6,18 @@
   backoff after a crash (any other non-zero exit or a signal), never after a configuration error
   (exit 78: the checkpoint is unusable) or a clean drain (exit 0: the operator took it out);
 - restarts the broker if it dies (workers re-register with the new one by themselves);
+- with `--api`, starts the HTTP gateway beside them (`laya-pool api`, a client of this pool's frontend: gateway/) and
+  restarts it if it dies;
 - brings back a drained worker when `laya-pool restart-worker ID` asks for it (seen in the broker's status);
 - carries out `laya-pool reload --model DIR` (seen in the broker's status): the workers move onto DIR one
   at a time (broker/reload.py tells the whole procedure);
-- on SIGINT/SIGTERM: every worker finishes its in-flight work and leaves, then the broker; exit 0. A worker
-  still there `drain_timeout` (5 s) after it was told is SIGKILLed (a hung device never finishes), and the
-  broker fails what it held as retryable when it stops: `up` exits within 10 s whatever the workers do.
+- on SIGINT/SIGTERM: the gateway (if any) stops taking HTTP requests and answers those it holds, then every worker
+  finishes its in-flight work and leaves, then the broker; exit 0. A worker still there `drain_timeout` (5 s) after it
+  was told is SIGKILLed (a hung device never finishes), and the broker fails what it held as retryable when it stops:
+  `up` exits within 10 s whatever the workers do (16 s with a gateway).
 
-The supervisor imports neither torch nor the worker package: workers are subprocesses started by module name.
+The supervisor imports neither torch nor the worker package: workers (and the gateway) are subprocesses started by
+module name.
 """
 from __future__ import annotations
 
@@ -61,6 +65,8 @@ class SupervisorConfig:
     worker_args: list[str] = field(default_factory=list)
     drain_timeout: float = DRAIN_TIMEOUT
     http: str | None = None             # [HOST:]PORT for /metrics and /health (broker/ops_http.py); None: off
+    api: str | None = None              # [HOST:]PORT for the HTTP gateway (gateway/); None: off
+    api_key: str | None = None          # its bearer key, handed over in its environment (not on its command line)
 
 
 @dataclass
@@ -173,6 +179,7 @@ class Supervisor:
         slots = [d for d in cfg.devices for _ in range(cfg.workers_per_device)]
         self.workers: dict[str, Child] = {str(i): self._worker_child(str(i), device, cpu, common)
                                           for i, (device, cpu) in enumerate(zip(slots, cpus))}
+        self.gateway = self._gateway_child() if cfg.api else None
         self.stopping = False
         self.status_client = None
         self.last_poll = 0.0
@@ -213,6 +220,18 @@ class Supervisor:
             argv += ["--direct-endpoint", f"tcp://{wire.endpoint_host(cfg.frontend)}:*"]
         return Child(f"worker {wid}", argv + cfg.worker_args, env)
 
+    def _gateway_child(self) -> Child:
+        cfg = self.cfg
+        env = {k: v for k, v in self.env.items() if k not in ("LAYA_POOL_API_KEY", "LAYA_POOL_API_KEY_FILE")}
+        if cfg.api_key:
+            env["LAYA_POOL_API_KEY"] = cfg.api_key
+        argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", cfg.frontend, "--listen", cfg.api]
+        return Child("gateway", argv + (["--keys", cfg.keys] if cfg.keys else []), env)
+
+    def _singles(self) -> list[Child]:
+        """The children of which there is one: the broker, and the gateway with --api."""
+        return [self.broker] + ([self.gateway] if self.gateway is not None else [])
+
     # ------------------------------------------------------------------------------------------------ children
 
     def _start(self, child: Child, extra: list[str] | None = None) -> None:
@@ -247,7 +266,7 @@ class Supervisor:
             return
         child.reloading = False
         if not is_worker and code in (contract.EXIT_USAGE, contract.EXIT_CONFIG):
-            log.error("the broker cannot start (exit %d: an endpoint is in use or refused); stopping", code)
+            log.error("%s cannot start (exit %d: an endpoint or port is in use or refused); stopping", child.name, code)
             child.state = "down"
         elif is_worker and code == contract.EXIT_RESTART:
             log.info("%s drained for a restart; starting it again", child.name)
@@ -274,8 +293,9 @@ class Supervisor:
 
     def _restart_due(self) -> None:
         now = time.monotonic()
-        if self.broker.state == "backoff" and now >= self.broker.next_start:
-            self._start(self.broker)
+        for child in self._singles():
+            if child.state == "backoff" and now >= child.next_start:
+                self._start(child)
         for wid, child in self.workers.items():
             if child.state == "backoff" and now >= child.next_start:
                 self._start_worker(wid)
@@ -421,12 +441,16 @@ class Supervisor:
         self._start(self.broker)
         for wid in self.workers:
             self._start_worker(wid)
+        if self.gateway is not None:
+            self._start(self.gateway)
         try:
             while not self.stopping:
-                self._reap(self.broker, False)
-                if self.broker.state == "down":
+                for child in self._singles():
+                    self._reap(child, False)
+                down = next((c for c in self._singles() if c.state == "down"), None)
+                if down is not None:
                     self._shutdown()
-                    return self.broker.last_exit or contract.EXIT_CONFIG
+                    return down.last_exit or contract.EXIT_CONFIG
                 for child in self.workers.values():
                     self._reap(child, True)
                 if all(c.state == "down" and c.last_exit == contract.EXIT_CONFIG for c in self.workers.values()):
@@ -464,8 +488,18 @@ class Supervisor:
                 "worker_restarts": {wid: c.restarts for wid, c in self.workers.items()}}
 
     def _shutdown(self) -> None:
-        """Workers first (each finishes what it holds and leaves), then the broker."""
+        """The gateway first (no new HTTP requests; it answers those it holds), then the workers (each finishes what it
+        holds and leaves), then the broker."""
         self.stopping = True
+        g = self.gateway.proc if self.gateway is not None else None
+        if g is not None and g.poll() is None:
+            g.send_signal(signal.SIGTERM)
+            try:
+                g.wait(self.cfg.drain_timeout + 1.0)
+            except subprocess.TimeoutExpired:
+                log.warning("the gateway (pid %d) did not stop within %g s; killing it (SIGKILL)", g.pid,
+                            self.cfg.drain_timeout + 1.0)
+                self._kill(g, "the gateway")
         live = [c for c in self.workers.values() if c.proc is not None and c.proc.poll() is None]
         for c in live:
             with contextlib.suppress(ProcessLookupError):

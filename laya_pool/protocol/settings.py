@@ -142,6 +142,11 @@ _up("warmup-merged", STR, None, "graph-cached: request classes whose merged grou
     "is ready.")
 _up("drain-timeout", FLOAT, 5.0, "seconds a stopping worker may take to finish its work before it is killed.")
 _up("http", STR, None, "[HOST:]PORT to serve /metrics and /health on (unset: off).")
+_up("api", STR, None, "[HOST:]PORT to serve the SDK server's HTTP API on (`laya-pool api` beside the pool; unset: "
+    "off).")
+_up("api-key", STR, None, "the bearer key HTTP clients must send (`Authorization: Bearer KEY`); needed to serve the "
+    "API beyond loopback.", readers="`laya-pool up`, `laya-pool api`")
+_up("api-key-file", PATH, None, "a file holding that key (one line).", readers="`laya-pool up`, `laya-pool api`")
 
 _declare("LAYA_POOL_LOG", CHOICE, "info", COMMANDS, "every process", "The log level (`--log-level`), which `up` "
          "hands to the whole pool.", ("debug", "info", "warning", "error", "critical"))

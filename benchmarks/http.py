@@ -1,0 +1,230 @@
+"""HTTP decisions: the gateway (`laya-pool api` before a pool) against `laya serve` on the same checkpoint and card.
+
+    python -m benchmarks.http --model /tmp/large [--devices cuda:0] [--clients 1,8,64] [--seconds 10] [--out DIR]
+
+N concurrent HTTP clients (--clients, each a kept-alive connection in a closed loop, spread over --procs processes)
+send one-question 1x48 requests (`laya_pool.tools.bench.make_request`) to `POST /v1/systemone` for --seconds, all
+starting together once every connection has warmed up (--warmup requests each): first to the gateway (a pool started
+here on --devices unless --frontend names one), then to `laya serve` (`python -m laya.serve`, the SDK's server, this
+checkpoint as its `english`, on the first of --devices), alternating which goes first from one N to the next. Prints
+decisions per second (answers 200 a second) and the p50 / p95 of every request, the gateway's throughput over laya
+serve's, and at 1 client the gateway's p50 less the pooled `Client.predict` p50 measured in the same run.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import add_pool, parser, pool, write
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVERS = ("gateway", "laya-serve")
+
+
+def request_bytes(model: str) -> bytes:
+    """One kept-alive `POST /v1/systemone` of a one-question request whose row is (at most) 48 tokens."""
+    from laya_pool.client.card import ModelCard
+    from laya_pool.tools.bench import make_request
+    state, questions = make_request(ModelCard.from_dir(model), 1, 48)
+    body = json.dumps({"state": state, "questions": questions}).encode()
+    return (b"POST /v1/systemone HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
+    """Send `request`, read its answer whole; the status code."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+    return int(head.split(b" ", 2)[1])
+
+
+async def _connections(port: int, request: bytes, n: int, seconds: float, warmup: int, ready: Any,
+                       start: Any) -> tuple[list[float], Counter]:
+    conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
+    for r, w in conns:
+        for _ in range(warmup):
+            await _exchange(r, w, request)
+    ready.put(1)
+    await asyncio.get_running_loop().run_in_executor(None, start.wait)
+    end, lat, codes = time.perf_counter() + seconds, [], Counter()
+
+    async def closed_loop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            codes[await _exchange(r, w, request)] += 1
+            lat.append((time.perf_counter() - t) * 1e3)
+    await asyncio.gather(*(closed_loop(r, w) for r, w in conns))
+    for _, w in conns:
+        w.close()
+    return lat, codes
+
+
+def clients(port: int, request: bytes, n: int, seconds: float, warmup: int, ready: Any, start: Any,
+            results: Any) -> None:
+    """A process of `n` HTTP clients; its latencies (ms) of answers 200 and its status counts."""
+    lat, codes = asyncio.run(_connections(port, request, n, seconds, warmup, ready, start))
+    results.put((lat, dict(codes)))
+
+
+def measure(port: int, request: bytes, n: int, seconds: float, warmup: int, procs: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    ready, results, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    shares = [n // procs + (i < n % procs) for i in range(min(n, procs))]
+    ps = [ctx.Process(target=clients, args=(port, request, k, seconds, warmup, ready, start, results))
+          for k in shares]
+    for p in ps:
+        p.start()
+    try:
+        for _ in ps:
+            ready.get(timeout=600)
+        start.set()
+        out = [results.get(timeout=seconds + 300) for _ in ps]
+    finally:
+        for p in ps:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    lat = sorted(x for part, _ in out for x in part)
+    codes = sum((Counter(c) for _, c in out), Counter())
+    ok = codes.get(200, 0)
+    return {"clients": n, "decisions_per_s": round(ok / seconds, 1), "p50_ms": round(statistics.median(lat), 3),
+            "p95_ms": round(lat[int(0.95 * (len(lat) - 1))], 3), "requests": sum(codes.values()),
+            "not_200": {str(k): v for k, v in codes.items() if k != 200}}
+
+
+def client_p50(frontend: str, model: str, seconds: float, warmup: int) -> float:
+    """The pooled `Client.predict` p50 (ms) of the same request, one caller in a closed loop."""
+    from laya_pool import Client
+    from laya_pool.client.card import ModelCard
+    from laya_pool.tools.bench import make_request
+    state, questions = make_request(ModelCard.from_dir(model), 1, 48)
+    with Client(frontend, timeout=30) as c:
+        for _ in range(warmup):
+            c.predict(state, questions)
+        lat, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            c.predict(state, questions)
+            lat.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(lat), 3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(kind: str, model: str, frontend: str, device: str, most: int) -> Iterator[int]:
+    """The gateway or laya serve on a free loopback port, up and answering /health, for the block."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if kind == "gateway":
+        argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", frontend, "--listen", str(port),
+                "--max-concurrent", str(most + 16), "--log-level", "warning"]
+    else:
+        argv = [sys.executable, "-m", "laya.serve"]
+        env.update(LAYA_HOST="127.0.0.1", LAYA_PORT=str(port), LAYA_EXTRA_MODELS=json.dumps({"english": model}),
+                   LAYA_MODELS="english", LAYA_DEFAULT_MODEL="english", LAYA_DEVICE=device,
+                   LAYA_MAX_CONCURRENT=str(most + 16), LAYA_LOG_LEVEL="warning")
+        if device == "cpu":
+            env["LAYA_THREADS"] = "1"           # as the CPU pool's one worker thread
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_up(proc, port, kind)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_up(proc: subprocess.Popen, port: int, kind: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{kind} exited with code {proc.returncode}:\n{proc.stderr.read()[-3000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: bench\r\n\r\n")
+            if s.recv(64).startswith(b"HTTP/1.1 200"):
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"{kind} did not answer /health within {timeout:g} s")
+
+
+def run(args: Any, frontend: str) -> dict[str, Any]:
+    counts = [int(x) for x in args.clients.split(",")]
+    servers = [s for s in SERVERS if s in args.servers.split(",")]
+    device = args.devices.split(",")[0]
+    request = request_bytes(args.model)
+    rows: dict[int, dict[str, Any]] = {n: {} for n in counts}
+    for i, n in enumerate(counts):
+        for kind in (servers if i % 2 == 0 else servers[::-1]):
+            with server(kind, args.model, frontend, device, max(counts)) as port:
+                rows[n][kind] = measure(port, request, n, args.seconds, args.warmup, args.procs)
+    out: dict[str, Any] = {"request": "1x48, one question", "seconds": args.seconds, "rows": rows}
+    for row in rows.values():
+        if all(s in row and row[s]["decisions_per_s"] for s in SERVERS):
+            row["gateway_over_laya_serve"] = round(row["gateway"]["decisions_per_s"] / row["laya-serve"]
+                                                   ["decisions_per_s"], 2)
+    if 1 in rows and "gateway" in rows[1]:
+        out["client_predict_p50_ms"] = client_p50(frontend, args.model, args.seconds, args.warmup)
+        out["gateway_minus_client_p50_ms"] = round(rows[1]["gateway"]["p50_ms"] - out["client_predict_p50_ms"], 3)
+    return out
+
+
+def report(out: dict[str, Any]) -> None:
+    print(f"{'clients':>7}  {'server':<10} {'decisions/s':>11} {'p50 ms':>8} {'p95 ms':>8}  not 200")
+    for n, row in out["rows"].items():
+        for kind in SERVERS:
+            if kind in row:
+                r = row[kind]
+                print(f"{n:>7}  {kind:<10} {r['decisions_per_s']:>11.1f} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f}  "
+                      f"{r['not_200'] or '-'}")
+        if "gateway_over_laya_serve" in row:
+            print(f"{n:>7}  gateway / laya serve: {row['gateway_over_laya_serve']}x decisions/s")
+    if "gateway_minus_client_p50_ms" in out:
+        print(f"at 1 client: gateway p50 - Client.predict p50 = {out['gateway_minus_client_p50_ms']:.3f} ms "
+              f"(Client.predict p50 {out['client_predict_p50_ms']:.3f} ms)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__)
+    add_pool(ap)
+    ap.add_argument("--clients", default="1,8,64", help="concurrent HTTP clients, a run each")
+    ap.add_argument("--seconds", type=float, default=10.0, help="how long every run sends")
+    ap.add_argument("--warmup", type=int, default=20, help="requests each connection sends before the run")
+    ap.add_argument("--procs", type=int, default=4, help="client processes the connections are spread over")
+    ap.add_argument("--servers", default=",".join(SERVERS), help="which of gateway,laya-serve to measure")
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore")
+    extra = ["--threads", "1"] if args.devices == "cpu" else []
+    with pool(args.model, args.frontend, args.devices, extra_args=extra) as frontend:
+        out = run(args, frontend)
+    report(out)
+    write(args.out, "http", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
