@@ -97,11 +97,33 @@ class Compute(Grouping, Running):
         # Arrival -> ok answer of every request, whichever way it came: the broker's meter sees only what it routed.
         self.answer_seconds = Histogram(SECONDS_BOUNDS)
         self.last_stats = 0.0
-        self.busy_since: float | None = None   # when the oldest unanswered group was taken (the I/O thread's watchdog)
+        self._busy_since: float | None = None  # `busy_since`
+        self._busy: tuple[float, float | None] = (0.0, None)    # (seconds busy before now's stretch, its start)
         self.flights: deque[Flight] = deque()   # launched, not yet answered, oldest first
         self.waiting: deque[Queued] = deque()   # taken, set aside by a group (`take_group`), oldest first
         if hasattr(runtime, "before_capture"):
             runtime.before_capture = self.inbox.quiesce
+
+    @property
+    def busy_since(self) -> float | None:
+        """When the oldest unanswered group was taken (None: nothing is): the I/O thread's watchdog reads it."""
+        return self._busy_since
+
+    @busy_since.setter
+    def busy_since(self, when: float | None) -> None:
+        # The worker's busy time (`busy_seconds`) runs from the moment work is taken until none is unanswered.
+        total, start = self._busy
+        if when is not None and start is None:
+            self._busy = (total, time.monotonic())
+        elif when is None and start is not None:
+            self._busy = (total + time.monotonic() - start, None)
+        self._busy_since = when
+
+    def busy_seconds(self) -> float:
+        """Seconds this worker had work taken and not answered: its device's busy time, with the host's part of each
+        group (read by the I/O thread, for the stats: one tuple read whole, so the total never goes back)."""
+        total, start = self._busy
+        return total + (time.monotonic() - start if start is not None else 0.0)
 
     def outstanding(self) -> int:
         """Request messages taken and not yet answered (read by the I/O thread: `answered` first, so a count read

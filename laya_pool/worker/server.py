@@ -18,6 +18,7 @@ problem exits EXIT_CONFIG before the model is loaded, so the supervisor does not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -32,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from laya_pool.protocol import contract, lane, logs, settings, wire
+from laya_pool.protocol import contract, lane, logs, presence, settings, wire
 from laya_pool.protocol.contract import Leave
 from laya_pool.protocol.wire import Cmd
 
@@ -81,6 +82,7 @@ class WorkerConfig:
     direct_endpoint: str = "tcp://127.0.0.1:*"   # where the direct socket binds (beyond loopback: with keys only)
     lanes: str = "auto"                     # requests through shared memory too: auto = as direct (--lanes)
     generation: int = 0                     # restart count (set by the supervisor)
+    presence_file: str | None = None        # where to say whether the broker has this worker (`laya-pool workers`)
     keys: str | None = None
     log_level: str = "INFO"
 
@@ -182,6 +184,7 @@ class Worker:
         self.last_sent = self.last_ready = self.broker_expiry = 0.0
         self.hung = False
         self.reconnect_wait = self.hb
+        self.presence: str | None = None     # what this worker last told its supervisor (protocol/presence.py)
 
     def _compute_main(self) -> None:
         name_os_thread("compute")
@@ -235,6 +238,15 @@ class Worker:
             "generation": self.cfg.generation, "host": socket.gethostname()}))
         self.last_ready = time.monotonic()
         self.broker_expiry = self.last_ready + self.hb * self.cfg.liveness
+        self._tell(presence.CONNECTING if self.stop_reason is None else presence.DRAINING)
+
+    def _tell(self, state: str) -> None:
+        """Say `state` to the supervisor when it changed (`--presence-file`; a supervisor that cannot read it says
+        "starting", so a failed write is not this worker's problem)."""
+        if self.cfg.presence_file and state != self.presence:
+            self.presence = state
+            with contextlib.suppress(OSError):
+                presence.write(self.cfg.presence_file, state, os.getpid())
 
     def _stats(self) -> dict[str, Any]:
         return {**self.counts, "registrations": self.io_counts["registrations"],
@@ -245,6 +257,7 @@ class Worker:
                 "requests_messages": self.inbox.requests_messages,
                 "lanes": self.inbox.lanes.taken if self.inbox.lanes is not None else 0,
                 "unroutable": self.inbox.unroutable, "answer_seconds": self.compute.answer_seconds.snapshot(),
+                "busy_s": round(self.compute.busy_seconds(), 4),
                 "runtime": self.compute.runtime_stats}
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -361,6 +374,8 @@ class Worker:
         if msg.cmd == Cmd.REQUEST:
             self._on_request(msg, now)
         elif msg.cmd == Cmd.HEARTBEAT:
+            if self.presence == presence.CONNECTING:
+                self._tell(presence.REGISTERED)      # the broker's first heartbeat answers a READY
             drain = msg.header.get("drain")
             if drain in (Leave.DRAIN, Leave.RESTART) and self.stop_reason is None:
                 self._drain(Leave(drain))
@@ -398,6 +413,7 @@ class Worker:
                 self._send(wire.encode(Cmd.DRAIN, {"reason": how}))   # dispatch nothing more here
         self.stop_reason = how
         self.compute.stopping = True     # the data thread hands back what arrives now (unless addressed here)
+        self._tell(presence.DRAINING)
 
     def _on_request(self, msg: wire.Message, now: float) -> None:
         # Routed to the control socket (the broker does so until it hears the data socket): the data thread takes
@@ -521,6 +537,8 @@ def _data_path_args(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
                         "instead of the direct socket, while the data thread polls. auto (default): on with the "
                         "direct socket on x86-64 Linux; env LAYA_LANES")
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
+    p.add_argument("--presence-file", default=None,
+                   help="a file where this worker says whether the broker has it (set by `laya-pool workers`)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=settings.raw(logs.LEVEL_ENV) or d.log_level)
 
