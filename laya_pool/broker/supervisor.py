@@ -1,10 +1,8 @@
 """The supervisor (`laya-pool up`): the broker and the worker processes, restarts and a graceful stop.
 
-- starts the broker (`-m laya_pool.broker.broker`) and one worker per device slot (`-m laya_pool.worker.server`),
-  each GPU worker with CUDA_VISIBLE_DEVICES set to its GPU, CPU workers pinned to disjoint cores;
-- restarts a worker that exits: at once when it drained for a restart (exit 75), with exponential
-  backoff after a crash (any other non-zero exit or a signal), never after a configuration error
-  (exit 78: the checkpoint is unusable) or a clean drain (exit 0: the operator took it out);
+- starts the broker (`-m laya_pool.broker.broker`) and this host's workers, one per device slot, and restarts a worker
+  that exits by its exit code (broker/processes.py, which `laya-pool workers` runs too: at once after a drain for a
+  restart, with backoff after a crash, never after a configuration error or a clean drain);
 - restarts the broker if it dies (workers re-register with the new one by themselves);
 - with `--api`, starts the HTTP gateway beside them (`laya-pool api`, a client of this pool's frontend: gateway/) and
   restarts it if it dies;
@@ -22,9 +20,7 @@ module name.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -36,63 +32,23 @@ from pathlib import Path
 from laya_pool.protocol import contract, settings, wire
 from laya_pool.protocol.contract import WorkerState
 
-from . import rundir
+from . import children, rundir
+from .children import Child
+from .processes import DRAIN_TIMEOUT, WorkerOptions, WorkerProcesses
 
 log = logging.getLogger("laya-pool.supervisor")
-# Where this package lies (a checkout's root, or site-packages): the children import it from there.
-HOME = Path(sys.modules[__name__.split(".")[0]].__file__).resolve().parents[1]
-BACKOFF_START = 0.5
-BACKOFF_MAX = 30.0
-STABLE_AFTER = 60.0     # a worker up this long has its backoff reset
-DRAIN_TIMEOUT = 5.0     # a stopping worker's grace before SIGKILL: with the broker's below, a stop takes <= 10 s
 BROKER_STOP_S = 2.0     # the broker's grace (it fails what is queued and in flight, then closes: milliseconds)
-KILLED_WAIT_S = 1.0     # for the kernel to reap a SIGKILLed child; longer means it is stuck in the kernel (D state)
+__all__ = ["DRAIN_TIMEOUT", "Supervisor", "SupervisorConfig"]
 
 
 @dataclass
-class SupervisorConfig:
-    model: str
-    devices: list[str]
-    workers_per_device: int = 1
+class SupervisorConfig(WorkerOptions):
+    """`up`'s settings: its workers' (broker/processes.py), and the broker's and the gateway's beside them."""
     frontend: str = "tcp://127.0.0.1:5555"
     backend: str | None = None          # default: an ipc socket in a private temporary directory
-    heartbeat_ms: int = 1000
-    liveness: int = 3
-    mode: str | None = None
-    credit: int | None = None          # None: each worker picks (twice its merge size)
-    keys: str | None = None
     broker_args: list[str] = field(default_factory=list)
-    worker_args: list[str] = field(default_factory=list)
-    drain_timeout: float = DRAIN_TIMEOUT
-    http: str | None = None             # [HOST:]PORT for /metrics and /health (broker/ops_http.py); None: off
     api: str | None = None              # [HOST:]PORT for the HTTP gateway (gateway/); None: off
     api_key: str | None = None          # its bearer key, handed over in its environment (not on its command line)
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-    restarts: int = 0
-    backoff: float = BACKOFF_START
-    next_start: float = 0.0
-    state: str = "starting"      # running | backoff | down (drained / config error) | stopped
-    last_exit: int | None = None
-    operator_start: float = float("-inf")   # when an operator's restart-worker last started it
-    reloading: bool = False                  # told to stop for a reload: start it again at once
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-
-try:  # loaded here, in the parent: dlopen after fork, with zmq's threads about, can deadlock the child
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:
-    _LIBC = None
 
 
 OPERATOR_RESTART_HOLD_S = 30.0
@@ -114,42 +70,6 @@ class Reload:
     since: float = 0.0
 
 
-def _set_flag(argv: list[str], flag: str, value: str) -> None:
-    """Replace `flag`'s value in a child's command line (append the pair when it is not there)."""
-    if flag in argv:
-        argv[argv.index(flag) + 1] = value
-    else:
-        argv += [flag, value]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the supervisor dies (Linux), so nothing is orphaned."""
-    if _LIBC is not None:
-        with contextlib.suppress(Exception):
-            _LIBC.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-
-
-def _cpu_sets(devices: list[str], per_device: int) -> list[list[int] | None]:
-    """Disjoint core sets for the CPU workers (GPU workers pick the cores near their GPU themselves)."""
-    try:
-        import psutil
-        cores = sorted(psutil.Process().cpu_affinity())
-    except Exception:  # noqa: BLE001
-        cores = list(range(os.cpu_count() or 1))
-    slots = [d for d in devices for _ in range(per_device)]
-    n_cpu = sum(1 for d in slots if d == "cpu")
-    out: list[list[int] | None] = []
-    i = 0
-    chunk = max(1, len(cores) // max(1, n_cpu))
-    for d in slots:
-        if d != "cpu":
-            out.append(None)
-            continue
-        out.append([cores[(i * chunk + k) % len(cores)] for k in range(chunk)])
-        i += 1
-    return out
-
-
 def _direct_beyond_loopback(cfg: SupervisorConfig, env: dict[str, str]) -> bool:
     """Whether the workers' direct sockets listen where the frontend does: a pool with keys whose frontend is tcp
     beyond loopback, unless the operator chose their endpoint (--direct-endpoint, LAYA_DIRECT_ENDPOINT)."""
@@ -166,19 +86,16 @@ class Supervisor:
         if cfg.backend is None:
             self.tmp = rundir.make_private()
             cfg.backend = f"ipc://{self.tmp}/backend"
-        env = dict(os.environ)
-        for name, _ in settings.undeclared(env):      # `up` warned of each once; its children read none of them
-            del env[name]
-        if HOME.name not in ("site-packages", "dist-packages"):     # a checkout goes first; an install is found
-            env["PYTHONPATH"] = str(HOME) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.env = env
+        self.env = env = children.environment()
         common = ["--heartbeat-ms", str(cfg.heartbeat_ms), "--liveness", str(cfg.liveness)]
         common += ["--keys", cfg.keys] if cfg.keys else []
         self.broker = self._broker_child(common)
-        cpus = _cpu_sets(cfg.devices, cfg.workers_per_device)
-        slots = [d for d in cfg.devices for _ in range(cfg.workers_per_device)]
-        self.workers: dict[str, Child] = {str(i): self._worker_child(str(i), device, cpu, common)
-                                          for i, (device, cpu) in enumerate(zip(slots, cpus))}
+        # Clients that reach the frontend beyond loopback reach the workers' direct sockets on the same address
+        # (CURVE servers, with keys): their requests skip the broker (docs/architecture.md, "The data path").
+        direct = f"tcp://{wire.endpoint_host(cfg.frontend)}:*" if _direct_beyond_loopback(cfg, env) else None
+        self.processes = WorkerProcesses(cfg, cfg.backend, env, direct=direct)
+        self.processes.on_config_error = self._reload_failed
+        self.workers: dict[str, Child] = self.processes.children
         self.gateway = self._gateway_child() if cfg.api else None
         self.stopping = False
         self.status_client = None
@@ -201,25 +118,6 @@ class Supervisor:
         return Child("broker", [sys.executable, "-m", "laya_pool.broker.broker", "--frontend", cfg.frontend,
                                 "--backend", cfg.backend, *common, *fingerprint, *cfg.broker_args], self.env)
 
-    def _worker_child(self, wid: str, device: str, cpus: list[int] | None, common: list[str]) -> Child:
-        cfg = self.cfg
-        env = dict(self.env)
-        if device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1] if ":" in device else "0"
-        argv = [sys.executable, "-m", "laya_pool.worker.server", "--model", cfg.model, "--device", device,
-                "--backend", cfg.backend, "--id", wid, *common]
-        if cfg.credit is not None:
-            argv += ["--credit", str(cfg.credit)]
-        if cfg.mode:
-            argv += ["--mode", cfg.mode]
-        if cpus:
-            argv += ["--cpus", ",".join(map(str, cpus))]
-        if _direct_beyond_loopback(cfg, env):
-            # Clients that reach the frontend beyond loopback reach the workers' direct sockets on the same address
-            # (CURVE servers, with keys): their requests skip the broker (docs/architecture.md, "The data path").
-            argv += ["--direct-endpoint", f"tcp://{wire.endpoint_host(cfg.frontend)}:*"]
-        return Child(f"worker {wid}", argv + cfg.worker_args, env)
-
     def _gateway_child(self) -> Child:
         cfg = self.cfg
         env = {k: v for k, v in self.env.items() if k not in ("LAYA_POOL_API_KEY", "LAYA_POOL_API_KEY_FILE")}
@@ -234,71 +132,32 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ children
 
-    def _start(self, child: Child, extra: list[str] | None = None) -> None:
-        child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env, preexec_fn=_die_with_parent,
-                                      start_new_session=True)
-        child.started = time.monotonic()
-        child.state = "running"
-        log.info("%s started (pid %d)", child.name, child.proc.pid)
-
-    def _start_worker(self, wid: str) -> None:
-        child = self.workers[wid]
-        self._start(child, ["--generation", str(child.restarts)])
-
-    def _reap(self, child: Child, is_worker: bool) -> None:
-        if child.state != "running" or child.proc is None:
-            return
-        code = child.proc.poll()
+    def _reap(self, child: Child) -> None:
+        """The broker or the gateway exited: start it again after its backoff, unless it cannot start."""
+        code = children.exited(child)
         if code is None:
             return
-        child.last_exit = code
-        now = time.monotonic()
-        if now - child.started > STABLE_AFTER:
-            child.backoff = BACKOFF_START
         if self.stopping:
             child.state = "stopped"
-            return
-        if is_worker and child.reloading and code in (contract.EXIT_OK, contract.EXIT_RESTART):
-            child.reloading = False
-            log.info("%s stopped for the reload; starting it on %s", child.name, self.cfg.model)
-            child.restarts += 1
-            child.state, child.next_start = "backoff", now
-            return
-        child.reloading = False
-        if not is_worker and code in (contract.EXIT_USAGE, contract.EXIT_CONFIG):
+        elif code in (contract.EXIT_USAGE, contract.EXIT_CONFIG):
             log.error("%s cannot start (exit %d: an endpoint or port is in use or refused); stopping", child.name, code)
             child.state = "down"
-        elif is_worker and code == contract.EXIT_RESTART:
-            log.info("%s drained for a restart; starting it again", child.name)
-            child.restarts += 1
-            child.state, child.next_start = "backoff", now
-        elif is_worker and code == contract.EXIT_OK:
-            log.info("%s drained and left; it stays down (laya-pool restart-worker %s brings it back)", child.name,
-                     child.name.split()[-1])
-            child.state = "down"
-        elif (is_worker and code == contract.EXIT_CONFIG and self.reload is not None
-              and self.reload.current == child.name.split()[-1]):
-            child.state = "down"
-            self._abort_reload(f"{child.name} cannot load it (exit {code})")
-        elif is_worker and code == contract.EXIT_CONFIG:
-            log.error("%s cannot serve this model or configuration (exit %d); not restarting it", child.name, code)
-            child.state = "down"
         else:
-            how = f"signal {-code}" if code < 0 else f"code {code}"
-            log.warning("%s (pid %d) died (%s); restarting in %.1f s", child.name, child.proc.pid, how,
-                        child.backoff)
-            child.restarts += 1
-            child.state, child.next_start = "backoff", now + child.backoff
-            child.backoff = min(BACKOFF_MAX, child.backoff * 2)
+            children.crashed(child)
+
+    def _reload_failed(self, wid: str) -> bool:
+        """A worker exited with a configuration error: the reload's worker puts the previous model back."""
+        if self.reload is None or self.reload.current != wid:
+            return False
+        self._abort_reload(f"worker {wid} cannot load it (exit {self.workers[wid].last_exit})")
+        return True
 
     def _restart_due(self) -> None:
         now = time.monotonic()
         for child in self._singles():
-            if child.state == "backoff" and now >= child.next_start:
-                self._start(child)
-        for wid, child in self.workers.items():
-            if child.state == "backoff" and now >= child.next_start:
-                self._start_worker(wid)
+            if children.due(child, now):
+                children.start(child)
+        self.processes.restart_due()
 
     def _poll_broker(self) -> None:
         """Readiness announcement, and workers an operator asked back (restart-worker on a drained worker)."""
@@ -333,7 +192,7 @@ class Supervisor:
                 log.info("worker %s: restart requested by an operator", wid)
                 child.restarts += 1
                 child.operator_start = now
-                self._start_worker(wid)
+                self.processes.start(wid)
         self._follow_reload(st.get("broker", {}).get("reload"), rows, now)
         ready = sum(1 for w in rows.values() if w.get("state") == WorkerState.READY)
         if not self.announced and ready >= len(self.workers):
@@ -354,9 +213,9 @@ class Supervisor:
         """Every later start of a worker loads `model`; a restarted broker serves `fingerprint`."""
         self.cfg.model = model
         for child in self.workers.values():
-            _set_flag(child.argv, "--model", model)
+            children.set_flag(child.argv, "--model", model)
         if fingerprint:
-            _set_flag(self.broker.argv, "--fingerprint", fingerprint)
+            children.set_flag(self.broker.argv, "--fingerprint", fingerprint)
 
     def _begin_reload(self, request: dict) -> None:
         model, fp = str(request.get("model", "")), str(request.get("fingerprint", ""))
@@ -418,8 +277,7 @@ class Supervisor:
         child = self.workers[r.current]
         child.reloading = False
         if child.state == "down":
-            child.restarts += 1
-            child.state, child.next_start = "backoff", time.monotonic()
+            children.again(child)
         elif child.proc is not None and child.proc.poll() is None:
             child.reloading = True          # a slow start on the new model: stop it, start it on the old one
             child.proc.send_signal(signal.SIGTERM)
@@ -438,22 +296,20 @@ class Supervisor:
             if self.tmp is not None:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             return contract.EXIT_CONFIG
-        self._start(self.broker)
-        for wid in self.workers:
-            self._start_worker(wid)
+        children.start(self.broker)
+        self.processes.start_all()
         if self.gateway is not None:
-            self._start(self.gateway)
+            children.start(self.gateway)
         try:
             while not self.stopping:
                 for child in self._singles():
-                    self._reap(child, False)
+                    self._reap(child)
                 down = next((c for c in self._singles() if c.state == "down"), None)
                 if down is not None:
                     self._shutdown()
                     return down.last_exit or contract.EXIT_CONFIG
-                for child in self.workers.values():
-                    self._reap(child, True)
-                if all(c.state == "down" and c.last_exit == contract.EXIT_CONFIG for c in self.workers.values()):
+                self.processes.reap(self.stopping)
+                if self.processes.none_can_start():
                     log.error("no worker can start (configuration errors); stopping")
                     self._shutdown()
                     return contract.EXIT_CONFIG
@@ -485,7 +341,7 @@ class Supervisor:
     def _observed(self) -> dict:
         """What only the supervisor knows, read by the HTTP thread at scrape time (ints and a bool: no lock)."""
         return {"stopping": self.stopping, "broker_restarts": self.broker.restarts,
-                "worker_restarts": {wid: c.restarts for wid, c in self.workers.items()}}
+                "worker_restarts": self.processes.restarts()}
 
     def _shutdown(self) -> None:
         """The gateway first (no new HTTP requests; it answers those it holds), then the workers (each finishes what it
@@ -499,23 +355,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 log.warning("the gateway (pid %d) did not stop within %g s; killing it (SIGKILL)", g.pid,
                             self.cfg.drain_timeout + 1.0)
-                self._kill(g, "the gateway")
-        live = [c for c in self.workers.values() if c.proc is not None and c.proc.poll() is None]
-        for c in live:
-            with contextlib.suppress(ProcessLookupError):
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.drain_timeout
-        for c in live:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                # Its compute is hung (the watchdog may be 30 s away) or it is stuck elsewhere: a stop must not
-                # wait on it. The broker, stopped next, fails what this worker held as retryable.
-                log.warning("%s (pid %d) did not leave within %g s of being told to stop; killing it (SIGKILL)",
-                            c.name, c.proc.pid, self.cfg.drain_timeout)
-                self._kill(c.proc, c.name)
-            if c.proc.returncode not in (0, None):
-                log.warning("%s exited with code %s while stopping", c.name, c.proc.returncode)
+                children.kill(g, "the gateway")
+        self.processes.stop()
         b = self.broker.proc
         if b is not None and b.poll() is None:
             b.send_signal(signal.SIGTERM)
@@ -523,13 +364,5 @@ class Supervisor:
                 b.wait(BROKER_STOP_S)
             except subprocess.TimeoutExpired:
                 log.warning("the broker (pid %d) did not stop within %g s; killing it (SIGKILL)", b.pid, BROKER_STOP_S)
-                self._kill(b, "the broker")
+                children.kill(b, "the broker")
         log.info("pool stopped")
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen, name: str) -> None:
-        proc.kill()
-        try:
-            proc.wait(KILLED_WAIT_S)
-        except subprocess.TimeoutExpired:
-            log.error("%s (pid %d) survives SIGKILL (stuck in the kernel, a driver call?); leaving it", name, proc.pid)
