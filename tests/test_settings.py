@@ -189,14 +189,15 @@ def test_a_hot_read_parses_each_value_once(monkeypatch):
         assert parsed == ["0", "1"]
 
 
-def test_every_up_option_reads_its_declared_variable(monkeypatch):
-    """`laya-pool up`'s options and their LAYA_POOL_* declarations agree: name, type, choices and default."""
+def test_every_up_and_workers_option_reads_its_declared_variable(monkeypatch):
+    """The options of `laya-pool up` and `laya-pool workers` and their LAYA_POOL_* declarations agree: name, type,
+    choices and default."""
     from laya_pool.broker import cli
     for name in settings.DECLARED:
         monkeypatch.delenv(name, raising=False)
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    options = [a for a in sub.choices["up"]._actions if a.option_strings and a.dest not in ("help", "log_level",
-                                                                                            "log_format")]
+    options = [a for command in ("up", "workers") for a in sub.choices[command]._actions
+               if a.option_strings and a.dest not in ("help", "log_level", "log_format")]
     kinds = {"int": settings.INT, "float": settings.FLOAT}
     for a in options:
         s = settings.setting(cli.env_name(a))

@@ -45,6 +45,7 @@ from .table import WorkerTable
 from .workers import WorkerHandlers
 
 log = logging.getLogger("laya-pool.broker")
+OBSERVE_S = 1.0         # with --http: a status for the metrics this often (as `up` polls its broker)
 
 
 class Broker:
@@ -70,6 +71,8 @@ class Broker:
         self.started = time.monotonic()
         self.stopping = False
         self.last_housekeeping = 0.0
+        self.observer: Any = None        # broker.observe.PoolObserver, with --http: fed a status every OBSERVE_S
+        self.last_observed = 0.0
 
     # -------------------------------------------------------------------------------------------- loop
 
@@ -138,6 +141,9 @@ class Broker:
             self.worker_handlers.watch(now)
             self.dispatcher.expire_queue(now)
             self.dispatcher.replies.expire(now)
+            if self.observer is not None and now - self.last_observed >= OBSERVE_S:
+                self.last_observed = now
+                self.observer.update(self.status(), now)
         self.dispatcher.dispatch()
 
     def _housekeeping_s(self) -> float:
@@ -210,6 +216,10 @@ def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> No
     p.add_argument("--insecure-backend", action="store_true",
                    help="allow a tcp backend without keys (development only: any local process could register "
                         "as a worker)")
+    if not supervised:          # `up` serves them itself
+        p.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                       help="serve /metrics and /health/{live,ready} here (a bare port: 127.0.0.1; beyond loopback "
+                            "with --keys only; default: off)")
 
 
 def policy_argv(a: argparse.Namespace) -> list[str]:
@@ -219,11 +229,17 @@ def policy_argv(a: argparse.Namespace) -> list[str]:
 
 def config_from_args(a: argparse.Namespace) -> BrokerConfig:
     return BrokerConfig(frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
-                        keys=a.keys, fingerprint=a.fingerprint, insecure_backend=a.insecure_backend,
+                        keys=a.keys, fingerprint=a.fingerprint, insecure_backend=a.insecure_backend, http=a.http,
                         **{name: getattr(a, name) for _, name, _, _ in POLICY_FLAGS})
 
 
 def serve(cfg: BrokerConfig) -> int:
+    if cfg.http:
+        from .ops_http import refusal
+        why = refusal(cfg.http, cfg.keys)
+        if why is not None:
+            log.error("%s", why)
+            return contract.EXIT_USAGE
     try:
         broker = Broker(cfg)
     except security.SecurityError as e:
@@ -245,7 +261,28 @@ def serve(cfg: BrokerConfig) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    return broker.run()
+    http = _serve_http(broker) if cfg.http else None
+    if cfg.http and http is None:
+        broker.shutdown()
+        return contract.EXIT_CONFIG
+    try:
+        return broker.run()
+    finally:
+        if http is not None:
+            http.close()
+
+
+def _serve_http(broker: Broker) -> Any:
+    """--http: the pool's metrics and health from this process (an HTTP thread; the loop feeds it a status every
+    OBSERVE_S), as `up --http` serves them from the supervisor. None when it cannot (the port is taken)."""
+    from .observe import PoolObserver
+    from .ops_http import MetricsServer
+    broker.observer = PoolObserver(lambda: {"stopping": broker.stopping})
+    try:
+        return MetricsServer(broker.cfg.http, broker.observer)
+    except (OSError, ValueError) as e:
+        log.error("cannot serve --http %s: %s", broker.cfg.http, e)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@
     laya-pool keys --out DIR               CURVE keys (needed to bind a non-loopback address)
     laya-pool api --listen [HOST:]PORT     the SDK server's HTTP API (/v1/systemone) in front of a pool
     laya-pool broker ...                   a broker alone (workers started elsewhere)
+    laya-pool workers --broker ENDPOINT --model DIR    this host's workers, joining a broker on another host
 
 Operator commands talk to the pool through its frontend (`--frontend`, default $LAYA_POOL_FRONTEND or
 tcp://127.0.0.1:5555), as wire commands the broker answers.
@@ -28,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from laya_pool.protocol import contract, logs, settings
+from laya_pool.protocol import contract, logs, settings, wire
 from laya_pool.protocol.contract import WorkerState
 
 log = logging.getLogger("laya-pool.cli")
@@ -147,6 +148,33 @@ def cmd_up(a: argparse.Namespace) -> int:
                            worker_args=worker_args, drain_timeout=a.drain_timeout)
     cfg.http, cfg.api, cfg.api_key = a.http, a.api, api_key
     return Supervisor(cfg).run()
+
+
+def cmd_workers(a: argparse.Namespace) -> int:
+    import re
+
+    from .remote import RemoteWorkers, WorkersConfig, default_name
+    devices = _devices(a.devices)
+    if not a.keys and a.broker.startswith("tcp://") and not wire.is_loopback(a.broker):
+        raise UsageError(f"--broker {a.broker}: not a loopback address and no CURVE keys (the workers would take "
+                         "requests unencrypted from whoever answers there): pass --keys DIR, the pool's key directory "
+                         "(`laya-pool keys --out DIR`)")
+    if a.keys and not Path(a.keys).is_dir():
+        raise UsageError(f"--keys: {a.keys} is not a directory (laya-pool keys --out DIR makes one)")
+    if a.http is not None:
+        from .ops_http import refusal
+        if (why := refusal(a.http, a.keys)) is not None:
+            raise UsageError(why)
+    name = a.name or default_name()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+        raise UsageError(f"--name: {name!r} is not a host name for worker ids (letters, digits, '.', '_', '-'; "
+                         "at most 100)")
+    model = _checkpoint_dir("--model", a.model)
+    cfg = WorkersConfig(model=str(model), devices=devices, workers_per_device=a.workers_per_device,
+                        heartbeat_ms=a.heartbeat_ms, liveness=a.liveness, mode=a.mode, credit=a.credit, keys=a.keys,
+                        worker_args=worker_argv(a), drain_timeout=a.drain_timeout, http=a.http, broker=a.broker,
+                        name=name, direct_host=a.direct_host)
+    return RemoteWorkers(cfg).run()
 
 
 def _api_key(a: argparse.Namespace, flag: str) -> str | None:
@@ -343,6 +371,10 @@ def cmd_keys(a: argparse.Namespace) -> int:
 
 def cmd_broker(a: argparse.Namespace) -> int:
     from .broker import config_from_args, serve
+    if a.http is not None:
+        from .ops_http import refusal
+        if (why := refusal(a.http, a.keys)) is not None:
+            raise UsageError(why)
     return serve(config_from_args(a))
 
 
@@ -462,6 +494,7 @@ def build_parser(more_help: str = "") -> argparse.ArgumentParser:
     add_arguments(s)
     s.set_defaults(fn=cmd_broker)
     _check_endpoint_types(s)
+    _add_workers(command("workers", "run this host's workers, joining a broker on another host, until SIGINT/SIGTERM"))
     return p
 
 
@@ -478,42 +511,7 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
     up.add_argument("--workers-per-device", type=_positive(int), default=1, help="worker processes per device")
     add_arguments(up, supervised=True)          # the broker's flags, defined once in broker.broker
-    # Handed to every worker; None leaves the worker's own default (which depends on its device).
-    up.add_argument("--mode", default=None, choices=contract.MODES,
-                    help="execution mode (default: graph-cached on CUDA, eager on CPU)")
-    up.add_argument("--credit", type=_positive(int), default=None,
-                    help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
-    up.add_argument("--max-batch", type=_positive(int), default=None,
-                    help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
-    up.add_argument("--merge-waste", type=int, default=None,
-                    help="padding tokens a merged forward may hold beyond what its requests pad to alone; a request "
-                         "that would take it past waits for the next group (default 512; negative: no bound)")
-    up.add_argument("--max-tokens", type=_positive(int), default=None,
-                    help="tokens one forward may hold (default: the worker's workspace size)")
-    up.add_argument("--max-rows", type=_positive(int), default=None,
-                    help="rows (questions) one forward may hold (default: the worker's workspace size)")
-    up.add_argument("--max-markers", type=_positive(int), default=None,
-                    help="option markers one forward may hold (default: the worker's workspace size)")
-    up.add_argument("--threads", type=_positive(int), default=None,
-                    help="torch threads per worker (default: the cores it is pinned to)")
-    up.add_argument("--compute-timeout", type=_positive(float), default=None,
-                    help="seconds a worker's forward may take before its device counts as hung (default 10 on CUDA, "
-                         "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
-    up.add_argument("--warmup-shapes", default=None, metavar="RxLxM,...",
-                    help="graph-cached mode: the shape buckets each worker captures before it reports ready, as "
-                         "ROWSxROW_LENGTHxMARKERS_PER_ROW,... e.g. 4x256x8,16x512x8 (default: a common set, see "
-                         "worker/runtime.py DEFAULT_WARMUP); more buckets mean a longer start and fewer captures "
-                         "under traffic. Ignored in eager mode (the CPU default)")
-    up.add_argument("--warmup-merged", default=None, metavar="RxTxM,...",
-                    help="graph-cached mode: request classes (one request's rows x tokens per row x markers per row) "
-                         "whose merged groups each worker also captures before it reports ready, e.g. "
-                         "1x48x4,4x256x4 for a load of both; '' for none (default: one question over 48, 64 or 128 "
-                         "tokens, or none with --warmup-shapes). The buckets traffic missed most show in `status "
-                         "--json` (a worker's stats.runtime.missed_shapes, with counts)")
-    up.add_argument("--drain-timeout", type=_positive(float), default=5.0,
-                    help="seconds a stopping worker may take to finish its in-flight work before it is killed "
-                         "(default 5, so that a stop takes at most 10 s even with a hung device; a longer one lets "
-                         "slow requests finish)")
+    _add_worker_options(up)
     up.add_argument("--http", default=None, metavar="[HOST:]PORT",
                     help="serve /metrics and /health/{live,ready} here (a bare port: 127.0.0.1; default: off)")
     up.add_argument("--api", default=None, metavar="[HOST:]PORT",
@@ -524,6 +522,71 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     _check_endpoint_types(up)
     _from_environment(up)
     up.set_defaults(fn=cmd_up)
+
+
+def _add_workers(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--broker", required=True, type=_endpoint,
+                   help="the broker's worker endpoint (its --backend), tcp://HOST:PORT; beyond loopback with --keys")
+    s.add_argument("--model", required=True, help="checkpoint directory (the one the pool serves, on this host)")
+    s.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
+    s.add_argument("--workers-per-device", type=_positive(int), default=1, help="worker processes per device")
+    s.add_argument("--name", default=None,
+                   help="this host's name in its workers' ids (NAME-0, NAME-1, ...): unique in the pool, the same "
+                        "after a restart (default: the host name)")
+    s.add_argument("--direct-host", default=None, metavar="ADDRESS",
+                   help="the address clients reach this host's workers at, for their requests (default: with keys and "
+                        "a broker beyond loopback, this host's address towards the broker; else loopback)")
+    s.add_argument("--heartbeat-ms", type=_positive(int), default=contract.HEARTBEAT_MS,
+                   help="milliseconds between heartbeats of the broker and each worker (the broker's)")
+    s.add_argument("--liveness", type=_positive(int), default=contract.LIVENESS,
+                   help="heartbeats missed before a worker takes the broker for gone and registers again")
+    s.add_argument("--keys", default=None, help="the pool's CURVE key directory (needed beyond loopback)")
+    _add_worker_options(s)
+    s.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                   help="serve this host's /health/{live,ready} and /metrics here (a bare port: 127.0.0.1; beyond "
+                        "loopback with --keys only; default: off)")
+    _from_environment(s)
+    s.set_defaults(fn=cmd_workers)
+
+
+def _add_worker_options(p: argparse.ArgumentParser) -> None:
+    """The workers' options, which `up` and `workers` both take and hand to every worker they start (None leaves the
+    worker's own default, which depends on its device)."""
+    p.add_argument("--mode", default=None, choices=contract.MODES,
+                   help="execution mode (default: graph-cached on CUDA, eager on CPU)")
+    p.add_argument("--credit", type=_positive(int), default=None,
+                   help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
+    p.add_argument("--max-batch", type=_positive(int), default=None,
+                   help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
+    p.add_argument("--merge-waste", type=int, default=None,
+                   help="padding tokens a merged forward may hold beyond what its requests pad to alone; a request "
+                        "that would take it past waits for the next group (default 512; negative: no bound)")
+    p.add_argument("--max-tokens", type=_positive(int), default=None,
+                   help="tokens one forward may hold (default: the worker's workspace size)")
+    p.add_argument("--max-rows", type=_positive(int), default=None,
+                   help="rows (questions) one forward may hold (default: the worker's workspace size)")
+    p.add_argument("--max-markers", type=_positive(int), default=None,
+                   help="option markers one forward may hold (default: the worker's workspace size)")
+    p.add_argument("--threads", type=_positive(int), default=None,
+                   help="torch threads per worker (default: the cores it is pinned to)")
+    p.add_argument("--compute-timeout", type=_positive(float), default=None,
+                   help="seconds a worker's forward may take before its device counts as hung (default 10 on CUDA, "
+                        "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
+    p.add_argument("--warmup-shapes", default=None, metavar="RxLxM,...",
+                   help="graph-cached mode: the shape buckets each worker captures before it reports ready, as "
+                        "ROWSxROW_LENGTHxMARKERS_PER_ROW,... e.g. 4x256x8,16x512x8 (default: a common set, see "
+                        "worker/runtime.py DEFAULT_WARMUP); more buckets mean a longer start and fewer captures "
+                        "under traffic. Ignored in eager mode (the CPU default)")
+    p.add_argument("--warmup-merged", default=None, metavar="RxTxM,...",
+                   help="graph-cached mode: request classes (one request's rows x tokens per row x markers per row) "
+                        "whose merged groups each worker also captures before it reports ready, e.g. "
+                        "1x48x4,4x256x4 for a load of both; '' for none (default: one question over 48, 64 or 128 "
+                        "tokens, or none with --warmup-shapes). The buckets traffic missed most show in `status "
+                        "--json` (a worker's stats.runtime.missed_shapes, with counts)")
+    p.add_argument("--drain-timeout", type=_positive(float), default=5.0,
+                   help="seconds a stopping worker may take to finish its in-flight work before it is killed "
+                        "(default 5, so that a stop ends within seconds even with a hung device: `up` within 10 s; a "
+                        "longer one lets slow requests finish)")
 
 
 def _add_api(command: Any) -> None:

@@ -33,3 +33,4 @@ class BrokerConfig:
     restart_window_s: float = 60.0
     client_hwm: int = 1000              # replies queued per client before more are dropped (it is not reading)
     poll_us: int = 0                    # after a message, poll without sleeping this long (0: always sleep)
+    http: str | None = None             # `laya-pool broker --http`: [HOST:]PORT for /metrics and /health; None: off

@@ -1,4 +1,5 @@
-"""Status snapshots -> Prometheus metrics and readiness, for `laya-pool up --http` (served by broker/http.py).
+"""Status snapshots -> Prometheus metrics and readiness, for `laya-pool up --http` and `laya-pool broker --http` (served
+by broker/ops_http.py).
 
 Pure logic: no sockets, no clocks (callers pass `now`), so it is tested with hand-made snapshots.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -33,6 +34,14 @@ GRAPH_CACHE_EVENTS = ("hits", "misses", "captures", "evictions", "fallbacks", "o
                       "request_path_captures", "covered", "deferred", "idle_captures")
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+class Observer(Protocol):
+    """What broker/ops_http.py serves: a pool's (`PoolObserver`) or a worker host's (broker/host.py `HostObserver`)."""
+
+    def readiness(self, now: float) -> tuple[bool, dict]: ...
+
+    def families(self, now: float) -> list[Metric]: ...
 
 
 class Totals:
@@ -147,6 +156,7 @@ class PoolObserver:
         t.feed("worker_merged_runs", {"worker": wid}, epoch, stats.get("merged_runs"))
         t.feed("worker_merged_requests", {"worker": wid}, epoch, stats.get("merged_requests"))
         t.feed("worker_set_aside", {"worker": wid}, epoch, stats.get("set_aside"))
+        t.feed("worker_busy_seconds", {"worker": wid}, epoch, stats.get("busy_s"))
         for kind in WORKER_ERRORS:
             t.feed("worker_errors", {"worker": wid, "kind": kind}, epoch, stats.get(kind))
         for key, path in WORKER_PATHS.items():
@@ -228,6 +238,8 @@ class PoolObserver:
                 ("worker_merged_requests", "requests that ran inside merged forwards"),
                 ("worker_set_aside", "times a group set a request aside for a later one (it would have taken the "
                                      "group's padding past --merge-waste tokens)"),
+                ("worker_busy_seconds", "seconds a worker had work taken and not yet answered (its device busy, with "
+                                        "the host's part of each group): its rate is the worker's busy share"),
                 ("worker_errors", "errors inside a worker, by kind"),
                 ("worker_taken", "request messages a worker's data thread took other than from the broker's data "
                                  "socket, by path (direct: a client's on the direct socket; lane: a client's through "

@@ -1,8 +1,10 @@
-"""The supervisor's HTTP endpoint (`laya-pool up --http [HOST:]PORT`): /metrics, /health/live, /health/ready.
+"""The operations HTTP endpoint (`--http [HOST:]PORT` of `laya-pool up`, `broker` and `workers`): /metrics,
+/health/live, /health/ready.
 
-The I/O half of the operations surface: what to say comes from `broker.observe.PoolObserver`. Served from a
-daemon thread of the supervisor process (http.server; a scrape every few seconds needs nothing more), so it
-answers while the supervisor runs, also while the broker is down or restarting: then /health/ready says so.
+The I/O half of the operations surface: what to say comes from an observer (a pool's: broker/observe.py; a worker
+host's: broker/host.py). Served from a daemon thread of the supervisor (or broker) process (http.server; a scrape
+every few seconds needs nothing more), so it answers while the supervisor runs, also while the broker is down or
+restarting: then /health/ready says so.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from prometheus_client.registry import Collector
 from laya_pool.protocol.listen import family as _family
 from laya_pool.protocol.listen import is_loopback_host, parse_listen
 
-from .observe import PoolObserver
+from .observe import Observer
 
 log = logging.getLogger("laya-pool.http")
 
@@ -38,7 +40,7 @@ def refusal(listen: str, keys: str | None) -> str | None:
 
 
 class _Collector(Collector):
-    def __init__(self, observer: PoolObserver):
+    def __init__(self, observer: Observer):
         self.observer = observer
 
     def collect(self) -> Any:
@@ -48,7 +50,7 @@ class _Collector(Collector):
 class MetricsServer:
     """Binds at construction (so a taken port fails `laya-pool up` at once); serves from a daemon thread."""
 
-    def __init__(self, listen: str, observer: PoolObserver):
+    def __init__(self, listen: str, observer: Observer):
         host, port = parse_listen(listen)
         self.observer = observer
         self.registry = CollectorRegistry(auto_describe=False)

@@ -39,8 +39,8 @@ TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # The table's sections, in order.
 POOL, COMMANDS, WORKER, KERNELS, FAULTS, OTHERS = ("pool", "commands", "worker", "kernels", "faults", "others")
 SECTIONS = {
-    POOL: "`laya-pool up`: each option's default (a flag on the command line beats its variable; a bad value fails "
-          "`up` with exit 2 naming the variable)",
+    POOL: "`laya-pool up` and `laya-pool workers`: each option's default (a flag on the command line beats its "
+          "variable; a bad value fails the command with exit 2 naming the variable)",
     COMMANDS: "Every command, and clients",
     WORKER: "Each worker, at start",
     KERNELS: "The fast path's kernels (each worker; a change takes effect at the next launch)",
@@ -102,14 +102,15 @@ def _up(option: str, kind: str, default: Any, meaning: str, choices: tuple[str, 
     _declare(name, kind, default, POOL, readers, f"`--{option}`: {meaning}", choices)
 
 
-_up("model", PATH, None, "the checkpoint directory the pool serves.")
-_up("devices", STR, "cpu", "where workers run: cpu, or cuda:0,cuda:1,...")
-_up("workers-per-device", INT, 1, "worker processes per device.")
+BOTH = "`laya-pool up`, `laya-pool workers`"
+_up("model", PATH, None, "the checkpoint directory the pool serves.", readers=BOTH)
+_up("devices", STR, "cpu", "where workers run: cpu, or cuda:0,cuda:1,...", readers=BOTH)
+_up("workers-per-device", INT, 1, "worker processes per device.", readers=BOTH)
 _up("frontend", STR, "tcp://127.0.0.1:5555", "the endpoint clients connect to; clients and operator commands use "
     "it too when given none.", readers="`laya-pool` commands, clients, the broker")
 _up("backend", STR, None, "the endpoint workers connect to (unset: a private ipc socket).")
-_up("heartbeat-ms", INT, 1000, "milliseconds between heartbeats of the broker and each worker.")
-_up("liveness", INT, 3, "heartbeats missed before a worker counts as dead.")
+_up("heartbeat-ms", INT, 1000, "milliseconds between heartbeats of the broker and each worker.", readers=BOTH)
+_up("liveness", INT, 3, "heartbeats missed before a worker counts as dead.", readers=BOTH)
 _up("queue-size", INT, 1024, "requests waiting for a worker before the pool answers busy.")
 _up("queue-timeout", FLOAT, 30.0, "seconds a request may wait for a worker.")
 _up("queue-max-bytes", INT, 1 << 30, "request payload bytes waiting or running, together.")
@@ -124,24 +125,32 @@ _up("poll-us", INT, 0, "microseconds the broker keeps polling after each message
     "(costs a core while traffic flows).")
 _up("keys", PATH, None, "the CURVE key directory (`laya-pool keys` makes one); operator commands use it too.",
     readers="`laya-pool` commands")
+_up("broker", STR, None, "the broker's worker endpoint this host's workers join, tcp://HOST:PORT.",
+    readers="`laya-pool workers`")
+_up("name", STR, None, "this host's name in its workers' ids (unset: the host name).", readers="`laya-pool workers`")
+_up("direct-host", STR, None, "the address clients reach this host's workers at (unset: with keys and a broker beyond "
+    "loopback, this host's address towards the broker).", readers="`laya-pool workers`")
 _up("insecure-backend", BOOL, False, "allow a tcp backend without keys (development only).")
 _up("mode", CHOICE, None, "each worker's execution mode (unset: graph-cached on CUDA, eager on a CPU).",
-    ("eager", "graph-fixed", "graph-cached"))
-_up("credit", INT, None, "requests a worker holds at once (unset: twice its --max-batch, at least 2).")
-_up("max-batch", INT, None, "queued requests a worker merges into one forward (unset: 32 on CUDA, 1 on a CPU).")
-_up("merge-waste", INT, None, "padding tokens a merged forward may hold (unset: the worker's LAYA_MERGE_WASTE).")
-_up("max-tokens", INT, None, "tokens one forward may hold (unset: the worker's workspace size).")
-_up("max-rows", INT, None, "rows one forward may hold (unset: the worker's workspace size).")
-_up("max-markers", INT, None, "option markers one forward may hold (unset: the worker's workspace size).")
-_up("threads", INT, None, "torch threads per worker (unset: the cores it is pinned to).")
+    ("eager", "graph-fixed", "graph-cached"), readers=BOTH)
+_up("credit", INT, None, "requests a worker holds at once (unset: twice its --max-batch, at least 2).", readers=BOTH)
+_up("max-batch", INT, None, "queued requests a worker merges into one forward (unset: 32 on CUDA, 1 on a CPU).",
+    readers=BOTH)
+_up("merge-waste", INT, None, "padding tokens a merged forward may hold (unset: the worker's LAYA_MERGE_WASTE).",
+    readers=BOTH)
+_up("max-tokens", INT, None, "tokens one forward may hold (unset: the worker's workspace size).", readers=BOTH)
+_up("max-rows", INT, None, "rows one forward may hold (unset: the worker's workspace size).", readers=BOTH)
+_up("max-markers", INT, None, "option markers one forward may hold (unset: the worker's workspace size).", readers=BOTH)
+_up("threads", INT, None, "torch threads per worker (unset: the cores it is pinned to).", readers=BOTH)
 _up("compute-timeout", FLOAT, None, "seconds a forward may take before the device counts as hung (unset: 10 on "
-    "CUDA, 30 on a CPU).")
+    "CUDA, 30 on a CPU).", readers=BOTH)
 _up("warmup-shapes", STR, None, "graph-cached: the buckets each worker captures before it is ready, "
-    "ROWSxLENGTHxMARKERS,...")
+    "ROWSxLENGTHxMARKERS,...", readers=BOTH)
 _up("warmup-merged", STR, None, "graph-cached: request classes whose merged groups each worker captures before it "
-    "is ready.")
-_up("drain-timeout", FLOAT, 5.0, "seconds a stopping worker may take to finish its work before it is killed.")
-_up("http", STR, None, "[HOST:]PORT to serve /metrics and /health on (unset: off).")
+    "is ready.", readers=BOTH)
+_up("drain-timeout", FLOAT, 5.0, "seconds a stopping worker may take to finish its work before it is killed.",
+    readers=BOTH)
+_up("http", STR, None, "[HOST:]PORT to serve /metrics and /health on (unset: off).", readers=BOTH)
 _up("api", STR, None, "[HOST:]PORT to serve the SDK server's HTTP API on (`laya-pool api` beside the pool; unset: "
     "off).")
 _up("api-key", STR, None, "the bearer key HTTP clients must send (`Authorization: Bearer KEY`); needed to serve the "
