@@ -161,9 +161,13 @@ class _as_pool_errors:  # noqa: N801 - used as `with _as_pool_errors():`, as the
 class _Base:
     """What the blocking and the asyncio clients share: the plans, request building, reply interpretation."""
 
-    def __init__(self, endpoint: str | None, timeout: float, retries: int, backoff: float, max_backoff: float,
-                 keys: str | None, connect_timeout: float = contract.CONNECT_TIMEOUT_S):
+    def __init__(self, endpoint: str | Sequence[str] | None, timeout: float, retries: int, backoff: float,
+                 max_backoff: float, keys: str | None, connect_timeout: float = contract.CONNECT_TIMEOUT_S):
         settings.warn_undeclared(log)          # a misspelt LAYA_* variable: once per process
+        if isinstance(endpoint, (list, tuple)):     # one pool in a list (several: client/pools.py)
+            if len(endpoint) != 1:
+                raise ValueError(f"endpoint: give one endpoint or a list of them, got {endpoint!r}")
+            endpoint = endpoint[0]
         self.endpoint = endpoint or DEFAULT_ENDPOINT
         if timeout <= 0 or retries < 0 or connect_timeout <= 0:
             raise ValueError("timeout and connect_timeout must be positive and retries non-negative")
@@ -498,12 +502,26 @@ class _Base:
         return decode_answers(card, encoded, flat, act, lang, lang_temperatures, calibration)
 
 
+def _several(endpoint: Any) -> bool:
+    """`Client(endpoint)` is a client of several pools (client/pools.py)."""
+    return isinstance(endpoint, (list, tuple)) and len(endpoint) > 1
+
+
 class Client(_Base):
     """A blocking client over one DEALER socket. Thread-safe: calls from several threads take turns
-    (use one client per thread, or `AsyncClient`, for concurrent requests from one process)."""
+    (use one client per thread, or `AsyncClient`, for concurrent requests from one process).
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = contract.CALL_TIMEOUT_S, retries: int = 3,
-                 backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
+    `Client([ep1, ep2, ...])` is a client of several pools (client/pools.py `Pools`, a Client): each call goes to the
+    pool with the fewest of its calls outstanding and fails over to another within its deadline."""
+
+    def __new__(cls, endpoint: str | Sequence[str] | None = None, **kwargs: Any) -> Client:
+        if cls is Client and _several(endpoint):
+            from .pools import Pools
+            cls = Pools
+        return super().__new__(cls)
+
+    def __init__(self, endpoint: str | Sequence[str] | None = None, *, timeout: float = contract.CALL_TIMEOUT_S,
+                 retries: int = 3, backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, spin_ms: float | None = None,
@@ -798,10 +816,17 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """The asyncio flavour: many concurrent calls over one socket, replies matched by request id."""
+    """The asyncio flavour: many concurrent calls over one socket, replies matched by request id.
+    `AsyncClient([ep1, ep2, ...])`: a client of several pools (client/pools.py `AsyncPools`), as `Client`'s."""
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = contract.CALL_TIMEOUT_S, retries: int = 3,
-                 backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
+    def __new__(cls, endpoint: str | Sequence[str] | None = None, **kwargs: Any) -> AsyncClient:
+        if cls is AsyncClient and _several(endpoint):
+            from .pools import AsyncPools
+            cls = AsyncPools
+        return super().__new__(cls)
+
+    def __init__(self, endpoint: str | Sequence[str] | None = None, *, timeout: float = contract.CALL_TIMEOUT_S,
+                 retries: int = 3, backoff: float = 0.05, max_backoff: float = 1.0, keys: str | None = None,
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True,
