@@ -150,10 +150,20 @@ def cmd_up(a: argparse.Namespace) -> int:
     return Supervisor(cfg).run()
 
 
-def cmd_workers(a: argparse.Namespace) -> int:
+def worker_name(value: str | None) -> str:
+    """`workers --name` (default: this host's name), fit for worker ids NAME-0, NAME-1, ..., or a UsageError."""
     import re
 
-    from .remote import RemoteWorkers, WorkersConfig, default_name
+    from .remote import default_name
+    name = value or default_name()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+        raise UsageError(f"--name: {name!r} is not a host name for worker ids (letters, digits, '.', '_', '-'; "
+                         "at most 100)")
+    return name
+
+
+def cmd_workers(a: argparse.Namespace) -> int:
+    from .remote import RemoteWorkers, WorkersConfig
     devices = _devices(a.devices)
     if not a.keys and a.broker.startswith("tcp://") and not wire.is_loopback(a.broker):
         raise UsageError(f"--broker {a.broker}: not a loopback address and no CURVE keys (the workers would take "
@@ -165,10 +175,7 @@ def cmd_workers(a: argparse.Namespace) -> int:
         from .ops_http import refusal
         if (why := refusal(a.http, a.keys)) is not None:
             raise UsageError(why)
-    name = a.name or default_name()
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
-        raise UsageError(f"--name: {name!r} is not a host name for worker ids (letters, digits, '.', '_', '-'; "
-                         "at most 100)")
+    name = worker_name(a.name)
     model = _checkpoint_dir("--model", a.model)
     cfg = WorkersConfig(model=str(model), devices=devices, workers_per_device=a.workers_per_device,
                         heartbeat_ms=a.heartbeat_ms, liveness=a.liveness, mode=a.mode, credit=a.credit, keys=a.keys,
