@@ -23,14 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
-import os
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.common import parser, write
+from benchmarks.common import cpu_seconds, parser, write
 
 MESSAGES_PER_CALL = {"ping": 2, "forward": 4}
 
@@ -93,11 +91,6 @@ def _load(endpoint: str, kind: str, window: int, warmup: float, seconds: float, 
     ctx.term()
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _broker_pid(status: dict[str, Any]) -> int | None:
     return status.get("broker", {}).get("pid")
 
@@ -110,9 +103,9 @@ def run_kind(endpoint: str, kind: str, procs: int, window: int, seconds: float, 
     for p in workers:
         p.start()
     time.sleep(0.5 + warmup)    # spawn + warm-up; then the broker's CPU over the timed span
-    cpu0 = _cpu_seconds(broker_pid) if broker_pid else None
+    cpu0 = cpu_seconds(broker_pid) if broker_pid else None
     time.sleep(seconds)
-    cpu1 = _cpu_seconds(broker_pid) if broker_pid else None
+    cpu1 = cpu_seconds(broker_pid) if broker_pid else None
     results = [q.get(timeout=60 + seconds) for _ in workers]
     for p in workers:
         p.join(30)

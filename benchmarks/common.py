@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import socket
 import statistics
@@ -53,6 +54,12 @@ def pool(model: str, frontend: str | None, devices: str = "cuda:0", extra_args: 
     from laya_pool import local_pool
     with local_pool(model, devices, frontend=free_endpoint(), extra_args=list(extra_args), env=env) as p:
         yield p.endpoint
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` (on this host) has used so far, its threads included (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
