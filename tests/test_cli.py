@@ -217,7 +217,8 @@ def test_exit_codes_are_distinct_and_documented():
     doc = (ROOT / "docs" / "operations.md").read_text()
     for code, _ in cli.EXIT_CODES:
         assert f"| {code} |" in doc, f"exit code {code} is not in docs/operations.md"
-    up = [a for cmd, a in _options(cli.build_parser()) if cmd == "up" and a.dest not in ("log_level", "log_format")]
+    up = [a for cmd, a in _options(cli.build_parser()) if cmd in ("up", "workers")
+          and a.dest not in ("log_level", "log_format")]
     rows = {line.split(" | ")[0]: line for line in doc.splitlines() if line.startswith("| `LAYA_")}
     missing = [cli.env_name(a) for a in up if f"`{a.option_strings[0]}`" not in rows.get(f"| `{cli.env_name(a)}`", "")]
     assert not missing, f"not in docs/operations.md's table with their option: {missing}"

@@ -52,8 +52,8 @@ EXIT_CODES = (
     (EXIT_UNREACHABLE, "the pool did not answer: nothing listening at the frontend, or busy / no worker until the "
                        "timeout"),
     (EXIT_NOT_ALLOWED, "not allowed: drain / restart-worker / reload need the pool's operator credential"),
-    (EXIT_CONFIG, "`up`, `api`: the checkpoint or the configuration is unusable, or an endpoint or an --http / --api "
-                  "port is taken (restarting will not help)"),
+    (EXIT_CONFIG, "`up`, `workers`, `broker`, `api`: the checkpoint or the configuration is unusable, or an endpoint "
+                  "or an --http / --api port is taken (restarting will not help)"),
     (EXIT_INTERRUPTED, "interrupted (SIGINT) while waiting"),
 )
 
