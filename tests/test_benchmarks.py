@@ -100,3 +100,19 @@ def test_every_script_or_benchmark_path_the_product_names_exists():
             if not (ROOT / m.group(0)).exists():
                 missing.append(f"{f.relative_to(ROOT)}: {m.group(0)}")
     assert not missing, missing
+
+
+@pytest.mark.timeout(240)
+def test_scale_runs_a_broker_under_stub_hosts_and_writes_each_phase(tmp_path):
+    """A small scale run (2 hosts x 2 stub workers over tcp + CURVE): every phase answered without an error, and a
+    call sent to the workers themselves costs the broker less than one it routes."""
+    r = _run("benchmarks.scale", "--hosts", "2", "--workers", "2", "--procs", "1", "--window", "8", "--seconds", "1",
+             "--out", str(tmp_path), timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {row["phase"]: row for row in json.loads((tmp_path / "scale.json").read_text())["result"]["results"]}
+    assert sorted(got) == ["direct", "idle", "routed", "routes"]
+    assert all(got[p]["calls_per_s"] > 0 and got[p]["errors"] == 0 for p in ("routed", "direct", "routes"))
+    assert got["idle"]["calls_per_s"] == 0 and got["direct"]["broker_messages_per_s"] == 0
+    assert got["direct"]["cpu_cores"]["broker"] < got["routed"]["cpu_cores"]["broker"]
+    assert "broker_ceiling_per_s" in got["routed"] and "broker_ceiling_per_s" not in got["direct"]
+    assert '{"workers": 4, "routes": 4}' in r.stdout

@@ -145,3 +145,20 @@ def test_http_beyond_loopback_needs_keys(tiny_ckpt):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("laya-pool: refusing to serve --http on 0.0.0.0"), out.stderr
+
+
+def test_a_broker_alone_serves_http_only_where_it_may(tmp_path):
+    """`laya-pool broker --http`: beyond loopback without keys it refuses (2) before it binds; a port that is taken
+    stops it (78) instead of a broker without metrics."""
+    def broker(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "laya_pool", "broker", "--frontend", f"ipc://{tmp_path}/fe",
+                               "--backend", f"ipc://{tmp_path}/be", *args], cwd=ROOT, env=SUBPROCESS_ENV,
+                              capture_output=True, text=True, timeout=60)
+    out = broker("--http", f"0.0.0.0:{free_port()}")
+    assert out.returncode == 2 and "refusing to serve --http on 0.0.0.0" in out.stderr, out.stderr
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = broker("--http", str(taken.getsockname()[1]))
+    assert out.returncode == 78 and "cannot serve --http" in out.stderr, out.stderr
