@@ -77,6 +77,9 @@ def test_direct_sockets_listen_where_clients_reach_the_host():
     assert remote.direct_endpoint(cfg, {}) == "tcp://[fd00::5]:*"
     assert remote.direct_endpoint(cfg, {"LAYA_DIRECT_ENDPOINT": "tcp://127.0.0.9:*"}) is None    # chosen: it wins
     assert remote.route_address("tcp://127.0.0.2:5556") == "127.0.0.1"     # the source address towards that host
+    cfg.direct_host, cfg.broker = None, "tcp://broker.invalid:5556"      # a name that resolves to nothing
+    with pytest.raises(OSError, match="give --direct-host"):
+        remote.direct_endpoint(cfg, {})
 
 
 def _workers_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -68,7 +68,11 @@ def direct_endpoint(cfg: WorkersConfig, env: dict[str, str]) -> str | None:
         return None
     host = cfg.direct_host
     if host is None and cfg.keys and cfg.broker.startswith("tcp://") and not wire.is_loopback(cfg.broker):
-        host = route_address(cfg.broker)
+        try:
+            host = route_address(cfg.broker)
+        except OSError as e:            # a name that does not resolve (yet): the unit's restart tries again
+            raise OSError(f"--broker {cfg.broker}: no route to it from this host ({e}); where do clients reach this "
+                          "host's workers? give --direct-host ADDRESS") from e
     if host is None:
         return None
     return f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
