@@ -11,7 +11,10 @@ from .card import CardError
 
 
 class PoolError(RuntimeError):
-    """Base class of the errors a pool call raises."""
+    """Base class of the errors a pool call raises. `pool`: the endpoint of the pool it came from, set by a client of
+    several pools (client/pools.py; after every pool failed, theirs, comma-separated)."""
+
+    pool: str | None = None
 
 
 class RequestFailed(PoolError, ValueError):

@@ -70,7 +70,8 @@ class Member:
 
 
 class Spread:
-    """The choice among the pools and the bookkeeping around it (thread-safe; no I/O)."""
+    """The choice among the pools and the bookkeeping around it (thread-safe; its only I/O is reading a failed pool's
+    connection events, `Member.healthy`)."""
 
     def __init__(self, members: list[Member]):
         self.members = members
