@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from laya_pool.gateway import calls, jev, limits, naming
 from laya_pool.gateway.limits import Refusal
+from laya_pool.protocol.qtypes import QUESTION_TYPES
 
 serve = pytest.importorskip("laya.serve")
 pytest.importorskip("fastapi")
@@ -59,10 +60,10 @@ def test_jev_confidence_is_the_sdks(answer):
 def test_jev_views_of_a_result_are_the_sdks(answer_map):
     result = {"model": "laya-rl-agent", "answers": answer_map, "usage": {"input_tokens": 3, "state_tokens": 1},
               "routing": {"model": "english"}}
-    complete = [a for a in answer_map.values() if a["type"] in ("choice", "score", "noul")
-                and all(k in a for k in jev._STRICT_FIELDS[a["type"]])]
+    known = [a for a in answer_map.values() if QUESTION_TYPES.find(a["type"]) is not None]
+    complete = [a for a in known if all(k in a for k in QUESTION_TYPES.find(a["type"]).served.strict_fields)]
     assert json.dumps(jev.add_jev_confidence(result)) == json.dumps(serve._add_jev_confidence(result))
-    if len(complete) == sum(a["type"] in ("choice", "score", "noul") for a in answer_map.values()):
+    if len(complete) == len(known):
         assert json.dumps(jev.project_strict(result)) == json.dumps(serve._project_jev_strict(result))
 
 

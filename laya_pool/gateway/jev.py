@@ -4,6 +4,7 @@
   probabilities (Laya's `confidence` is normalized entropy; a client porting a threshold from Jev reads this one):
       choice  (max(p) - 1/n) / (1 - 1/n)
       score   max(0, 1 - sum(p_i * |i - mode|) / D), D the same sum for a uniform distribution about the centre
+  (each type's formula, field list and option order is its `served` part in protocol/qtypes.py).
   Both are 1.0 for one option; a zero total reads as uniform; a probability that is not a finite non-negative number
   (or is a bool) gives no field rather than a guess. Rounded to 4 decimals.
 - the strict projection (`--jev-strict`): exactly Jev's contract, `model`, `answers` (each answer's discriminator and
@@ -16,15 +17,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from laya_pool.protocol.qtypes import QUESTION_TYPES
+
 
 def jev_confidence(answer: dict[str, Any]) -> float | None:
-    """Jev's `confidence` for `answer`'s probabilities, or None (a noul answer, or no usable numbers)."""
-    kind, probabilities = answer.get("type"), answer.get("probabilities")
-    if kind not in ("choice", "score") or not isinstance(probabilities, dict) or not probabilities:
+    """Jev's `confidence` for `answer`'s probabilities, or None (a type without one, or no usable numbers)."""
+    qtype, probabilities = QUESTION_TYPES.find(answer.get("type")), answer.get("probabilities")
+    served = qtype.served if qtype is not None else None
+    if served is None or served.jev_order is None or not isinstance(probabilities, dict) or not probabilities:
         return None
     try:
-        keys = sorted(probabilities, key=int) if kind == "score" else list(probabilities)
-        p = [float(probabilities[k]) for k in keys]
+        p = [float(probabilities[k]) for k in served.jev_order(probabilities)]
     except (TypeError, ValueError):
         return None
     if any(isinstance(v, bool) for v in probabilities.values()) or not all(math.isfinite(v) and v >= 0 for v in p):
@@ -34,13 +37,7 @@ def jev_confidence(answer: dict[str, Any]) -> float | None:
         return 1.0
     total = sum(p)
     p = [v / total for v in p] if total else [1.0 / n] * n
-    if kind == "choice":
-        return (max(p) - 1.0 / n) / (1.0 - 1.0 / n)
-    mode = max(range(n), key=p.__getitem__)
-    spread = sum(v * abs(i - mode) for i, v in enumerate(p))
-    center = (n - 1) / 2
-    uniform = sum(abs(i - center) for i in range(n)) / n
-    return max(0.0, 1.0 - spread / uniform)
+    return served.jev_confidence(p)
 
 
 def add_jev_confidence(result: dict[str, Any]) -> dict[str, Any]:
@@ -54,17 +51,13 @@ def add_jev_confidence(result: dict[str, Any]) -> dict[str, Any]:
     return {**result, "answers": answers}
 
 
-_STRICT_FIELDS = {"choice": ("type", "choice", "confidence", "probabilities"),
-                  "score": ("type", "score", "confidence", "probabilities", "legend"),
-                  "noul": ("type", "noul")}
-
-
 def project_strict(result: dict[str, Any]) -> dict[str, Any]:
     """`result` reduced to the strict Jev contract: no `routing`, no per-answer `action` / `answer_confidence`, no
     `confidence` on a noul answer, `usage` with `input_tokens` and `output_tokens` only."""
     answers: dict[str, Any] = {}
     for qid, answer in (result.get("answers") or {}).items():
-        fields = _STRICT_FIELDS.get(answer.get("type")) if isinstance(answer, dict) else None
+        qtype = QUESTION_TYPES.find(answer.get("type")) if isinstance(answer, dict) else None
+        fields = qtype.served.strict_fields if qtype is not None else None
         answers[qid] = answer if fields is None else {f: answer[f] for f in fields}
     usage = result.get("usage") or {}
     return {"model": result["model"], "answers": answers,

@@ -4,8 +4,8 @@ status codes and detail texts, so a client written for it reads the same refusal
 The bounds (unauthenticated remote input; each is the SDK server's):
 - a body of at most MAX_BODY_BYTES (2 MiB), however it is framed (Content-Length or chunked): 413;
 - at most MAX_QUESTIONS (64) questions, MAX_CHOICE_OPTIONS (100) options a choice, MAX_SCORE_LEVELS (32) levels a
-  score, MAX_TOTAL_OPTIONS (512) options in all, MAX_STATE_CHARS (50,000) characters of serialized state, and
-  MAX_BATCH_STATES (64) states a batch: 413;
+  score (each type's bound is its `served` part in protocol/qtypes.py), MAX_TOTAL_OPTIONS (512) options in all,
+  MAX_STATE_CHARS (50,000) characters of serialized state, and MAX_BATCH_STATES (64) states a batch: 413;
 - `max_len` / `head_max_len` at most MAX_TOKEN_BUDGET (8,192): 422.
 
 Pure: every check raises a `Refusal` (status, detail, headers), which the app turns into `{"detail": ...}` as FastAPI
@@ -17,12 +17,14 @@ import json
 import re
 from typing import Any
 
+from laya_pool.protocol.qtypes import QUESTION_TYPES
+
 MAX_QUESTIONS = 64
 MAX_STATE_CHARS = 50000
 MAX_BATCH_STATES = 64
 MAX_BODY_BYTES = 2 * 1024 * 1024
-MAX_CHOICE_OPTIONS = 100
-MAX_SCORE_LEVELS = 32
+MAX_CHOICE_OPTIONS = QUESTION_TYPES.by_name("choice").served.max_options
+MAX_SCORE_LEVELS = QUESTION_TYPES.by_name("score").served.max_options
 MAX_TOTAL_OPTIONS = 512
 MAX_TOKEN_BUDGET = 8192
 
@@ -99,20 +101,19 @@ def state_length(state: Any) -> int:
 def _check_question_sizes(questions: dict[Any, Any]) -> None:
     total = 0
     for qid, question in questions.items():
-        if not isinstance(question, dict):
+        qtype = QUESTION_TYPES.find(question.get("type")) if isinstance(question, dict) else None
+        served = qtype.served if qtype is not None else None
+        if served is None or served.count is None:
             continue
-        crit, qtype = question.get("criteria"), question.get("type")
-        if qtype == "choice" and isinstance(crit, (dict, list)):
-            total += len(crit)
-            if len(crit) > MAX_CHOICE_OPTIONS:
-                raise Refusal(413, f"too many choice options for {qid!r} ({len(crit)} > {MAX_CHOICE_OPTIONS})")
-        elif qtype == "score" and isinstance(crit, list):
-            total += len(crit)
-            if len(crit) > MAX_SCORE_LEVELS:
-                raise Refusal(413, f"too many score levels for {qid!r} ({len(crit)} > {MAX_SCORE_LEVELS})")
-            if None in crit:
-                raise Refusal(422, f"score question {qid!r} has a null level at index {crit.index(None)}; give every "
-                                   "level a description")
+        crit = question.get("criteria")
+        count = served.count(crit)
+        if count is None:
+            continue
+        total += count
+        if count > served.max_options:
+            raise Refusal(413, f"too many {served.options_word} for {qid!r} ({count} > {served.max_options})")
+        if served.null_refusal is not None and None in crit:
+            raise Refusal(422, served.null_refusal.format(qid=qid, index=crit.index(None)))
     if total > MAX_TOTAL_OPTIONS:
         raise Refusal(413, f"too many answer options across questions ({total} > {MAX_TOTAL_OPTIONS})")
 

@@ -12,7 +12,8 @@ room does differently per type is a field of the record, looked up by name or id
 - `answer`: the answer dict from the option probabilities (client/decode.py), whose option-count bucket
   (`option_bucket`) picks temperatures, a calibration's bins and an abstention threshold (client/abstain.py);
 - `window_score`: which window of a long state decides the answer (client/scan.py);
-- `schema`: the JSON-schema properties asked as the type and how its answer reads back (client/structured.py).
+- `schema`: the JSON-schema properties asked as the type and how its answer reads back (client/structured.py);
+- `served`: what the SDK's HTTP server bounds and adds per type (laya_pool/gateway: limits.py, jev.py).
 
 docs/architecture.md ("Adding a question type") lists what else a new type changes. Every rule is the SDK's
 (laya 0.4.15: `laya.common` QTYPES / render_options / temp_bucket, `laya.agent.Agent` _check_question /
@@ -62,6 +63,30 @@ class Schema:
 
 
 @dataclass(frozen=True)
+class Served:
+    """What `laya serve` 0.4.15 does per type over HTTP (laya_pool/gateway).
+
+    `count(criteria)` the options the server bounds, or None where it does not count them (`max_options` of them
+    at most, refused as "too many `options_word` for 'q'"); `null_refusal` the 422 text for a null criterion
+    (formatted with `qid` and `index`), for a type whose server refuses one before validation; `strict_fields` an
+    answer's fields in the strict Jev contract; `jev_order(probabilities)` the keys in option order and
+    `jev_confidence(p)` Jev's confidence from the normalized probabilities in that order (None: the type has none).
+    """
+    count: Callable[[Any], int | None] | None = None
+    max_options: int | None = None
+    options_word: str = ""
+    null_refusal: str | None = None
+    strict_fields: tuple[str, ...] = ("type",)
+    jev_order: Callable[[dict[Any, Any]], list[Any]] | None = None
+    jev_confidence: Callable[[list[float]], float] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.count is None) != (self.max_options is None) or (self.jev_order is None) != (
+                self.jev_confidence is None):
+            raise TypeError("served part of a question type: count needs max_options, jev_order jev_confidence")
+
+
+@dataclass(frozen=True)
 class QuestionType:
     """One question type: its name and checkpoint index, and every rule the rooms apply to it.
 
@@ -80,6 +105,7 @@ class QuestionType:
     answer: Callable[[Question, np.ndarray, int], Answer]
     window_score: Callable[[Answer], float]
     schema: Schema
+    served: Served
     labels: Callable[[Any], tuple[str, str]] | None = None
 
     def __post_init__(self) -> None:
@@ -87,11 +113,13 @@ class QuestionType:
         missing = [f.name for f in fields(self) if f.name not in _DATA and not callable(getattr(self, f.name))]
         if not isinstance(self.schema, Schema):
             missing.append("schema")
+        if not isinstance(self.served, Served):
+            missing.append("served")
         if missing:
             raise TypeError(f"question type {self.name!r}: missing {', '.join(missing)}")
 
 
-_DATA = ("name", "id", "fixed_options", "labels", "schema")     # the fields of a record that are not rules
+_DATA = ("name", "id", "fixed_options", "labels", "schema", "served")     # the fields of a record that are not rules
 
 
 # ---------------------------------------------------------------------------------------------- shared rules
@@ -131,6 +159,10 @@ def _listed_probabilities(answer: Answer) -> dict[str, Any]:
 
 def _as_given(crit: Any) -> Any:
     return crit
+
+
+def _listed(probabilities: dict[Any, Any]) -> list[Any]:
+    return list(probabilities)
 
 
 # ---------------------------------------------------------------------------------------------- choice
@@ -200,11 +232,24 @@ def _choice_value(answer: Answer, options: list[tuple[str, Any]]) -> Any:
     return next((value for lbl, value in options if lbl == label), label)
 
 
+def _choice_count(crit: Any) -> int | None:
+    return len(crit) if isinstance(crit, (dict, list)) else None
+
+
+def _jev_choice(p: list[float]) -> float:
+    # Jev's choice confidence: how far the top probability stands above uniform, 0 (uniform) to 1 (certain).
+    n = len(p)
+    return (max(p) - 1.0 / n) / (1.0 - 1.0 / n)
+
+
 CHOICE = QuestionType(
     name="choice", id=0, check=_check_choice, internal=_choice_internal, options=_choice_options,
     fixed_options=None, answer=_choice_answer, window_score=_by_answer_confidence,
     schema=Schema(json_types=(), enum=True, question=_choice_question, value=_choice_value,
-                  probabilities=_listed_probabilities))
+                  probabilities=_listed_probabilities),
+    served=Served(count=_choice_count, max_options=100, options_word="choice options",
+                  strict_fields=("type", "choice", "confidence", "probabilities"),
+                  jev_order=_listed, jev_confidence=_jev_choice))
 
 
 # ---------------------------------------------------------------------------------------------- score
@@ -256,11 +301,34 @@ def _score_value(answer: Answer, minimum: int | None) -> int:
     return int(minimum or 0) + idx
 
 
+def _score_count(crit: Any) -> int | None:
+    return len(crit) if isinstance(crit, list) else None
+
+
+def _by_level(probabilities: dict[Any, Any]) -> list[Any]:
+    return sorted(probabilities, key=int)
+
+
+def _jev_score(p: list[float]) -> float:
+    # Jev's score confidence: 1 - the expected distance from the mode over that of a uniform spread about the centre.
+    n = len(p)
+    mode = max(range(n), key=p.__getitem__)
+    spread = sum(v * abs(i - mode) for i, v in enumerate(p))
+    center = (n - 1) / 2
+    uniform = sum(abs(i - center) for i in range(n)) / n
+    return max(0.0, 1.0 - spread / uniform)
+
+
 SCORE = QuestionType(
     name="score", id=1, check=_check_score, internal=_as_given, options=_score_options,
     fixed_options=None, answer=_score_answer, window_score=_by_answer_confidence,
     schema=Schema(json_types=("integer", "number"), enum=False, question=_score_question, value=_score_value,
-                  probabilities=_listed_probabilities))
+                  probabilities=_listed_probabilities),
+    served=Served(count=_score_count, max_options=32, options_word="score levels",
+                  null_refusal=("score question {qid!r} has a null level at index {index}; give every level a "
+                                "description"),
+                  strict_fields=("type", "score", "confidence", "probabilities", "legend"),
+                  jev_order=_by_level, jev_confidence=_jev_score))
 
 
 # ---------------------------------------------------------------------------------------------- noul
@@ -333,6 +401,7 @@ NOUL = QuestionType(
     fixed_options=2, answer=_noul_answer, window_score=_by_p_true,
     schema=Schema(json_types=("boolean",), enum=False, question=_noul_question, value=_noul_value,
                   probabilities=_noul_probabilities),
+    served=Served(strict_fields=("type", "noul")),
     labels=resolve_noul_labels)
 
 
