@@ -8,6 +8,8 @@
 - restarts the broker if it dies (workers re-register with the new one by themselves);
 - with `--api`, starts the HTTP gateway beside them (`laya-pool api`, a client of this pool's frontend: gateway/) and
   restarts it if it dies;
+- a child it cannot start (out of file descriptors, processes or memory: EMFILE, EAGAIN, ENOMEM) is logged and tried
+  again with the same backoff, while the rest of the pool goes on serving;
 - brings back a drained worker when `laya-pool restart-worker ID` asks for it (seen in the broker's status);
 - carries out `laya-pool reload --model DIR` (seen in the broker's status): the workers move onto DIR one
   at a time (broker/reload.py tells the whole procedure);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -127,6 +130,18 @@ def _die_with_parent() -> None:
     if _LIBC is not None:
         with contextlib.suppress(Exception):
             _LIBC.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def _spawn_hint(e: BaseException) -> str:
+    """What an operator can do about a failed start."""
+    no = getattr(e, "errno", None)
+    if no in (errno.EMFILE, errno.ENFILE):
+        return " (out of file descriptors: raise `ulimit -n`, or find what holds them open)"
+    if no == errno.EAGAIN:
+        return " (out of processes or threads: see `ulimit -u`)"
+    if no == errno.ENOMEM:
+        return " (out of memory)"
+    return ""
 
 
 def _cpu_sets(devices: list[str], per_device: int) -> list[list[int] | None]:
@@ -235,8 +250,18 @@ class Supervisor:
     # ------------------------------------------------------------------------------------------------ children
 
     def _start(self, child: Child, extra: list[str] | None = None) -> None:
-        child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env, preexec_fn=_die_with_parent,
-                                      start_new_session=True)
+        try:
+            child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env, preexec_fn=_die_with_parent,
+                                          start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            # Out of file descriptors, processes or memory (EMFILE, EAGAIN, ENOMEM): the pool keeps what runs, and
+            # this child is tried again with its backoff, as after a crash.
+            now = time.monotonic()
+            child.state, child.next_start = "backoff", now + child.backoff
+            log.error("could not start %s: %s%s; trying again in %.1f s", child.name, e, _spawn_hint(e),
+                      child.backoff)
+            child.backoff = min(BACKOFF_MAX, child.backoff * 2)
+            return
         child.started = time.monotonic()
         child.state = "running"
         log.info("%s started (pid %d)", child.name, child.proc.pid)
