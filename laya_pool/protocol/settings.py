@@ -152,6 +152,9 @@ _declare("LAYA_POOL_LOG", CHOICE, "info", COMMANDS, "every process", "The log le
          "hands to the whole pool.", ("debug", "info", "warning", "error", "critical"))
 _declare("LAYA_POOL_LOG_FORMAT", CHOICE, "text", COMMANDS, "every process", "The log format (`--log-format`): json "
          "writes one object per line, for log shippers.", ("text", "json"))
+_declare("LAYA_POOL_MAX_STATE_BYTES", INT, 16 << 20, COMMANDS, "clients", "The largest state a client sends (its "
+         "text in UTF-8; a dict or list as JSON): a larger one is refused at once with RequestFailed naming `state` "
+         "(`max_state_bytes=` on a client overrides it). Below it a client holds under 20 bytes per byte of state.")
 _declare("LAYA_POOL_RUNTIME_DIR", PATH, None, COMMANDS, "`up`, operator commands", "Where the operator secret lives "
          "(unset: $XDG_RUNTIME_DIR/laya-pool, else ~/.cache/laya-pool/run); set it when those are not private.")
 
