@@ -63,7 +63,7 @@ class Broker:
         self.client_handlers = ClientHandlers(cfg, self.sockets, self.table, self.dispatcher, self.counters,
                                               self.say, self.status, operator_keys)
         self.worker_handlers = WorkerHandlers(cfg, self.sockets, self.table, self.dispatcher, self.meter,
-                                              self.counters)
+                                              self.counters, self.say)
         # The loop's two entry points: a message from a client, one from a worker.
         self.on_frontend, self.on_backend = self.client_handlers.on_message, self.worker_handlers.on_message
         self.hb = cfg.heartbeat_ms / 1000.0
@@ -146,6 +146,7 @@ class Broker:
     def shutdown(self) -> None:
         self.dispatcher.shutdown()
         self.client_handlers.close()
+        self.worker_handlers.close()
         self.sockets.close()
 
     def status(self) -> dict[str, Any]:
@@ -208,8 +209,9 @@ def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> No
         p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys --out DIR)")
     p.add_argument("--insecure-backend", action="store_true",
-                   help="allow a tcp backend without keys (development only: any local process could register "
-                        "as a worker)")
+                   help="take workers without keys or proof: allow a tcp backend without keys, and on an ipc one "
+                        "register workers that do not prove the pool started them (development only: any local "
+                        "process that reaches the backend could register as a worker)")
 
 
 def policy_argv(a: argparse.Namespace) -> list[str]:

@@ -35,7 +35,10 @@ class Sockets:
         self.auth = None
         self.frontend = self._router(cfg.frontend, cfg.max_frontend_bytes, handover=False, role="clients",
                                      hwm=cfg.client_hwm)
-        self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=True, role="workers")
+        # No ROUTER_HANDOVER: a second connection with a live worker's identity would take its route over (and its
+        # requests with it) before any READY were read; ZeroMQ now ignores it, and a READY for a live worker's id from
+        # another socket is refused (broker/workers.py `on_ready`).
+        self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=False, role="workers")
         self._send_frontend, self._send_backend = _frame_sender(self.frontend), _frame_sender(self.backend)
         self.watches = [SocketWatch(self.frontend, "frontend", say), SocketWatch(self.backend, "backend", say)]
         self.peer_user: str | None = None       # the CURVE key of the frontend message being handled

@@ -124,7 +124,8 @@ _up("poll-us", INT, 0, "microseconds the broker keeps polling after each message
     "(costs a core while traffic flows).")
 _up("keys", PATH, None, "the CURVE key directory (`laya-pool keys` makes one); operator commands use it too.",
     readers="`laya-pool` commands")
-_up("insecure-backend", BOOL, False, "allow a tcp backend without keys (development only).")
+_up("insecure-backend", BOOL, False, "take workers without keys or proof: a tcp backend without keys, and on an ipc "
+    "one workers the pool did not start (development only).")
 _up("mode", CHOICE, None, "each worker's execution mode (unset: graph-cached on CUDA, eager on a CPU).",
     ("eager", "graph-fixed", "graph-cached"))
 _up("credit", INT, None, "requests a worker holds at once (unset: twice its --max-batch, at least 2).")
@@ -155,8 +156,9 @@ _declare("LAYA_POOL_LOG_FORMAT", CHOICE, "text", COMMANDS, "every process", "The
 _declare("LAYA_POOL_MAX_STATE_BYTES", INT, 16 << 20, COMMANDS, "clients", "The largest state a client sends (its "
          "text in UTF-8; a dict or list as JSON): a larger one is refused at once with RequestFailed naming `state` "
          "(`max_state_bytes=` on a client overrides it). Below it a client holds under 20 bytes per byte of state.")
-_declare("LAYA_POOL_RUNTIME_DIR", PATH, None, COMMANDS, "`up`, operator commands", "Where the operator secret lives "
-         "(unset: $XDG_RUNTIME_DIR/laya-pool, else ~/.cache/laya-pool/run); set it when those are not private.")
+_declare("LAYA_POOL_RUNTIME_DIR", PATH, None, COMMANDS, "the broker, workers, operator commands", "Where the operator "
+         "and worker secrets live (unset: $XDG_RUNTIME_DIR/laya-pool, else ~/.cache/laya-pool/run); set it when those "
+         "are not private.")
 
 _declare("LAYA_FORWARD", CHOICE, "fast", WORKER, "worker", "fast: the packed Triton forward where it runs (CUDA, "
          "bf16), the reference elsewhere; reference: the plain-torch forward everywhere, a fallback.",
@@ -228,8 +230,8 @@ _declare("CUDA_PATH", PATH, None, OTHERS, "every process that imports the kernel
          "CUDA_HOME and before /usr/local/cuda.")
 _declare("CUDA_VISIBLE_DEVICES", STR, None, OTHERS, "worker", "The GPUs a worker sees (`up` sets it per worker); a "
          "worker maps its --device onto them.")
-_declare("XDG_RUNTIME_DIR", PATH, None, OTHERS, "`up`, operator commands", "Where the operator secret lives when "
-         "LAYA_POOL_RUNTIME_DIR is unset.")
+_declare("XDG_RUNTIME_DIR", PATH, None, OTHERS, "the broker, workers, operator commands", "Where the operator and "
+         "worker secrets live when LAYA_POOL_RUNTIME_DIR is unset.")
 _declare("XDG_CACHE_HOME", PATH, None, OTHERS, "`laya-pool demo`", "Where the demo keeps its checkpoint (unset: "
          "~/.cache).")
 
