@@ -138,6 +138,7 @@ class Broker:
             self.worker_handlers.watch(now)
             self.dispatcher.expire_queue(now)
             self.dispatcher.replies.expire(now)
+            self.sockets.housekeeping(now)
         self.dispatcher.dispatch()
 
     def _housekeeping_s(self) -> float:
@@ -161,6 +162,7 @@ class Broker:
                            "drain_per_s": round(d.drain.rate(now), 3),
                            "queue_bytes": d.queue_bytes, "cached_reply_bytes": d.replies.bytes,
                            "inflight": len(d.inflight), "cached_replies": len(d.replies),
+                           "unread_reply_bytes": self.sockets.unread.total,
                            "counters": dict(self.counters)},
                 "meter": self.meter.snapshot()}
 
@@ -182,6 +184,9 @@ POLICY_FLAGS = (
     ("--max-restarts", "max_restarts", int, "restart-worker commands accepted per --restart-window"),
     ("--restart-window", "restart_window_s", float, "seconds over which --max-restarts counts"),
     ("--client-hwm", "client_hwm", int, "replies queued per client before more are dropped"),
+    ("--unread-max-bytes", "unread_max_bytes", int,
+     "bytes of replies the broker holds that their clients have not taken yet, all clients together: beyond them a "
+     "reply goes only to a client with nothing unread"),
     ("--poll-us", "poll_us", int,
      "after each message, keep polling without sleeping for this many microseconds, so the next message (a reply "
      "a forward later, the next request) finds the broker awake: a thread woken from a sleep of a millisecond or "

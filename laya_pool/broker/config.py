@@ -34,4 +34,5 @@ class BrokerConfig:
     max_restarts: int = 6               # restart-worker commands accepted per restart_window_s, pool-wide
     restart_window_s: float = 60.0
     client_hwm: int = 1000              # replies queued per client before more are dropped (it is not reading)
+    unread_max_bytes: int = 64 << 20    # bytes of replies not yet taken by their clients, all clients together
     poll_us: int = 0                    # after a message, poll without sleeping this long (0: always sleep)

@@ -216,9 +216,10 @@ class WorkerHandlers:
         del d.inflight[job.id]
         w.inflight.discard(job.id)
         if status == wire.STATUS_OK and w.fingerprint == self.table.pool_fp:
+            card = self.table.cards[w.fingerprint]
             self.sockets.to_client(job.envelope, wire.encode(Cmd.DESCRIBE, {
                 "rid": job.client_rid, "status": wire.STATUS_OK, "fp": w.fingerprint, **self.table.capacity()},
-                self.table.cards[w.fingerprint]))
+                card), len(card))
             return
         if not d.requeue(job, lost=False):
             d.fail(job, wire.STATUS_RETRYABLE, "no worker could describe the model")

@@ -120,6 +120,8 @@ _up("max-message-bytes", INT, 16 << 20, "the largest frame a client may send.")
 _up("max-restarts", INT, 6, "restart-worker commands accepted per --restart-window.")
 _up("restart-window", FLOAT, 60.0, "seconds over which --max-restarts counts.")
 _up("client-hwm", INT, 1000, "replies queued per client before more are dropped.")
+_up("unread-max-bytes", INT, 64 << 20, "bytes of replies the broker holds that their clients have not taken yet, all "
+    "clients together: beyond them a reply goes only to a client with nothing unread.")
 _up("poll-us", INT, 0, "microseconds the broker keeps polling after each message, so the next one finds it awake "
     "(costs a core while traffic flows).")
 _up("keys", PATH, None, "the CURVE key directory (`laya-pool keys` makes one); operator commands use it too.",

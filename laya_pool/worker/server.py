@@ -179,7 +179,9 @@ class Worker:
                                  max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us,
                                  heartbeat_ms=cfg.heartbeat_ms,
                                  direct=cfg.direct_endpoint.replace("{id}", cfg.id) if cfg.direct == "on" else None,
-                                 lanes=cfg.lanes == "on")
+                                 lanes=cfg.lanes == "on", direct_max_bytes=wire.request_bytes(
+                                     runtime.capacity.max_rows, runtime.capacity.max_tokens,
+                                     runtime.capacity.max_markers))
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
                                faults, inbox=self.inbox, merge_waste=cfg.merge_waste if cfg.merge_waste >= 0 else None)
         self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
