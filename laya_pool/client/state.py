@@ -36,7 +36,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,10 +173,6 @@ def in_background(fn: Callable[..., Any], *args: Any) -> Future:
     return _submit(fn, *args)
 
 
-class Cancelled(Exception):
-    """The count of a state was given up (its call ended first)."""
-
-
 @dataclass
 class StateTokens:
     """The state's ids as far as rows need them: `ids` is the whole state, its first tokens (`from_left`
@@ -232,7 +228,7 @@ class StateTokens:
         text, n, agrees = self._text, 0, True
         for i, (a, b) in enumerate(count_spans(self._policy, text, self._edge, self.from_left)):
             if self._stop.is_set():
-                raise Cancelled()
+                raise CancelledError("the call that wanted this count has ended")
             piece = text[a:b]
             ids = self._encode(piece) if self._encode_many is None else in_parts(self._encode_many, self._policy,
                                                                                   piece)
