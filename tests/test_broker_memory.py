@@ -172,3 +172,20 @@ def test_an_asyncio_clients_requests_message_stays_within_a_direct_sockets_frame
     assert _parts([10] * (TOGETHER + 6), 1 << 30) == [(0, TOGETHER), (TOGETHER, TOGETHER + 6)]
     assert _parts([30, 5, 5], 20) == [(0, 1), (1, 3)]          # one larger than the limit goes alone
     assert _parts([], 5) == []
+
+
+def test_the_brokers_receive_queues_are_sized_in_bytes(tmp_path):
+    """What one peer's unread messages may hold on each broker socket: its queue's count times its largest message,
+    within PEER_BUFFER_BYTES unless that leaves fewer than MIN_RCVHWM messages."""
+    from laya_pool.broker.broker import Broker, BrokerConfig
+    from laya_pool.broker.sockets import MIN_RCVHWM, PEER_BUFFER_BYTES
+    b = Broker(BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be", operator_secret=False))
+    try:
+        for sock, frame in ((b.frontend, b.cfg.max_frontend_bytes), (b.backend, b.cfg.max_backend_bytes)):
+            hwm = sock.getsockopt(zmq.RCVHWM)
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == frame
+            held = hwm * (wire.MAX_HEADER_BYTES + frame)
+            assert held <= PEER_BUFFER_BYTES or hwm == MIN_RCVHWM, (hwm, frame)
+            print(f"\nRCVHWM {hwm} x {frame / MiB:.0f} MiB frames: {held / MiB:.0f} MiB a peer")
+    finally:
+        b.shutdown()
