@@ -185,8 +185,8 @@ POLICY_FLAGS = (
     ("--restart-window", "restart_window_s", float, "seconds over which --max-restarts counts"),
     ("--client-hwm", "client_hwm", int, "replies queued per client before more are dropped"),
     ("--unread-max-bytes", "unread_max_bytes", int,
-     "bytes of replies the broker holds that their clients have not taken yet, all clients together: beyond them a "
-     "reply goes only to a client with nothing unread"),
+     "bytes of replies the broker holds that their clients have not taken yet, all clients together: beyond them no "
+     "reply goes to a client that has left one untaken for 50 ms"),
     ("--poll-us", "poll_us", int,
      "after each message, keep polling without sleeping for this many microseconds, so the next message (a reply "
      "a forward later, the next request) finds the broker awake: a thread woken from a sleep of a millisecond or "

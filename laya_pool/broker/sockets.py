@@ -109,26 +109,31 @@ class Sockets:
 
     def to_client(self, envelope: list[bytes], frames: list[Any], shared: int = 0) -> None:
         """`shared`: bytes of `frames` that are one buffer for every send (the model card), not counted as unread."""
-        peer, n = envelope[0], frames_bytes(frames) - shared
-        if not self.unread.admit(peer, n):
+        peer, n, now = envelope[0], frames_bytes(frames) - shared, time.monotonic()
+        if not self.unread.admit(peer, n, now):
             # It has not read what it was sent, and the replies no client has read are at their bound (all clients).
             self.counters["unread_full"] += 1
             self.say("unread-full", logging.WARNING, "dropped a reply to a client that has not read %d bytes of "
                      "earlier replies: replies unread by all clients are at --unread-max-bytes (%d)",
                      self.unread.held(peer), self.cfg.unread_max_bytes)
             return
-        tracker = self._send_tracked(envelope, frames)
-        if tracker is None:
+        if self.unread.mark_due(peer, now):
+            tracker = self._send_tracked(envelope, frames)
+            sent = tracker is not None
+        else:
+            tracker, sent = None, self.send(self.frontend, envelope + frames)
+        if not sent:
             # Gone, or not reading: its queue (client_hwm replies) is full. Dropped, so memory stays bounded.
             self.counters["client_gone"] += 1
             self.say("client-hwm", logging.WARNING, "dropped a reply: the client is gone or not reading its replies "
                      "(%d queued at most per client; --client-hwm)", self.cfg.client_hwm)
             return
-        self.unread.add(peer, tracker, n)
+        self.unread.add(peer, n, now, tracker)
 
     def _send_tracked(self, envelope: list[bytes], frames: list[Any]) -> Any:
         """`send` on the frontend, its first frame after the envelope tracked (ZeroMQ says when it let go of the
-        message: `Unread`); the tracker, or None when the client is gone or its queue is full."""
+        message: `Unread`, which asks for one now and then); the tracker, or None when the client is gone or its queue
+        is full."""
         send = self._send_frontend
         first = frames[0]
         # Not copied (pyzmq copies a small frame, and a copied frame's tracker is done at once): ZeroMQ holds this
@@ -150,7 +155,7 @@ class Sockets:
 
     def housekeeping(self, now: float) -> None:
         """Count off the replies clients took (or left behind), and give the heap back once much of it went."""
-        self.unread.settle()
+        self.unread.settle(now)
         if self.unread.trim_due(now):
             trim()
 

@@ -2,63 +2,97 @@
 
 A client that never reads keeps its replies in the broker: first in its connection's kernel buffers (not the
 broker's memory), then in ZeroMQ's queue for it, up to `--client-hwm` messages. Per client that bound is a count;
-fifty clients that never read held 106 MB of STATUS replies in a broker (issue #54). So every reply to a client is
-sent with a ZeroMQ tracker on its first frame, which says when ZeroMQ let go of the message (written to the
-connection, or dropped with it), and `Unread` counts the bytes not let go of yet: in total, and per client.
+fifty clients that never read held 106 MB of STATUS replies in a broker (issue #54). So `Unread` counts every reply's
+bytes (and what holding a message costs besides, `MESSAGE_COST`) until ZeroMQ has let go of it.
 
-The rule (`admit`): a reply goes while the total stays within `max_bytes`; beyond it only to a client with nothing
-unread (one that reads, or has asked nothing yet), so a hoarder cannot starve the others. The total is therefore at
-most `max_bytes` plus one reply per connected client. What a client that left held is counted off once ZeroMQ drops
-its queue, and once the total fell 1 MiB below its high-water mark `trim()` hands the freed heap back to the system
-(glibc keeps it otherwise: the issue's broker stayed at 129.5 MB after its fifty clients left).
+ZeroMQ says so through a tracker on a message, and a tracked send costs ~20 us (pyzmq's garbage-collector thread
+wakes for it) where a plain one costs under 1 us: so one reply to a client in `SAMPLE_S` carries a tracker (a mark),
+and when ZeroMQ lets go of a marked reply every reply sent to that client before it is counted off too (one client's
+queue is written in order). What was sent after a client's last mark is counted off once no reply went to it for
+`SAMPLE_S` and its marks are all let go of: it reads.
 
-Pure bookkeeping over anything with a `done` attribute (zmq.MessageTracker), so tests/test_broker_memory.py checks the
-rule from a table with fakes; broker/sockets.py sends, the broker's housekeeping settles and trims.
+The rule (`admit`): a reply goes while the total stays within `max_bytes`; beyond it, not to a client holding a
+marked reply it has not taken for `GRACE_S` (it is not reading), so a client that reads is never refused because
+others do not. The total is therefore at most `max_bytes` plus what reading clients have in flight and what the
+others were sent in their last `GRACE_S`. What a client that left held is counted off once ZeroMQ drops its queue, and
+once the total fell 1 MiB below its high-water mark `trim()` hands the freed heap back to the system (glibc keeps it
+otherwise: the issue's broker stayed at 129.5 MB after its fifty clients left).
+
+Pure bookkeeping over anything with a `done` attribute (zmq.MessageTracker) and the caller's clock, so
+tests/test_broker_memory.py checks the rule from a table with fakes; broker/sockets.py sends, the broker's housekeeping
+settles and trims.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import ctypes
+from dataclasses import dataclass, field
 from typing import Any
 
-# What holding one message costs beyond its bytes: its tracker (pyzmq's Frame, MessageTracker and Event, ~1.9 KB of
-# Python objects), ZeroMQ's message structures and the allocator's rounding: 5.2 KB of RSS per held 1.2 KB reply
-# (development CPU). Counted with every message, so the bound is one on memory, not on payload.
-MESSAGE_COST = 4096
+# What holding one message costs beyond its bytes: ZeroMQ's message structures and the allocator's rounding (~270 B a
+# held reply, development CPU). Counted with every message, so the bound is one on memory, not on payload.
+MESSAGE_COST = 512
+SAMPLE_S = 0.025            # a client's replies carry a tracker at most this often
+GRACE_S = 0.05              # a marked reply still not taken this long after it went: its client is not reading
 TRIM_EVERY_S = 1.0          # at most one malloc_trim a second (it walks the heap: ~1 ms for a broker's)
 TRIM_BYTES = 1 << 20        # ... once the unread total fell this far below its high-water mark
+
+
+@dataclass
+class _Client:
+    sent: int = 0               # bytes counted for it so far (all replies, each with MESSAGE_COST)
+    taken: int = 0              # ... of which ZeroMQ let go
+    marks: collections.deque = field(default_factory=collections.deque)    # (tracker, `sent` with it, when)
+    last_send: float = float("-inf")
+    last_mark: float = float("-inf")
 
 
 class Unread:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.total = 0
-        self.peers: dict[bytes, collections.deque[tuple[Any, int]]] = {}   # client -> (tracker, bytes), oldest first
+        self.clients: dict[bytes, _Client] = {}
         self.peak = 0               # the highest total since the last trim
         self.trimmed_at = float("-inf")
 
-    def admit(self, peer: bytes, n: int) -> bool:
+    def admit(self, peer: bytes, n: int, now: float) -> bool:
         """Whether a reply of `n` bytes to `peer` may go now (see the module's rule)."""
-        q = self.peers.get(peer)
-        if q is not None:
-            self._settle(peer, q)
-            q = self.peers.get(peer)
-        return q is None or self.total + n + MESSAGE_COST <= self.max_bytes
+        c = self.clients.get(peer)
+        if c is None:
+            return True
+        self._settle(peer, c, now)
+        if self.total + n + MESSAGE_COST <= self.max_bytes:
+            return True
+        return not c.marks or now - c.marks[0][2] < GRACE_S
 
-    def add(self, peer: bytes, tracker: Any, n: int) -> None:
-        """A reply of `n` bytes went to `peer`; `tracker.done` says when ZeroMQ let go of it."""
-        if tracker.done:
-            return
+    def mark_due(self, peer: bytes, now: float) -> bool:
+        """Whether the next reply to `peer` should carry a tracker."""
+        c = self.clients.get(peer)
+        return c is None or now - c.last_mark >= SAMPLE_S
+
+    def add(self, peer: bytes, n: int, now: float, tracker: Any = None) -> None:
+        """A reply of `n` bytes went to `peer`, with a tracker or without."""
+        c = self.clients.get(peer)
+        if c is None:
+            c = self.clients[peer] = _Client()
         n += MESSAGE_COST
-        self.peers.setdefault(peer, collections.deque()).append((tracker, n))
+        c.sent += n
+        c.last_send = now
         self.total += n
         self.peak = max(self.peak, self.total)
+        if tracker is not None:
+            c.marks.append((tracker, c.sent, now))
+            c.last_mark = now
 
-    def settle(self) -> None:
+    def settle(self, now: float) -> None:
         """Count off what ZeroMQ let go of, every client's (housekeeping)."""
-        for peer, q in list(self.peers.items()):
-            self._settle(peer, q)
+        for peer, c in list(self.clients.items()):
+            self._settle(peer, c, now)
+
+    def held(self, peer: bytes) -> int:
+        c = self.clients.get(peer)
+        return 0 if c is None else c.sent - c.taken
 
     def trim_due(self, now: float) -> bool:
         """Whether what clients held has gone (they read it or left) and the heap should be trimmed now; if so, the
@@ -68,14 +102,16 @@ class Unread:
         self.peak, self.trimmed_at = self.total, now
         return True
 
-    def held(self, peer: bytes) -> int:
-        return sum(n for _, n in self.peers.get(peer, ()))
-
-    def _settle(self, peer: bytes, q: collections.deque[tuple[Any, int]]) -> None:
-        while q and q[0][0].done:       # one client's queue is written in order
-            self.total -= q.popleft()[1]
-        if not q:
-            del self.peers[peer]
+    def _settle(self, peer: bytes, c: _Client, now: float) -> None:
+        taken = c.taken
+        while c.marks and c.marks[0][0].done:
+            taken = c.marks.popleft()[1]
+        if not c.marks and now - c.last_send >= SAMPLE_S:
+            taken = c.sent                  # quiet, and all it was marked for taken: it reads
+        self.total -= taken - c.taken
+        c.taken = taken
+        if c.taken == c.sent and not c.marks:
+            del self.clients[peer]
 
 
 _LIBC: Any = None

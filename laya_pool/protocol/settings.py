@@ -121,7 +121,7 @@ _up("max-restarts", INT, 6, "restart-worker commands accepted per --restart-wind
 _up("restart-window", FLOAT, 60.0, "seconds over which --max-restarts counts.")
 _up("client-hwm", INT, 1000, "replies queued per client before more are dropped.")
 _up("unread-max-bytes", INT, 64 << 20, "bytes of replies the broker holds that their clients have not taken yet, all "
-    "clients together: beyond them a reply goes only to a client with nothing unread.")
+    "clients together: beyond them no reply goes to a client that has left one untaken for 50 ms.")
 _up("poll-us", INT, 0, "microseconds the broker keeps polling after each message, so the next one finds it awake "
     "(costs a core while traffic flows).")
 _up("keys", PATH, None, "the CURVE key directory (`laya-pool keys` makes one); operator commands use it too.",
