@@ -8,7 +8,7 @@ import pytest
 from laya_pool.broker.broker import Broker, BrokerConfig
 from laya_pool.broker.dispatch import Job
 from laya_pool.broker.replies import ReplyCache
-from laya_pool.protocol import wire
+from laya_pool.protocol import credentials, wire
 from laya_pool.protocol.contract import WorkerState
 
 # ------------------------------------------------------------------------------------------------ ReplyCache
@@ -155,11 +155,22 @@ def _dealer(ctx, identity: bytes, endpoint: str):
     return sock
 
 
+def _proved(header: dict, backend: str, identity: bytes) -> dict:
+    """`header` with the proof a worker started by the pool on `backend` gives (protocol/credentials.py)."""
+    return {**header, "proof": credentials.proof(credentials.read(credentials.WORKER, backend), identity)}
+
+
+def _send_ready(worker, header: dict) -> None:
+    """READY from `worker` (a _dealer on the backend), proved as a worker of this pool proves it."""
+    import zmq
+    backend = worker.getsockopt_string(zmq.LAST_ENDPOINT)
+    worker.send_multipart(wire.encode(wire.Cmd.READY, _proved(header, backend, worker.getsockopt(zmq.IDENTITY))))
+
+
 def _register(broker, worker, max_tokens: int) -> None:
     """`worker` (a _dealer on the backend) says READY with a credit of 1; the broker registers it and dispatches."""
-    worker.send_multipart(wire.encode(wire.Cmd.READY, {
-        "id": "w0", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
-        "capacity": {"max_tokens": max_tokens, "max_rows": 4, "max_markers": 8}}))
+    _send_ready(worker, {"id": "w0", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
+                         "capacity": {"max_tokens": max_tokens, "max_rows": 4, "max_markers": 8}})
     assert broker.backend.poll(5000)
     broker._receive_all(broker.backend, broker.on_backend)
 
@@ -318,7 +329,7 @@ def _ready(worker, wid: str, fingerprint: str, direct: str | None, key: str | No
         header["direct"] = direct
     if key is not None:
         header["direct_key"] = key
-    worker.send_multipart(wire.encode(wire.Cmd.READY, header))
+    _send_ready(worker, header)
 
 
 def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_directly(broker, tmp_path):
@@ -362,6 +373,7 @@ def test_routes_name_the_ready_workers_of_the_pools_model_that_take_requests_dir
         broker.cfg.keys = "/keys"
         header = {"id": "h", "device": "cpu", "fingerprint": "f" * 64, "credit": 1,
                   "capacity": {"max_tokens": 100, "max_rows": 4, "max_markers": 8}, "direct": "tcp://127.0.0.1:4008"}
+        header = _proved(header, broker.cfg.backend, b"h")
         with pytest.raises(wire.ProtocolError, match="direct_key"):
             broker.worker_handlers.on_ready(b"h", wire.decode(wire.encode(wire.Cmd.READY, header)), 0.0)
         keyed = {**header, "direct_key": key}

@@ -312,7 +312,7 @@ def test_bad_requests_sent_directly_are_refused_naming_the_field(ipc_pool, runti
         assert (ping.header["status"], ping.header["rid"], ping.header["error"]["field"]) == ("final", 9, "command")
         garbage = raw.ask([b"LAYA9", b"\x02", msgpack.packb({"rid": 6})])
         assert garbage.header["status"] == "final" and garbage.header["error"]["field"] == "version", garbage.header
-        too_long = make_rows(4, 1, 100_000)
+        too_long = make_rows(4, 1, 2_000)          # a row past max_len (512), within the socket's frame limit
         rep = raw.ask(wire.encode_request(7, wire.pack_rows(too_long), cid="raw"))
         assert rep.header["status"] == "final" and rep.header["error"]["field"], rep.header
         rows = make_rows(8)
@@ -321,6 +321,20 @@ def test_bad_requests_sent_directly_are_refused_naming_the_field(ipc_pool, runti
         np.testing.assert_allclose(ok.logits, _reference(runtime, rows)[0], rtol=1e-5, atol=1e-5)
     finally:
         raw.close()
+    # A frame beyond what the worker's capacity holds (a row of 100,000 tokens: 400 KB) is not read: the socket drops
+    # that connection (docs/reliability.md, 54-5), and a client learns why through the broker, which refuses it
+    # naming the field; the worker serves on.
+    raw = Raw(ws["0"]["direct"])
+    try:
+        assert raw.ask(wire.encode_request(9, wire.pack_rows(make_rows(4, 1, 100_000)), cid="raw"), 3.0) is None
+    finally:
+        raw.close()
+    with ipc_pool.client() as c:
+        with pytest.raises(RequestFailed) as e:
+            c.forward(make_rows(4, 1, 100_000))
+        assert e.value.field in ("ids", "lengths", "rows"), e.value
+        rows = make_rows(8)
+        np.testing.assert_allclose(c.forward(rows).flat, _reference(runtime, rows)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_retry_of_an_executed_request_returns_the_cached_reply(tcp_pool):

@@ -64,7 +64,7 @@ class Broker:
         self.client_handlers = ClientHandlers(cfg, self.sockets, self.table, self.dispatcher, self.counters,
                                               self.say, self.status, operator_keys)
         self.worker_handlers = WorkerHandlers(cfg, self.sockets, self.table, self.dispatcher, self.meter,
-                                              self.counters)
+                                              self.counters, self.say)
         # The loop's two entry points: a message from a client, one from a worker.
         self.on_frontend, self.on_backend = self.client_handlers.on_message, self.worker_handlers.on_message
         self.hb = cfg.heartbeat_ms / 1000.0
@@ -141,6 +141,7 @@ class Broker:
             self.worker_handlers.watch(now)
             self.dispatcher.expire_queue(now)
             self.dispatcher.replies.expire(now)
+            self.sockets.housekeeping(now)
             if self.observer is not None and now - self.last_observed >= OBSERVE_S:
                 self.last_observed = now
                 self.observer.update(self.status(), now)
@@ -152,6 +153,7 @@ class Broker:
     def shutdown(self) -> None:
         self.dispatcher.shutdown()
         self.client_handlers.close()
+        self.worker_handlers.close()
         self.sockets.close()
 
     def status(self) -> dict[str, Any]:
@@ -166,6 +168,7 @@ class Broker:
                            "drain_per_s": round(d.drain.rate(now), 3),
                            "queue_bytes": d.queue_bytes, "cached_reply_bytes": d.replies.bytes,
                            "inflight": len(d.inflight), "cached_replies": len(d.replies),
+                           "unread_reply_bytes": self.sockets.unread.total,
                            "counters": dict(self.counters)},
                 "meter": self.meter.snapshot()}
 
@@ -187,6 +190,9 @@ POLICY_FLAGS = (
     ("--max-restarts", "max_restarts", int, "restart-worker commands accepted per --restart-window"),
     ("--restart-window", "restart_window_s", float, "seconds over which --max-restarts counts"),
     ("--client-hwm", "client_hwm", int, "replies queued per client before more are dropped"),
+    ("--unread-max-bytes", "unread_max_bytes", int,
+     "bytes of replies the broker holds that their clients have not taken yet, all clients together: beyond them no "
+     "reply goes to a client that has left one untaken for 50 ms"),
     ("--poll-us", "poll_us", int,
      "after each message, keep polling without sleeping for this many microseconds, so the next message (a reply "
      "a forward later, the next request) finds the broker awake: a thread woken from a sleep of a millisecond or "
@@ -214,8 +220,9 @@ def add_arguments(p: argparse.ArgumentParser, *, supervised: bool = False) -> No
         p.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys --out DIR)")
     p.add_argument("--insecure-backend", action="store_true",
-                   help="allow a tcp backend without keys (development only: any local process could register "
-                        "as a worker)")
+                   help="take workers without keys or proof: allow a tcp backend without keys, and on an ipc one "
+                        "register workers that do not prove the pool started them (development only: any local "
+                        "process that reaches the backend could register as a worker)")
     if not supervised:          # `up` serves them itself
         p.add_argument("--http", default=None, metavar="[HOST:]PORT",
                        help="serve /metrics and /health/{live,ready} here (a bare port: 127.0.0.1; beyond loopback "

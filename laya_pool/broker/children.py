@@ -4,12 +4,15 @@ Shared by `laya-pool up` (broker/supervisor.py: the broker, the workers, the gat
 (broker/remote.py: this host's workers joining a broker on another host); the workers' own rules are in
 broker/processes.py. A child is a subprocess started by module name in its own session, which gets SIGTERM when its
 supervisor dies (Linux), so nothing is orphaned; a crashed one comes back after an exponential backoff (0.5 s, doubled
-per crash up to 30 s, reset once it ran a minute).
+per crash up to 30 s, reset once it ran a minute). One that cannot be started at all (out of file descriptors,
+processes or memory: EMFILE, EAGAIN, ENOMEM) is logged and tried again with the same backoff, while the supervisor
+and the children it has go on.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -82,9 +85,30 @@ def set_flag(argv: list[str], flag: str, value: str) -> None:
         argv += [flag, value]
 
 
+def _spawn_hint(e: BaseException) -> str:
+    """What an operator can do about a failed start."""
+    no = getattr(e, "errno", None)
+    if no in (errno.EMFILE, errno.ENFILE):
+        return " (out of file descriptors: raise `ulimit -n`, or find what holds them open)"
+    if no == errno.EAGAIN:
+        return " (out of processes or threads: see `ulimit -u`)"
+    if no == errno.ENOMEM:
+        return " (out of memory)"
+    return ""
+
+
 def start(child: Child, extra: list[str] | None = None) -> None:
-    child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env, preexec_fn=_die_with_parent,
-                                  start_new_session=True)
+    """Start `child` (`extra`: arguments for this start only); one that cannot be spawned waits out its backoff."""
+    try:
+        child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env, preexec_fn=_die_with_parent,
+                                      start_new_session=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        # Out of file descriptors, processes or memory (EMFILE, EAGAIN, ENOMEM): what runs keeps running, and this
+        # child is tried again with its backoff, as after a crash.
+        child.state, child.next_start = "backoff", time.monotonic() + child.backoff
+        log.error("could not start %s: %s%s; trying again in %.1f s", child.name, e, _spawn_hint(e), child.backoff)
+        child.backoff = min(BACKOFF_MAX, child.backoff * 2)
+        return
     child.started = time.monotonic()
     child.state = "running"
     log.info("%s started (pid %d)", child.name, child.proc.pid)

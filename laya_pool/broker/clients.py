@@ -126,9 +126,9 @@ class ClientHandlers:
         rid = wire.get(msg.header, "rid", (int, str), default=None)
         fp = self.table.pool_fp
         if fp in self.table.cards:
+            card = self.table.cards[fp]
             self.sockets.to_client(envelope, wire.encode(Cmd.DESCRIBE, {"rid": rid, "status": wire.STATUS_OK, "fp": fp,
-                                                                        **self.table.capacity()},
-                                                         self.table.cards[fp]))
+                                                                        **self.table.capacity()}, card), len(card))
             return
         if len(self.dispatcher.queue) >= self.cfg.queue_size:
             self._busy(envelope, rid, Cmd.DESCRIBE)

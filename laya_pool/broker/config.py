@@ -29,8 +29,11 @@ class BrokerConfig:
     keys: str | None = None             # CURVE key directory (laya-pool keys); needed for a non-loopback bind
     insecure_backend: bool = False      # a tcp backend without keys (development only; logged)
     operator_secret: bool = True        # publish the operator secret (broker.operator) once bound
+    worker_secret: bool = True          # ... and the worker secret, and refuse a READY without its proof (but with
+                                        # keys, whose worker key is the proof, or insecure_backend)
     max_restarts: int = 6               # restart-worker commands accepted per restart_window_s, pool-wide
     restart_window_s: float = 60.0
     client_hwm: int = 1000              # replies queued per client before more are dropped (it is not reading)
+    unread_max_bytes: int = 64 << 20    # bytes of replies not yet taken by their clients, all clients together
     poll_us: int = 0                    # after a message, poll without sleeping this long (0: always sleep)
     http: str | None = None             # `laya-pool broker --http`: [HOST:]PORT for /metrics and /health; None: off

@@ -17,25 +17,29 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .ratelimit import RateLimit
+
 
 class LogLimiter:
-    """At most one line per `key` every `interval_s` seconds; the next says how many were suppressed."""
+    """At most one line per `key` every `interval_s` seconds (broker/ratelimit.py); the next says how many were
+    suppressed, and `flush` says it for a key that went quiet."""
 
     def __init__(self, log: logging.Logger, interval_s: float = 10.0):
         self.log, self.interval_s = log, interval_s
-        self.last: dict[str, float] = {}
-        self.suppressed: dict[str, int] = {}
+        self.limit = RateLimit(interval_s)
 
     def __call__(self, key: str, level: int, message: str, *args: Any) -> bool:
-        now = time.monotonic()
-        if now - self.last.get(key, float("-inf")) < self.interval_s:
-            self.suppressed[key] = self.suppressed.get(key, 0) + 1
+        n = self.limit.admit(key, time.monotonic())
+        if n is None:
             return False
-        self.last[key] = now
-        n = self.suppressed.pop(key, 0)
         tail = f" ({n} more like this in the last {self.interval_s:g} s)" if n else ""
         self.log.log(level, message + tail, *args)
         return True
+
+    def flush(self, level: int = logging.INFO) -> None:
+        """One line for each key whose suppressed lines waited a whole interval with none said."""
+        for key, n in self.limit.due(time.monotonic()):
+            self.log.log(level, "%d more like the last %r line in the last %g s", n, key, self.interval_s)
 
 
 # Handshake failures, by event: what it means for the operator.

@@ -6,7 +6,8 @@ peer that presents one of:
 
 - on any endpoint, the pool's operator secret in the header (`op`): 32 random bytes the broker writes,
   after it has bound its sockets, to a file only its user can read (`secret_path(frontend)`, mode 0600 in a
-  0700 directory). `laya-pool drain / restart-worker` read it; a plain `Client` does not have it.
+  0700 directory; protocol/credentials.py). `laya-pool drain / restart-worker` read it, whichever spelling of the
+  frontend's host they are given; a plain `Client` does not have it.
 - under CURVE, the operator key (`operator.key_secret`; its public half in `authorized-operators/`): the
   broker reads the authenticated key of the connection (ZeroMQ's `User-Id` metadata), so a client key,
   which only reaches `authorized/`, cannot drain a worker even if it can read the wire.
@@ -20,71 +21,42 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
-import hmac
 import os
-import secrets
-import tempfile
 from pathlib import Path
 
-from laya_pool.protocol import settings
+from laya_pool.protocol import credentials
 
 SECRET_ENV = "LAYA_POOL_RUNTIME_DIR"
 
 
 def runtime_dir() -> Path:
-    """Where operator secrets live: $LAYA_POOL_RUNTIME_DIR, else $XDG_RUNTIME_DIR/laya-pool, else
-    ~/.cache/laya-pool/run. Per user: another user cannot read (or plant) a secret there."""
-    if settings.get(SECRET_ENV):
-        return Path(settings.get(SECRET_ENV))
-    if settings.get("XDG_RUNTIME_DIR"):
-        return Path(settings.get("XDG_RUNTIME_DIR")) / "laya-pool"
-    return Path.home() / ".cache" / "laya-pool" / "run"
+    """Where operator secrets live (protocol/credentials.py): $LAYA_POOL_RUNTIME_DIR, else
+    $XDG_RUNTIME_DIR/laya-pool, else ~/.cache/laya-pool/run."""
+    return credentials.runtime_dir()
 
 
 def secret_path(frontend: str) -> Path:
-    """The operator secret of the pool on `frontend` (one file per endpoint, so pools do not share one)."""
-    return runtime_dir() / f"operator-{hashlib.sha256(frontend.encode()).hexdigest()[:20]}"
-
-
-def _private_dir(d: Path) -> None:
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = d.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{d}: owned by uid {st.st_uid}, not by this user; refusing to keep secrets there")
-    if st.st_mode & 0o077:
-        os.chmod(d, 0o700)
+    """The operator secret of the pool on `frontend` (one file per endpoint, however its host is spelt)."""
+    return credentials.secret_path(credentials.OPERATOR, frontend)
 
 
 def publish_secret(frontend: str) -> tuple[str, Path]:
     """A fresh secret, written atomically (0600) where `read_secret(frontend)` finds it: (secret, path)."""
-    path = secret_path(frontend)
-    _private_dir(path.parent)
-    token = secrets.token_hex(32)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".op-")      # mkstemp: 0600, never follows a link
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.replace(tmp, path)
-    return token, path
+    return credentials.publish(credentials.OPERATOR, frontend)
 
 
 def read_secret(frontend: str) -> str | None:
     """The operator secret for `frontend`, or None when this user has none (not the pool's operator)."""
-    try:
-        return secret_path(frontend).read_text().strip() or None
-    except OSError:
-        return None
+    return credentials.read(credentials.OPERATOR, frontend)
 
 
 def remove_secret(path: Path, token: str) -> None:
     """Remove `path` if it still holds `token` (a newer broker on the same endpoint may have replaced it)."""
-    with contextlib.suppress(OSError):
-        if path.read_text().strip() == token:
-            path.unlink()
+    credentials.remove(path, token)
 
 
 def token_matches(given: object, token: str | None) -> bool:
-    return isinstance(given, str) and token is not None and hmac.compare_digest(given.encode(), token.encode())
+    return credentials.matches(given, token)
 
 
 def operator_keys(keys: str | os.PathLike | None) -> set[str]:

@@ -22,9 +22,20 @@ from . import security
 from .config import BrokerConfig
 from .metering import Meter
 from .monitor import LogLimiter, SocketWatch
+from .replies import frames_bytes
 from .table import WorkerInfo
+from .unread import Unread, trim
 
 _MORE = wire.DONTWAIT | wire.SNDMORE
+PEER_BUFFER_BYTES = 256 << 20   # what one peer's messages waiting to be read may hold, at the largest frame
+MIN_RCVHWM = 16
+
+
+def receive_hwm(max_frame: int) -> int:
+    """ZMQ_RCVHWM sized in bytes: PEER_BUFFER_BYTES of messages (a header and a frame of `max_frame`), at least
+    MIN_RCVHWM (16 MiB frames: 16 messages; it was 100,000 of any size). The broker reads every socket at once, so
+    its queues are rarely more than a few messages deep (16 or 100,000 carried the same small-message rate)."""
+    return max(MIN_RCVHWM, PEER_BUFFER_BYTES // (wire.MAX_HEADER_BYTES + max_frame))
 
 
 class Sockets:
@@ -35,10 +46,14 @@ class Sockets:
         self.auth = None
         self.frontend = self._router(cfg.frontend, cfg.max_frontend_bytes, handover=False, role="clients",
                                      hwm=cfg.client_hwm)
-        self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=True, role="workers")
+        # No ROUTER_HANDOVER: a second connection with a live worker's identity would take its route over (and its
+        # requests with it) before any READY were read; ZeroMQ now ignores it, and a READY for a live worker's id from
+        # another socket is refused (broker/workers.py `on_ready`).
+        self.backend = self._router(cfg.backend, cfg.max_backend_bytes, handover=False, role="workers")
         self._send_frontend, self._send_backend = _frame_sender(self.frontend), _frame_sender(self.backend)
         self.watches = [SocketWatch(self.frontend, "frontend", say), SocketWatch(self.backend, "backend", say)]
         self.peer_user: str | None = None       # the CURVE key of the frontend message being handled
+        self.unread = Unread(cfg.unread_max_bytes)     # replies clients have not taken yet (broker/unread.py)
 
     def _router(self, endpoint: str, max_bytes: int, handover: bool, role: str, hwm: int = 100_000) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
@@ -48,7 +63,7 @@ class Sockets:
         s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, hwm)     # per peer: a peer that never reads cannot grow the broker past it
-        s.setsockopt(zmq.RCVHWM, 100_000)
+        s.setsockopt(zmq.RCVHWM, receive_hwm(max_bytes))
         if self.cfg.keys:
             if self.auth is None:
                 self.auth = security.start_authenticator(self.ctx, self.cfg.keys)
@@ -92,12 +107,57 @@ class Sockets:
 
     # -------------------------------------------------------------------------------------------- clients
 
-    def to_client(self, envelope: list[bytes], frames: list[Any]) -> None:
-        if not self.send(self.frontend, envelope + frames):
+    def to_client(self, envelope: list[bytes], frames: list[Any], shared: int = 0) -> None:
+        """`shared`: bytes of `frames` that are one buffer for every send (the model card), not counted as unread."""
+        peer, n, now = envelope[0], frames_bytes(frames) - shared, time.monotonic()
+        if not self.unread.admit(peer, n, now):
+            # It has not read what it was sent, and the replies no client has read are at their bound (all clients).
+            self.counters["unread_full"] += 1
+            self.say("unread-full", logging.WARNING, "dropped a reply to a client that has not read %d bytes of "
+                     "earlier replies: replies unread by all clients are at --unread-max-bytes (%d)",
+                     self.unread.held(peer), self.cfg.unread_max_bytes)
+            return
+        if self.unread.mark_due(peer, now):
+            tracker = self._send_tracked(envelope, frames)
+            sent = tracker is not None
+        else:
+            tracker, sent = None, self.send(self.frontend, envelope + frames)
+        if not sent:
             # Gone, or not reading: its queue (client_hwm replies) is full. Dropped, so memory stays bounded.
             self.counters["client_gone"] += 1
             self.say("client-hwm", logging.WARNING, "dropped a reply: the client is gone or not reading its replies "
                      "(%d queued at most per client; --client-hwm)", self.cfg.client_hwm)
+            return
+        self.unread.add(peer, n, now, tracker)
+
+    def _send_tracked(self, envelope: list[bytes], frames: list[Any]) -> Any:
+        """`send` on the frontend, its first frame after the envelope tracked (ZeroMQ says when it let go of the
+        message: `Unread`, which asks for one now and then); the tracker, or None when the client is gone or its queue
+        is full."""
+        send = self._send_frontend
+        first = frames[0]
+        # Not copied (pyzmq copies a small frame, and a copied frame's tracker is done at once): ZeroMQ holds this
+        # buffer until it lets go of the message.
+        first = zmq.Frame(bytes(first) if isinstance(first, zmq.Frame) else first, track=True, copy=False)
+        try:
+            for f in envelope:
+                send(f, _MORE)
+            tracker = send(first, _MORE if len(frames) > 1 else wire.DONTWAIT, False, True)
+            for f in frames[1:-1]:
+                send(f, _MORE)
+            if len(frames) > 1:
+                send(frames[-1], wire.DONTWAIT)
+            return tracker
+        except zmq.ZMQError as e:
+            if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return None
+            raise
+
+    def housekeeping(self, now: float) -> None:
+        """Count off the replies clients took (or left behind), and give the heap back once much of it went."""
+        self.unread.settle(now)
+        if self.unread.trim_due(now):
+            trim()
 
     def client_error(self, envelope: list[bytes], rid: Any, status: str, message: str, *, field: str | None = None,
                      row: int | None = None, cmd: Cmd = Cmd.REPLY, reason: str | None = None,

@@ -6,6 +6,8 @@
 - restarts the broker if it dies (workers re-register with the new one by themselves);
 - with `--api`, starts the HTTP gateway beside them (`laya-pool api`, a client of this pool's frontend: gateway/) and
   restarts it if it dies;
+- a child it cannot start (out of file descriptors, processes or memory: EMFILE, EAGAIN, ENOMEM) is logged and tried
+  again with the same backoff, while the rest of the pool goes on serving;
 - brings back a drained worker when `laya-pool restart-worker ID` asks for it (seen in the broker's status);
 - carries out `laya-pool reload --model DIR` (seen in the broker's status): the workers move onto DIR one
   at a time (broker/reload.py tells the whole procedure);

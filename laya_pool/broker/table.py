@@ -93,17 +93,18 @@ class WorkerTable:
         """A READY's header checked and made a row (not yet in the table: `add`); a registration again keeps the
         worker's history. Raises wire.ProtocolError, naming the field, before anything changes."""
         wid = wire.get(h, "id", str)
-        if not wid or identity != wid.encode():
-            raise wire.ProtocolError("id", f"the worker id {wid!r} must equal its socket identity {identity!r}")
-        if "/" in wid:
-            raise wire.ProtocolError("id", f"a worker id has no '/' (it names the worker's data socket): {wid!r}")
+        if not wid or not wire.identity_of(wid, identity):
+            raise wire.ProtocolError("id", f"the worker id {wid!r} must be its socket identity {identity!r} (or begin "
+                                           "it, before '@' and the socket's own suffix)")
+        if "/" in wid or "@" in wid:
+            raise wire.ProtocolError("id", f"a worker id has no '/' or '@' (they name its sockets): {wid!r}")
         cap = wire.get(h, "capacity", dict)
         for k in CAPACITY:
             wire.get(cap, k, int, what="capacity")
         fp = wire.get(h, "fingerprint", str)
         data = wire.get(h, "data", str, default=None)
-        if data is not None and data != f"{wid}/data":
-            raise wire.ProtocolError("data", f"a worker's data socket is {wid + '/data'!r}, not {data!r}")
+        if data is not None and not (data.endswith("/data") and wire.identity_of(wid, data[:-5].encode())):
+            raise wire.ProtocolError("data", f"a worker's data socket is {wid + '[@...]/data'!r}, not {data!r}")
         direct, direct_key = self._direct(h)
         old = self.workers.get(wid)
         kept = {} if old is None else {"completed": old.completed, "failed": old.failed, "lost": old.lost,

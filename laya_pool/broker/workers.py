@@ -1,10 +1,16 @@
 """What the broker does with a worker's message (the backend), and the workers' liveness.
 
 A worker registers with READY (checked and put in the table: broker/table.py), then sends heartbeats, replies,
-model cards, and says when it drains or leaves. Heartbeats go both ways (Paranoid Pirate): a worker silent for
-`liveness` intervals is dead, and so is one holding a request longer than `job_timeout_s` (its heartbeats come from
-its I/O thread, so a hung device still looks alive); a dead worker's jobs go to another (broker/dispatch.py). A
-message from a worker the broker does not know gets DISCONNECT, so the worker registers again.
+model cards, and says when it drains or leaves. A READY is refused (DISCONNECT saying why, a log line) when it does
+not prove that the pool started the worker (`proof`: an HMAC of its socket identity under the worker secret the
+broker writes to the run directory, protocol/credentials.py; asked where neither CURVE keys nor --insecure-backend
+say otherwise), and when it names the id of a worker still connected on another socket (a second process with a
+live worker's id, by mistake or not: ZeroMQ's handover, which let it take the route, is off).
+
+Heartbeats go both ways (Paranoid Pirate): a worker silent for `liveness` intervals is dead, and so is one holding a
+request longer than `job_timeout_s` (its heartbeats come from its I/O thread, so a hung device still looks alive); a
+dead worker's jobs go to another (broker/dispatch.py). A message from a worker the broker does not know gets
+DISCONNECT, so the worker registers again.
 """
 from __future__ import annotations
 
@@ -14,13 +20,14 @@ from collections import Counter
 
 import zmq
 
-from laya_pool.protocol import wire
+from laya_pool.protocol import credentials, wire
 from laya_pool.protocol.contract import Leave, Reason, WorkerState
 from laya_pool.protocol.wire import Cmd
 
 from .config import BrokerConfig
 from .dispatch import Dispatcher, Job
 from .metering import Meter
+from .monitor import LogLimiter
 from .sockets import Sockets
 from .table import WorkerInfo, WorkerTable
 
@@ -31,10 +38,18 @@ FORGET_AFTER_S = 600.0          # dead entries stay in the status table this lon
 
 class WorkerHandlers:
     def __init__(self, cfg: BrokerConfig, sockets: Sockets, table: WorkerTable, dispatcher: Dispatcher,
-                 meter: Meter, counters: Counter):
+                 meter: Meter, counters: Counter, say: LogLimiter):
         self.cfg, self.sockets, self.table, self.dispatcher = cfg, sockets, table, dispatcher
-        self.meter, self.counters = meter, counters
+        self.meter, self.counters, self.say = meter, counters, say
         self.hb = cfg.heartbeat_ms / 1000.0
+        self.token, self.token_path = None, None
+        if cfg.worker_secret and not cfg.keys and not cfg.insecure_backend:
+            # After binding, as the operator secret: a broker that could not bind never replaces a pool's secret.
+            self.token, self.token_path = credentials.publish(credentials.WORKER, cfg.backend)
+
+    def close(self) -> None:
+        if self.token_path is not None:
+            credentials.remove(self.token_path, self.token)
 
     def on_message(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
@@ -104,6 +119,8 @@ class WorkerHandlers:
         self.sockets.disconnect(identity, why[:200], like)
 
     def on_ready(self, identity: bytes, msg: wire.Message, now: float) -> None:
+        if not self._admissible(identity, msg.header):
+            return
         w = self.table.admit(identity, msg.header, now, self.hb * self.cfg.liveness)
         old = self.table.workers.get(w.id)
         if old is not None and old.state.live and old.inflight:
@@ -115,6 +132,29 @@ class WorkerHandlers:
                  w.credit, w.fingerprint[:12], w.registrations)
         self.dispatcher.switch_model()
         self.dispatcher.dispatch()
+
+    def _admissible(self, identity: bytes, h: dict) -> bool:
+        """Whether a READY may register: its proof (where the pool asks for one), and no live worker of its id on
+        another socket. A refusal is counted, logged (one line per kind every 10 s) and told to the peer."""
+        wid = wire.get(h, "id", str)
+        if self.token is not None and not credentials.proves(h.get("proof"), self.token, identity):
+            kind, why = "proof", (f"this pool takes only the workers it started: READY's `proof` must come from the "
+                                  f"worker secret in the pool's run directory ({credentials.runtime_dir()}), which a "
+                                  "laya-pool worker of this user reads itself; a broker with --insecure-backend takes "
+                                  "any worker")
+        else:
+            old = self.table.workers.get(wid)
+            if old is None or not old.state.connected or old.identity == identity:
+                return True
+            if not self.sockets.to_worker(old, Cmd.HEARTBEAT, {}):
+                return True         # its socket is gone (the process died): this is its successor
+            kind, why = "taken", (f"worker id {wid!r} is held by a live worker (pid {old.pid}) on another socket; "
+                                  "give each worker its own --id")
+        self.counters["workers_refused"] += 1
+        self.say(f"ready-{kind}", logging.WARNING, "refused a READY for worker %s (pid %s): %s", wid, h.get("pid"),
+                 why)
+        self.sockets.disconnect(identity, f"registration refused: {why}")
+        return False
 
     # -------------------------------------------------------------------------------------------- answers
 
@@ -176,9 +216,10 @@ class WorkerHandlers:
         del d.inflight[job.id]
         w.inflight.discard(job.id)
         if status == wire.STATUS_OK and w.fingerprint == self.table.pool_fp:
+            card = self.table.cards[w.fingerprint]
             self.sockets.to_client(job.envelope, wire.encode(Cmd.DESCRIBE, {
                 "rid": job.client_rid, "status": wire.STATUS_OK, "fp": w.fingerprint, **self.table.capacity()},
-                self.table.cards[w.fingerprint]))
+                card), len(card))
             return
         if not d.requeue(job, lost=False):
             d.fail(job, wire.STATUS_RETRYABLE, "no worker could describe the model")

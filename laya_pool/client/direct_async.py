@@ -125,10 +125,10 @@ class AsyncRoutes:
         """Send what `_send_together` queued for `r`'s worker: one REQUESTS message per up to TOGETHER requests
         (alone when there is one); each call learns whether its request left (if not, it goes through the broker)."""
         queued = self.outbox.pop(r.worker, [])
-        for at in range(0, len(queued), TOGETHER):
+        for at, end in _parts([len(framed[1]) for _, framed, _ in queued], self._together_bytes()):
             # Only what is still this route's: a route closed (a new table, its connection dropped) since took those
             # requests as lost, and their calls re-send them once (`resend_lost`); sent here, they would go twice.
-            part = [item for item in queued[at:at + TOGETHER] if self.routes.by_rid.get(item[0]) is r]
+            part = [item for item in queued[at:end] if self.routes.by_rid.get(item[0]) is r]
             ok = False
             try:
                 tasks = self.tasks.get(r.worker)
@@ -141,12 +141,21 @@ class AsyncRoutes:
             except Exception:       # noqa: BLE001 - a call must never wait on a send that will not happen
                 log.exception("could not send %d requests to worker %s together", len(part), r.worker)
             finally:
-                for rid, _, fut in queued[at:at + TOGETHER]:
+                for rid, _, fut in queued[at:end]:
                     lost = self.routes.by_rid.get(rid) is not r
                     if not ok and not lost:
                         self.routes.unsent(rid)
                     if not fut.done():
                         fut.set_result(ok or lost)      # lost: its call waits for the re-send `resend_lost` asks
+
+    def _together_bytes(self) -> int:
+        """The most one REQUESTS message's buffer may hold: what one forward of the pool's workers holds, and 64 KiB
+        at least (a worker's direct socket takes no larger frame: worker/inbox.py `direct_limits`), where the pool
+        said its capacity (a describe call); 64 KiB where not."""
+        cap = self.client.capacity
+        if not all(k in cap for k in ("max_rows", "max_tokens", "max_markers")):
+            return wire.MAX_HEADER_BYTES
+        return max(wire.MAX_HEADER_BYTES, wire.request_bytes(cap["max_rows"], cap["max_tokens"], cap["max_markers"]))
 
     def _watch(self, r: Any) -> None:
         import zmq.asyncio
@@ -194,3 +203,17 @@ class AsyncRoutes:
             fut = self.client._waiters.get(rid)
             if fut is not None and not fut.done():
                 fut.set_result(RECONNECTED)
+
+
+def _parts(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """`[at, end)` spans of requests of these buffer sizes, each at most TOGETHER of them and at most `limit` bytes
+    together (a request larger alone still goes, alone)."""
+    out, at, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > at and (i - at >= TOGETHER or total + n > limit):
+            out.append((at, i))
+            at, total = i, 0
+        total += n
+    if at < len(sizes):
+        out.append((at, len(sizes)))
+    return out

@@ -37,17 +37,22 @@ class Flight:
 class Flights:
     """The calls of `plans` over `client` (a `Client`, whose lock the caller holds), results in order."""
 
-    def __init__(self, client: Any, plans: list[Plan[Any]], limit: int):
-        self.client, self.limit = client, limit
+    def __init__(self, client: Any, plans: list[Plan[Any]], limit: int, started: float | None = None):
+        """`started`: when the call these plans are part of began: the plans that go out at once share its deadline
+        (the states' tokenizing included); each one queued behind them has its own from when it goes out, so a batch
+        of thousands of states does not time out behind itself. None: each plan's own start."""
+        self.client, self.limit, self.started = client, limit, started
         self.results: list[Any] = [None] * len(plans)
         self.queued = list(enumerate(plans))[::-1]
         self.flights: dict[int, Flight] = {}      # by request id
 
     def run(self) -> list[Any]:
+        first = self.started          # for the plans that go out at once
         while self.queued or self.flights:
             while self.queued and len(self.flights) < self.limit:
                 i, plan = self.queued.pop()
-                self._advance(i, plan, time.monotonic(), None)
+                self._advance(i, plan, time.monotonic() if first is None else first, None)
+            first = None
             if self.flights:
                 self._progress()
         return self.results

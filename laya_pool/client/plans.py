@@ -37,6 +37,7 @@ class Await:
     """A plan's step: wait for work running in a thread (the whole state's tokens); its answer is its result.
     The asyncio driver awaits it, so the event loop never blocks on it."""
     future: concurrent.futures.Future
+    timeout: float | None = None               # the call's timeout: the wait ends with the call's deadline
 
 
 @dataclass(frozen=True)

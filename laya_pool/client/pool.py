@@ -27,6 +27,7 @@ files. This module imports neither torch nor anything from the worker or broker 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -162,7 +163,8 @@ class _Base:
     """What the blocking and the asyncio clients share: the plans, request building, reply interpretation."""
 
     def __init__(self, endpoint: str | Sequence[str] | None, timeout: float, retries: int, backoff: float,
-                 max_backoff: float, keys: str | None, connect_timeout: float = contract.CONNECT_TIMEOUT_S):
+                 max_backoff: float, keys: str | None, connect_timeout: float = contract.CONNECT_TIMEOUT_S,
+                 max_state_bytes: int | None = None):
         settings.warn_undeclared(log)          # a misspelt LAYA_* variable: once per process
         if isinstance(endpoint, (list, tuple)):     # one pool in a list (several: client/pools.py)
             if len(endpoint) != 1:
@@ -171,6 +173,11 @@ class _Base:
         self.endpoint = endpoint or DEFAULT_ENDPOINT
         if timeout <= 0 or retries < 0 or connect_timeout <= 0:
             raise ValueError("timeout and connect_timeout must be positive and retries non-negative")
+        # The largest state's text a call takes (refused at once above it, RequestFailed naming `state`).
+        self.max_state_bytes = (settings.get("LAYA_POOL_MAX_STATE_BYTES") if max_state_bytes is None
+                                else int(max_state_bytes))
+        if self.max_state_bytes <= 0:
+            raise ValueError(f"max_state_bytes must be positive, got {self.max_state_bytes}")
         self.timeout, self.retries, self.backoff, self.max_backoff = timeout, retries, backoff, max_backoff
         self.connect_timeout = connect_timeout
         self.keys = keys
@@ -212,6 +219,11 @@ class _Base:
         if cached is None or cached[0] != key:
             cached = self._policy = (key, RetryPolicy(*key))
         return Attempts(cached[1], started=started)
+
+    def _tokenizing_timeout(self, timeout: float | None) -> PoolTimeout:
+        t = self.timeout if timeout is None else timeout
+        return PoolTimeout(f"{self.endpoint}: the call's deadline of {t:g} s passed while this client tokenized the "
+                           "state", last="tokenizing", reason=Reason.TIMEOUT)
 
     def _left(self, timeout: float | None, started: float) -> float:
         """What is left of a call's deadline (`timeout` from `started`), for a step that is a call of its own."""
@@ -294,8 +306,25 @@ class _Base:
                        retries: int | None, worker: str | None, mode: str | None) -> Plan[list[dict[str, Any]]]:
         """Every state's rows, packed whole into as few requests as the pool's capacity allows (client/batching.py),
         sent together; each state's answers decoded from its share of the replies."""
+        encoded: list[Any] = []
+        try:
+            results = yield from self._answer_encoded(card, states, questions, lang, max_len, head_max_len,
+                                                      batch_size, timeout, retries, worker, mode, encoded)
+        finally:
+            for e in encoded:        # a call that ended early stops its states' counts (no-ops once they are done)
+                e.state.cancel()
+        return results
+
+    def _answer_encoded(self, card: Any, states: list[Any], questions: dict[Any, Any], lang: str | None,
+                        max_len: int | None, head_max_len: int | None, batch_size: int | None, timeout: float | None,
+                        retries: int | None, worker: str | None, mode: str | None,
+                        encoded: list[Any]) -> Plan[list[dict[str, Any]]]:
+        """`_answer_states`, with the states' encodings kept in `encoded` as they are made."""
         for refreshed in (False, True):
-            encoded = [self._encode(card, state, questions, max_len, head_max_len) for state in states]
+            encoded[:] = []
+            for i, state in enumerate(states):
+                encoded.append(self._encode(card, state, questions, max_len, head_max_len, row=i if len(states) > 1
+                                            else None))
             for e in encoded:
                 self._check_fits(len(e.rows), e.n_tokens, e.n_markers, "questions")
             # A pool that did not say its capacity (no worker was ready when it described itself) still gets
@@ -317,7 +346,7 @@ class _Base:
             for i, e in enumerate(encoded):
                 pending = e.state.pending()
                 if pending is not None:
-                    yield Await(pending)
+                    yield Await(pending, timeout)
                 if not e.state.window_agrees():
                     # The state window (client/state.py) disagrees with the whole state's tokens, which its
                     # argument says cannot happen: answer from rows built from the whole state, and say so.
@@ -353,14 +382,20 @@ class _Base:
         card = yield NeedCard(timeout)
         budget, step, room = scan.window_budget(card, list(internal.values()), card.max_len, card.head_max_len,
                                                 window, stride)
+        try:
+            serialized = semantics.serialize_state(state)
+        except (TypeError, ValueError) as e:      # bytes or lone surrogates: say where (client/text.py)
+            raise text.state_error(state, e) from e
+        semantics.check_state_size(state, serialized, self.max_state_bytes)
+
         def tokenize() -> list[int]:
             try:
-                return card.encode(semantics.serialize_state(state).replace(card.mask_token, " "))
-            except (TypeError, ValueError) as e:      # bytes or lone surrogates: say where (client/text.py)
+                return card.encode(serialized.replace(card.mask_token, " "))
+            except (TypeError, ValueError) as e:
                 raise text.state_error(state, e) from e
         # The whole document is tokenized (the windows are cut from its ids) off the caller's thread, so
         # AsyncClient's event loop goes on meanwhile.
-        state_ids = yield Await(in_background(tokenize))
+        state_ids = yield Await(in_background(tokenize), timeout)
         if len(state_ids) <= (budget if window and window > 0 else room):
             # It fits one row: the plain answer, read whole.
             single = dict((yield from self._predict_plan(state, questions, timeout, retries, None, None, worker, mode,
@@ -489,11 +524,17 @@ class _Base:
         self._card_dict, self._card = card, ModelCard.from_card(card)
         return self._card
 
-    @staticmethod
-    def _encode(card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None,
-                window: bool = True) -> Any:
+    def _encode(self, card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None,
+                window: bool = True, row: int | None = None) -> Any:
+        """The state's rows (semantics.encode_request); `row`: its place among a batch's states, for an error."""
         from .semantics import encode_request
-        return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len, window=window)
+        try:
+            return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len, window=window,
+                                  max_state_bytes=self.max_state_bytes)
+        except RequestFailed as e:
+            if e.row is None:
+                e.row = row
+            raise
 
     @staticmethod
     def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray, lang: str | None = None,
@@ -525,7 +566,7 @@ class Client(_Base):
                  context: zmq.Context | None = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, spin_ms: float | None = None,
-                 direct: bool = True, lanes: bool = True):
+                 direct: bool = True, lanes: bool = True, max_state_bytes: int | None = None):
         """`timeout`: each call's deadline in seconds (a call may override it), retries included; `retries`:
         re-sends within it; `connect_timeout`: with no connection to the pool this long, a call raises
         `PoolUnreachable`. `operator`: the pool's operator secret (what `laya-pool drain` reads), needed only
@@ -540,8 +581,10 @@ class Client(_Base):
         `direct`: send a request's first attempt to a worker that takes requests itself, if the pool has any (on
         this host; in a pool with keys, on any host: client/direct.py); every other attempt, and every other call,
         goes through the broker.
-        `lanes`: ... and through shared memory when that worker takes it (protocol/lane.py)."""
-        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
+        `lanes`: ... and through shared memory when that worker takes it (protocol/lane.py).
+        `max_state_bytes`: a state whose text (UTF-8; a dict or list as JSON) is larger is refused at once with
+        `RequestFailed` naming `state` (default $LAYA_POOL_MAX_STATE_BYTES, 16 MiB)."""
+        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout, max_state_bytes)
         if spin_ms is not None and spin_ms < 0:
             raise ValueError(f"spin_ms must be >= 0, got {spin_ms}")
         self.spin = (spin_ms or 0.0) / 1000.0
@@ -654,8 +697,9 @@ class Client(_Base):
         return self._run(self._ping_plan(timeout))
 
     # -- the driver ----------------------------------------------------------------------------------------
-    def _run(self, plan: Plan[T]) -> T:
-        started = time.monotonic()       # one deadline for the whole call, whatever pool calls it takes
+    def _run(self, plan: Plan[T], started: float | None = None) -> T:
+        # One deadline for the whole call, whatever pool calls it takes (`started`: the call's, for a part of one).
+        started = time.monotonic() if started is None else started
         with _as_pool_errors():
             try:
                 step = next(plan)
@@ -673,22 +717,25 @@ class Client(_Base):
         if isinstance(step, NeedCard):
             return self.card(timeout=self._left(step.timeout, started), refresh=step.refresh)
         if isinstance(step, Await):
-            return step.future.result()
-        return self._run_all(step.plans)
+            try:
+                return step.future.result(timeout=self._left(step.timeout, started))
+            except concurrent.futures.TimeoutError:
+                raise self._tokenizing_timeout(step.timeout) from None
+        return self._run_all(step.plans, started)
 
     # -- several plans' calls on the wire together (a predict_batch larger than one request) ----------------
-    def _run_all(self, plans: list[Plan[Any]]) -> list[Any]:
+    def _run_all(self, plans: list[Plan[Any]], started: float | None = None) -> list[Any]:
         """The plans with up to `BATCH_IN_FLIGHT` of their calls out at once over this one socket (client/flights.py),
         results in order: each plan runs until it asks for a pool call, and every call's attempts advance on their own
         (client/retry.py) as its reply, its timeout or the connection's events come. The first failure is raised;
         replies still owed to the other calls are dropped as stale when they come. The client's lock is held
         throughout, so calls from other threads take turns with the whole batch (they would drop its replies)."""
         if len(plans) < 2:
-            return [self._run(p) for p in plans]
+            return [self._run(p, started) for p in plans]
         with self._lock:
             if os.getpid() != self._pid:
                 raise PoolError("a Client cannot be used across fork(); create one in the child")
-            return Flights(self, plans, BATCH_IN_FLIGHT).run()
+            return Flights(self, plans, BATCH_IN_FLIGHT, started).run()
 
     def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
              retries: int | None = None, on_sent: Callable[[], None] | None = None,
@@ -830,7 +877,7 @@ class AsyncClient(_Base):
                  context: Any = None, operator: str | None = None, key_role: str = "client",
                  connect_timeout: float = contract.CONNECT_TIMEOUT_S, lang_temperatures: dict[str, Any] | None = None,
                  calibration: str | os.PathLike | dict[str, Any] | None = None, direct: bool = True,
-                 lanes: bool = True, bundles: bool = True, together: bool = False):
+                 lanes: bool = True, bundles: bool = True, together: bool = False, max_state_bytes: int | None = None):
         """As `Client`'s. `direct` on by default: 64 requests of 1x48 in flight from 8 processes, 5,436 req/s direct
         (p50 9.41 ms) against 4,234 through the broker (12.17 ms), same machine (H200;
         docs/decisions/0014-clients-straight-to-the-workers.md). `lanes`: a first attempt to a worker on this host goes
@@ -844,7 +891,7 @@ class AsyncClient(_Base):
         it gained no throughput and widened the tail (H100: 256 in flight p95 34.9-69.8 ms against 26.9-27.0 alone,
         the same req/s; 64 in flight the same, or 10% fewer req/s on a slower host;
         docs/decisions/0017-bundles-on-requests-opt-in.md): the requests of one turn wait for the turn to end."""
-        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout)
+        super().__init__(endpoint, timeout, retries, backoff, max_backoff, keys, connect_timeout, max_state_bytes)
         self.operator, self.key_role = operator, key_role
         self.bundles, self.together = bundles, together
         self._set_decoding(lang_temperatures, calibration)
@@ -939,8 +986,9 @@ class AsyncClient(_Base):
         return await self._run(self._ping_plan(timeout))
 
     # -- the driver ----------------------------------------------------------------------------------------
-    async def _run(self, plan: Plan[T]) -> T:
-        started = time.monotonic()       # one deadline for the whole call, whatever pool calls it takes
+    async def _run(self, plan: Plan[T], started: float | None = None) -> T:
+        # One deadline for the whole call, whatever pool calls it takes (`started`: the call's, for a part of one).
+        started = time.monotonic() if started is None else started
         with _as_pool_errors():
             try:
                 step = next(plan)
@@ -949,24 +997,29 @@ class AsyncClient(_Base):
                         step = plan.send(await self.card(timeout=self._left(step.timeout, started),
                                                          refresh=step.refresh))
                     elif isinstance(step, Await):
-                        step = plan.send(await asyncio.wrap_future(step.future))
+                        waited = asyncio.wrap_future(step.future)
+                        done, _ = await asyncio.wait((waited,), timeout=self._left(step.timeout, started))
+                        if not done:
+                            raise self._tokenizing_timeout(step.timeout)
+                        step = plan.send(waited.result())
                     elif isinstance(step, Many):
-                        step = plan.send(await self._run_all(step.plans))
+                        step = plan.send(await self._run_all(step.plans, started))
                     else:
                         step = plan.send(await self.call(step.cmd, step.build, step.timeout, step.retries,
                                                          step.on_sent, started=started, direct=step.direct))
             except StopIteration as done:
                 return done.value
 
-    async def _run_all(self, plans: list[Plan[Any]]) -> list[Any]:
-        """The plans concurrently (at most `BATCH_IN_FLIGHT` at a time), results in order; the first failure
-        cancels the rest and is raised."""
+    async def _run_all(self, plans: list[Plan[Any]], started: float | None = None) -> list[Any]:
+        """The plans concurrently (at most `BATCH_IN_FLIGHT` at a time), results in order; the first failure cancels
+        the rest and is raised. The first `BATCH_IN_FLIGHT` share the call's deadline (`started`), each later one has
+        its own from when it starts (as `Flights` does)."""
         slots = asyncio.Semaphore(BATCH_IN_FLIGHT)
 
-        async def run(plan: Plan[Any]) -> Any:
+        async def run(plan: Plan[Any], i: int) -> Any:
             async with slots:
-                return await self._run(plan)
-        tasks = [asyncio.ensure_future(run(p)) for p in plans]
+                return await self._run(plan, started if i < BATCH_IN_FLIGHT else None)
+        tasks = [asyncio.ensure_future(run(p, i)) for i, p in enumerate(plans)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:

@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.qtypes import QUESTION_TYPES, QuestionType
 
 from . import text
 from .card import ModelCard
+from .errors import RequestFailed
 from .state import StateTokens, WindowPolicy, tokenize_state
 
 OPTION_TOKEN_CAP = 48          # tokens of one option's text (after its [MASK])
@@ -222,16 +224,58 @@ _cached_head = functools.lru_cache(maxsize=_HEAD_CACHE_SIZE)(_head_as_arrays)
 # ---------------------------------------------------------------- requests
 
 
+def state_bytes(serialized: str, limit: int) -> int:
+    """The UTF-8 size of a serialized state, as far as comparing it with `limit` needs (no copy when it is ASCII,
+    or clearly under or over the limit)."""
+    if serialized.isascii() or len(serialized) > limit or 4 * len(serialized) <= limit:
+        return len(serialized)
+    return len(serialized.encode("utf-8", "surrogatepass"))
+
+
+def check_state_size(state: Any, serialized: str, limit: int | None) -> None:
+    """Refuse a state above the client's limit, before anything of it is tokenized."""
+    if limit is None:
+        return
+    n = state_bytes(serialized, limit)
+    if n > limit:
+        what = "" if isinstance(state, str) else " (as JSON)"
+        raise RequestFailed(f"state: {n:,} bytes of text{what} exceed the client's limit of {limit:,} "
+                            "(max_state_bytes, $LAYA_POOL_MAX_STATE_BYTES): the model reads at most max_len tokens "
+                            "of a state; send the part that matters, or predict_long for a document",
+                            field="state", reason=Reason.TOO_LARGE)
+
+
+def _state_tokens(card: ModelCard, state: Any, need: int, from_left: bool, window: bool,
+                  max_state_bytes: int | None) -> StateTokens:
+    """The state's tokens as far as rows keep `need` of them (client/state.py), its whole count started."""
+    try:
+        serialized = serialize_state(state)
+    except (TypeError, ValueError) as e:
+        raise text.state_error(state, e) from e
+    check_state_size(state, serialized, max_state_bytes)
+    try:
+        serialized = serialized.replace(card.mask_token, " ")
+        tokens = tokenize_state(card.encode, card.window if window else _WHOLE, serialized, need, from_left,
+                                card.encode_many)
+    except (TypeError, ValueError) as e:
+        raise text.state_error(state, e) from e
+    # The whole state's count (usage) starts now, beside the caller: the tokenizer releases the GIL, so it runs
+    # while rows are built and sent, and while an in-process caller's forward runs (no wait at decode).
+    tokens.start()
+    return tokens
+
+
 def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
                    max_len: int | None = None, head_max_len: int | None = None,
-                   window: bool = True) -> EncodedRequest:
+                   window: bool = True, max_state_bytes: int | None = None) -> EncodedRequest:
     """Token rows for `predict(state, questions)`, one per question in the caller's order.
 
     Raises `TypeError` for a state of None or questions that are not a dict, `QuestionError` for a
     question the SDK refuses (all are checked before the state is tokenized) or whose options do not
     fit in `max_len`. `max_len` / `head_max_len` override the card's, as the SDK's per-call overrides do.
     A long state is tokenized only as far as the rows keep it (`client.state`; `window=False` tokenizes
-    it whole), and its whole count finishes in the background (`EncodedRequest.state_stats` waits).
+    it whole), and its whole count finishes in the background (`EncodedRequest.state_stats` waits). A state whose
+    text is over `max_state_bytes` raises `RequestFailed` (field `state`) before anything of it is tokenized.
     """
     if not isinstance(questions, dict):
         raise TypeError(f"questions must be a dict of question id -> definition, got {type(questions).__name__}")
@@ -256,15 +300,7 @@ def encode_request(card: ModelCard, state: Any, questions: dict[Any, Any],
     rooms = [max(0, max_len - len(head) - 1) for head, _, _ in heads]    # -1: the [SEP] closing the state
     # A conversation is newest-last: cut it from the left so the latest turn survives.
     from_left = isinstance(state, list)
-    policy = card.window if window else _WHOLE
-    try:
-        serialized = serialize_state(state).replace(card.mask_token, " ")
-        out.state = tokens = tokenize_state(card.encode, policy, serialized, max(rooms), from_left, card.encode_many)
-    except (TypeError, ValueError) as e:
-        raise text.state_error(state, e) from e
-    # The whole state's count (usage) starts now, beside the caller: the tokenizer releases the GIL, so it runs
-    # while rows are built and sent, and while an in-process caller's forward runs (no wait at decode).
-    tokens.start()
+    out.state = tokens = _state_tokens(card, state, max(rooms), from_left, window, max_state_bytes)
     n = len(tokens.ids)
     state_ids = np.asarray(tokens.ids, dtype=np.int32)
     sep = np.asarray([card.sep_id], dtype=np.int32)

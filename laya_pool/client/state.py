@@ -24,9 +24,11 @@ Why a safe cut gives exactly the SDK's tokens (the tokenizer's stages, in order)
 So `tokens(text) == tokens(text[:p]) + tokens(text[p:])` at every safe cut: both windows are exact.
 The cut characters are kept to ones every definition of space agrees on (" " and "\\n" after a letter,
 digit or printable ASCII), and the whole argument is only used for tokenizers whose configuration it
-covers (`window_safe`); any other tokenizer tokenizes the whole state. The background tokenization of
-the whole state also re-checks the window against it (`StateTokens.window_agrees`), so a violated
-assumption is caught rather than answered (the client then re-sends rows built from the whole state).
+covers (`window_safe`); any other tokenizer tokenizes the whole state. The background count of the whole
+state (in pieces cut at safe cuts, by the same lemma: the client never holds the whole state's tokens) also
+re-checks the window against its first piece, which runs past the window's cut (`StateTokens.window_agrees`),
+so a violated assumption is caught rather than answered (the client then re-sends rows built from the whole
+state).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,9 @@ _GROW = 1.05                    # a window sized for 5% more tokens than asked: 
 # (2-core CPU: a 16x512 request's 3,900-character window 0.48 -> 0.30 ms in 2-4 parts; 1,500 characters no gain). On a
 # 16-core H100 host a 16x512 request's whole encode went 0.77 -> 0.46 ms.
 _PART_CHARS = 1024
+# The whole state's count goes in pieces of this many characters, each piece's tokens dropped once counted: what a
+# piece costs (~200 bytes a token while tokenized) is bounded, whatever the state's size.
+_COUNT_CHARS = 1 << 18
 
 
 def _solid(c: str) -> bool:
@@ -173,55 +178,102 @@ class StateTokens:
     """The state's ids as far as rows need them: `ids` is the whole state, its first tokens (`from_left`
     False) or its last (`from_left` True); `count()` is the whole state's token count.
 
-    For a window, the whole state is tokenized by `start()` in a background thread (`encode_request` calls it
-    once the window is cut: the tokenizer releases the GIL, so the count runs beside the rows being built and sent
-    and beside an in-process caller's forward) or, if nobody started it, by the first `count()` / `full_ids()` /
-    `window_agrees()`."""
+    For a window, the whole state is counted by `start()` in a background thread (`encode_request` calls it once
+    the window is cut: the tokenizer releases the GIL, so the count runs beside the rows being built and sent and
+    beside an in-process caller's forward) or, if nobody started it, by the first `count()` / `window_agrees()`. It
+    is counted in pieces of about `_COUNT_CHARS` characters cut at safe cuts (`count_spans`), each piece's tokens
+    dropped once counted: a client holds the window and one piece, never the whole state's tokens (which took
+    ~200 bytes per byte of state), and `cancel()` stops it between two pieces (the call gave up). The first piece
+    holds the window and goes past its cut, so the window is checked against tokens made without that cut."""
     ids: list[int]
     from_left: bool
     complete: bool
     _text: str = field(default="", repr=False)
     _encode: Callable[[str], list[int]] | None = field(default=None, repr=False)
+    _policy: WindowPolicy | None = field(default=None, repr=False)
+    _edge: int = 0                   # the window is text[:_edge] (or text[_edge:] from the left)
+    _encode_many: Callable[[list[str]], list[list[int]]] | None = field(default=None, repr=False)
     _full: Future | None = field(default=None, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def start(self) -> None:
         if not self.complete and self._full is None:
-            self._full = _submit(self._encode, self._text)
+            self._full = _submit(self._count)
+
+    def cancel(self) -> None:
+        """Stop the count between two pieces (the call that wanted it has ended)."""
+        self._stop.set()
 
     def pending(self) -> Future | None:
-        """The background tokenization, while one runs (None once there is nothing to wait for)."""
+        """The background count, while one runs (None once there is nothing to wait for)."""
         return None if self.complete or self._full is None or self._full.done() else self._full
 
     def count(self) -> int:
-        return len(self.ids) if self.complete else len(self.full_ids())
+        return len(self.ids) if self.complete else self._counted()[0]
 
-    def full_ids(self) -> list[int]:
-        """The whole state's ids (waits for the background tokenization; re-raises what it raised)."""
-        if self.complete:
-            return self.ids
+    def window_agrees(self) -> bool:
+        """Whether the window is exactly the first (or last) tokens of the piece that holds it, tokenized whole."""
+        return True if self.complete else self._counted()[1]
+
+    def _counted(self) -> tuple[int, bool]:
+        """(the whole state's token count, whether the window agrees); waits for the background count, re-raising
+        what it raised."""
         if self._full is None:
             done: Future = Future()
-            done.set_result(self._encode(self._text))
+            done.set_result(self._count())
             self._full = done
         return self._full.result()
 
-    def window_agrees(self) -> bool:
-        """Whether the window is exactly the whole state's first (or last) tokens."""
-        if self.complete:
-            return True
-        full, n = self.full_ids(), len(self.ids)
-        return (full[len(full) - n:] if self.from_left else full[:n]) == self.ids
+    def _count(self) -> tuple[int, bool]:
+        text, n, agrees = self._text, 0, True
+        for i, (a, b) in enumerate(count_spans(self._policy, text, self._edge, self.from_left)):
+            if self._stop.is_set():
+                raise CancelledError("the call that wanted this count has ended")
+            piece = text[a:b]
+            ids = self._encode(piece) if self._encode_many is None else in_parts(self._encode_many, self._policy,
+                                                                                  piece)
+            if i == 0:
+                w = len(self.ids)
+                agrees = (ids[len(ids) - w:] if self.from_left else ids[:w]) == self.ids
+            n += len(ids)
+        self._text = ""                 # its serialized copy is not needed any more
+        return n, agrees
+
+
+def count_spans(policy: WindowPolicy, text: str, edge: int, from_left: bool,
+                size: int | None = None) -> list[tuple[int, int]]:
+    """`text` as pieces `(start, end)` of about `size` characters cut at safe cuts, in order from the window's side
+    (from the left: from the end backwards); the first holds the window (`text[:edge]`, or `text[edge:]`) and at
+    least `size` characters more. Where no safe cut is found, the rest is one piece."""
+    size = _COUNT_CHARS if size is None else size
+    out: list[tuple[int, int]] = []
+    if not from_left:
+        start, limit = 0, edge + size
+        while start < len(text):
+            p = None if limit >= len(text) else policy.cut_after(text, limit, len(text))
+            end = len(text) if p is None else p
+            out.append((start, end))
+            start, limit = end, end + size
+    else:
+        end, limit = len(text), edge - size
+        while end > 0:
+            p = None if limit <= 0 else policy.cut_before(text, limit, 0)
+            start = 0 if p is None else p
+            out.append((start, end))
+            end, limit = start, start - size
+    return out
 
 
 def tokenize_state(encode: Callable[[str], list[int]], policy: WindowPolicy, text: str, need: int,
                    from_left: bool, encode_many: Callable[[list[str]], list[list[int]]] | None = None) -> StateTokens:
     """Tokens of `text`: at least its first (`from_left`: last) `need` tokens, or all of them. `encode_many` (a
-    batch of texts at once, on the tokenizer's threads) tokenizes a long window piece in parts (`in_parts`); the
-    whole state, when it is tokenized, is always one text (its count re-checks the window: `window_agrees`)."""
+    batch of texts at once, on the tokenizer's threads) tokenizes a long window piece, and each piece of the whole
+    state's count, in parts (`in_parts`)."""
     if not policy.safe or len(text) < max(policy.min_chars, 2 * need * policy.chars_per_token):
         return StateTokens(encode(text), from_left, True)
     try:
-        text.encode("utf-8")
+        if not text.isascii():          # (a flag of the string: no copy of a long ASCII state)
+            text.encode("utf-8")
     except UnicodeEncodeError:          # the tokenizer refuses it: let it say so, as it does for the SDK
         return StateTokens(encode(text), from_left, True)
     parts: list[list[int]] = []
@@ -247,7 +299,7 @@ def tokenize_state(encode: Callable[[str], list[int]], policy: WindowPolicy, tex
             return StateTokens(_join(parts, from_left), from_left, True)
         edge = p
     window = _join(parts, from_left)
-    return StateTokens(window, from_left, False, text, encode)
+    return StateTokens(window, from_left, False, text, encode, policy, edge, encode_many)
 
 
 def split(policy: WindowPolicy, text: str, parts: int) -> list[str]:

@@ -121,6 +121,8 @@ _up("max-message-bytes", INT, 16 << 20, "the largest frame a client may send.")
 _up("max-restarts", INT, 6, "restart-worker commands accepted per --restart-window.")
 _up("restart-window", FLOAT, 60.0, "seconds over which --max-restarts counts.")
 _up("client-hwm", INT, 1000, "replies queued per client before more are dropped.")
+_up("unread-max-bytes", INT, 64 << 20, "bytes of replies the broker holds that their clients have not taken yet, all "
+    "clients together: beyond them no reply goes to a client that has left one untaken for 50 ms.")
 _up("poll-us", INT, 0, "microseconds the broker keeps polling after each message, so the next one finds it awake "
     "(costs a core while traffic flows).")
 _up("keys", PATH, None, "the CURVE key directory (`laya-pool keys` makes one); operator commands use it too.",
@@ -130,7 +132,8 @@ _up("broker", STR, None, "the broker's worker endpoint this host's workers join,
 _up("name", STR, None, "this host's name in its workers' ids (unset: the host name).", readers="`laya-pool workers`")
 _up("direct-host", STR, None, "the address clients reach this host's workers at (unset: with keys and a broker beyond "
     "loopback, this host's address towards the broker).", readers="`laya-pool workers`")
-_up("insecure-backend", BOOL, False, "allow a tcp backend without keys (development only).")
+_up("insecure-backend", BOOL, False, "take workers without keys or proof: a tcp backend without keys, and on an ipc "
+    "one workers the pool did not start (development only).")
 _up("mode", CHOICE, None, "each worker's execution mode (unset: graph-cached on CUDA, eager on a CPU).",
     ("eager", "graph-fixed", "graph-cached"), readers=BOTH)
 _up("credit", INT, None, "requests a worker holds at once (unset: twice its --max-batch, at least 2).", readers=BOTH)
@@ -161,8 +164,12 @@ _declare("LAYA_POOL_LOG", CHOICE, "info", COMMANDS, "every process", "The log le
          "hands to the whole pool.", ("debug", "info", "warning", "error", "critical"))
 _declare("LAYA_POOL_LOG_FORMAT", CHOICE, "text", COMMANDS, "every process", "The log format (`--log-format`): json "
          "writes one object per line, for log shippers.", ("text", "json"))
-_declare("LAYA_POOL_RUNTIME_DIR", PATH, None, COMMANDS, "`up`, operator commands", "Where the operator secret lives "
-         "(unset: $XDG_RUNTIME_DIR/laya-pool, else ~/.cache/laya-pool/run); set it when those are not private.")
+_declare("LAYA_POOL_MAX_STATE_BYTES", INT, 16 << 20, COMMANDS, "clients", "The largest state a client sends (its "
+         "text in UTF-8; a dict or list as JSON): a larger one is refused at once with RequestFailed naming `state` "
+         "(`max_state_bytes=` on a client overrides it). Below it a client holds under 20 bytes per byte of state.")
+_declare("LAYA_POOL_RUNTIME_DIR", PATH, None, COMMANDS, "the broker, workers, operator commands", "Where the operator "
+         "and worker secrets live (unset: $XDG_RUNTIME_DIR/laya-pool, else ~/.cache/laya-pool/run); set it when those "
+         "are not private.")
 
 _declare("LAYA_FORWARD", CHOICE, "fast", WORKER, "worker", "fast: the packed Triton forward where it runs (CUDA, "
          "bf16), the reference elsewhere; reference: the plain-torch forward everywhere, a fallback.",
@@ -234,8 +241,8 @@ _declare("CUDA_PATH", PATH, None, OTHERS, "every process that imports the kernel
          "CUDA_HOME and before /usr/local/cuda.")
 _declare("CUDA_VISIBLE_DEVICES", STR, None, OTHERS, "worker", "The GPUs a worker sees (`up` sets it per worker); a "
          "worker maps its --device onto them.")
-_declare("XDG_RUNTIME_DIR", PATH, None, OTHERS, "`up`, operator commands", "Where the operator secret lives when "
-         "LAYA_POOL_RUNTIME_DIR is unset.")
+_declare("XDG_RUNTIME_DIR", PATH, None, OTHERS, "the broker, workers, operator commands", "Where the operator and "
+         "worker secrets live when LAYA_POOL_RUNTIME_DIR is unset.")
 _declare("XDG_CACHE_HOME", PATH, None, OTHERS, "`laya-pool demo`", "Where the demo keeps its checkpoint (unset: "
          "~/.cache).")
 

@@ -19,6 +19,7 @@ import enum
 import ipaddress
 import itertools
 import os
+import secrets
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -1114,6 +1115,19 @@ def stop_authenticator(auth: Any) -> None:
         auth.pipe.close(linger=0)
         auth.pipe, auth.thread = None, None
     auth.stop()
+
+
+def worker_identity(wid: str) -> str:
+    """A worker socket's identity: its id, '@', and 8 hex digits of its own (so no two sockets ever share one, and a
+    READY for a live worker's id from another socket is told apart: broker/workers.py `on_ready`)."""
+    return f"{wid}@{secrets.token_hex(4)}"
+
+
+def identity_of(wid: str, identity: bytes) -> bool:
+    """Whether `identity` is a socket of worker `wid`: the id itself (workers before per-socket identities), or
+    `worker_identity(wid)`'s form."""
+    head, at, tail = identity.partition(b"@")
+    return head == wid.encode() and (not at or (len(tail) == 8 and all(c in b"0123456789abcdef" for c in tail)))
 
 
 def is_unspecified(endpoint: str) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from laya_pool.protocol import wire
+from laya_pool.protocol import credentials, wire
 from laya_pool.protocol.wire import Cmd
 
 STUB_FINGERPRINT = "5" * 64
@@ -83,6 +83,9 @@ def serve(backend: str, wid: str, credit: int, fp: str, heartbeat_s: float = 1.0
              "generation": 0, "host": socket.gethostname(), **said,
              "capacity": {"max_tokens": 1 << 20, "max_rows": 1 << 12, "max_markers": 1 << 14, "row_markers": 64},
              "limits": {"vocab_size": 1 << 16, "max_len": 8192}}
+    token = credentials.read(credentials.WORKER, backend)      # as a worker proves it: the broker's worker secret
+    if token:
+        ready["proof"] = credentials.proof(token, wid.encode())
     s.send_multipart(wire.encode(Cmd.READY, ready))
     metrics = metrics_like_a_worker()
     poller = zmq.Poller()

@@ -89,7 +89,9 @@ class SocketInbox(SocketReading):
 
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: str, *, keys: str | None = None,
                  max_message_bytes: int, poll_us: int = 0, heartbeat_ms: int = 1000, direct: str | None = None,
-                 lanes: bool = False):
+                 lanes: bool = False, direct_max_bytes: int = wire.MAX_BODY_BYTES):
+        """`direct_max_bytes`: the largest request buffer the direct socket takes (the worker's capacity's: a larger
+        frame drops its client's connection, and each client's queue there is sized in bytes by it)."""
         self.ctx, self.endpoint, self.identity, self.keys = ctx, endpoint, identity, keys
         self.max_message_bytes, self.poll_s, self.heartbeat_ms = max_message_bytes, poll_us / 1e6, heartbeat_ms
         # Clients' own requests (docs/architecture.md, "The data path", decision 1): a ROUTER bound here, by the I/O
@@ -103,9 +105,8 @@ class SocketInbox(SocketReading):
             if keys:
                 self.direct_auth = wire.start_authenticator(ctx, {"clients": Path(keys) / "authorized"})
             try:
-                # The broker's frontend limit, not the backend's: a client's request is what comes here.
-                self.direct, self.direct_key = _bind_direct(ctx, direct, wire.MAX_BODY_BYTES
-                                                            + wire.MAX_HEADER_BYTES, keys)
+                # A client's request is what comes here: at most what this worker's capacity holds.
+                self.direct, self.direct_key = _bind_direct(ctx, direct, direct_max_bytes, keys)
             except BaseException:
                 self._stop_auth()     # its thread and sockets would keep the context from terminating
                 raise
@@ -305,20 +306,30 @@ class SocketInbox(SocketReading):
             self.direct_auth = None
 
 
-DIRECT_HWM = 64     # requests a client may have queued at the direct socket before its sends are refused
+DIRECT_HWM = 64             # replies queued for a client at the direct socket: 4 x this (each within the capacity)
+DIRECT_BUFFER_BYTES = 8 << 20   # what one client's requests queued at the direct socket may hold
 
 
-def _bind_direct(ctx: zmq.Context, endpoint: str, max_message_bytes: int,
+def direct_limits(largest: int) -> tuple[int, int]:
+    """(ZMQ_MAXMSGSIZE, ZMQ_RCVHWM) of a direct socket whose largest request buffer is `largest` bytes: a frame is at
+    most a header or such a buffer, and a client's queue holds at most DIRECT_BUFFER_BYTES of such messages (2 at
+    least). With the default capacity (16,384 tokens, 64 rows, 2,048 markers: 74,496 bytes) that is 59 messages, 8 MiB;
+    it was 64 of 64 MiB each (a worker grew 404 -> 1,186 MB from four peers' 60 MB frames, issue #54)."""
+    return max(wire.MAX_HEADER_BYTES, largest), max(2, DIRECT_BUFFER_BYTES // (wire.MAX_HEADER_BYTES + largest))
+
+
+def _bind_direct(ctx: zmq.Context, endpoint: str, largest: int,
                  keys: str | None = None) -> tuple[zmq.Socket, str | None]:
     """The ROUTER clients send their requests to, and its CURVE public key (with `keys`: a CURVE server with the
     worker's key pair, admitting the keys the broker's frontend admits; so it may listen beyond loopback). Bounded
-    per peer: at most DIRECT_HWM messages of at most `max_message_bytes` wait in each client's pipe (a client's
-    non-blocking send is refused beyond them, and it goes through the broker); a reply to a client that has gone
-    raises instead of queueing (ROUTER_MANDATORY)."""
+    per peer in bytes (`direct_limits`): a larger frame drops the connection, and beyond the queue a client's
+    non-blocking send is refused (it goes through the broker); a reply to a client that has gone raises instead of
+    queueing (ROUTER_MANDATORY)."""
+    max_frame, rcvhwm = direct_limits(largest)
     s = ctx.socket(zmq.ROUTER)
     s.setsockopt(zmq.LINGER, 500)
-    s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    s.setsockopt(zmq.RCVHWM, DIRECT_HWM)
+    s.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    s.setsockopt(zmq.RCVHWM, rcvhwm)
     s.setsockopt(zmq.SNDHWM, 4 * DIRECT_HWM)
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)
     key = wire.configure_curve_server(s, keys, "worker", "clients").decode() if keys else None

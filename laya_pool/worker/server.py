@@ -7,9 +7,9 @@ Two threads, each with its own DEALER socket to the broker:
   socket), sends heartbeats every interval whatever the device is doing, answers DESCRIBE, DRAIN and DISCONNECT,
   watches for a hung device, and hands the data thread any request the broker routed to the control socket;
 - the data thread (`worker.compute.Compute` over a `worker.inbox.SocketInbox`) owns the runtime and the data
-  socket (identity `<id>/data`): it takes requests from it, runs them and sends the replies on it, polling the
-  socket and the launched group's event instead of sleeping while a group computes (docs/architecture.md,
-  "The data path").
+  socket (identity `<id>@<8 hex digits>/data`): it takes requests from it, runs them and sends the replies on it,
+  polling the socket and the launched group's event instead of sleeping while a group computes
+  (docs/architecture.md, "The data path").
 
 SIGTERM/SIGINT: stop taking work, finish what was taken, say DISCONNECT, exit 0. A drain does the same
 on the broker's request (exit 0, or EXIT_RESTART when the operator asked for a restart). A key or option
@@ -33,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from laya_pool.protocol import contract, lane, logs, presence, settings, wire
+from laya_pool.protocol import contract, credentials, lane, logs, presence, settings, wire
 from laya_pool.protocol.contract import Leave
 from laya_pool.protocol.wire import Cmd
 
@@ -172,12 +172,18 @@ class Worker:
                        "dropped": 0, "expired": 0, "protocol_errors": 0, "handed_back": 0,
                        "merged_runs": 0, "merged_requests": 0, "set_aside": 0, "bundles": 0, "bundled": 0}
         self.io_counts = {"registrations": 0, "protocol_errors": 0}
-        self.data_identity = f"{self.id}/data"
+        # Each socket its own identity (wire.worker_identity): the broker tells this process's sockets from any other's
+        # with its id, and a fresh control socket (after the broker went silent) never meets its predecessor's.
+        self.identity = wire.worker_identity(self.id)
+        self.data_identity = f"{wire.worker_identity(self.id)}/data"
+        self.refused: tuple[str, float] = ("", 0.0)      # the last registration refusal logged, and when
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
                                  max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us,
                                  heartbeat_ms=cfg.heartbeat_ms,
                                  direct=cfg.direct_endpoint.replace("{id}", cfg.id) if cfg.direct == "on" else None,
-                                 lanes=cfg.lanes == "on")
+                                 lanes=cfg.lanes == "on", direct_max_bytes=wire.request_bytes(
+                                     runtime.capacity.max_rows, runtime.capacity.max_tokens,
+                                     runtime.capacity.max_markers))
         self.compute = Compute(runtime, self.id, self.fingerprint, cfg.max_batch, self.inbox.send, self.counts,
                                faults, inbox=self.inbox, merge_waste=cfg.merge_waste if cfg.merge_waste >= 0 else None)
         self.compute_thread = threading.Thread(target=self._compute_main, name="compute", daemon=True)
@@ -202,7 +208,8 @@ class Worker:
         if self.dealer is not None:
             self.dealer.close(0)
         s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, self.id.encode())
+        self.identity = wire.worker_identity(self.id)
+        s.setsockopt(zmq.IDENTITY, self.identity.encode())
         s.setsockopt(zmq.LINGER, 2000)
         s.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -226,8 +233,12 @@ class Worker:
         cap = self.rt.capacity
         lim = self.rt.limits
         self.io_counts["registrations"] += 1
+        # The proof that the pool started this worker: the worker secret its broker wrote to this user's run
+        # directory, read again at every registration (a restarted broker writes a new one).
+        token = credentials.read(credentials.WORKER, self.cfg.backend)
+        proof = {"proof": credentials.proof(token, self.identity.encode())} if token else {}
         self._send(wire.encode(Cmd.READY, {
-            "id": self.id, "data": self.data_identity, "data_requests": self.cfg.data_requests == "on",
+            "id": self.id, **proof, "data": self.data_identity, "data_requests": self.cfg.data_requests == "on",
             **({"direct": self.inbox.direct_endpoint} if self.inbox.direct_endpoint else {}),
             **({"direct_key": self.inbox.direct_key} if self.inbox.direct_key else {}),
             "device": self.device_label, "fingerprint": self.fingerprint,
@@ -399,9 +410,16 @@ class Worker:
             # so leave with a fatal code and let the supervisor start a fresh worker.
             self.compute.fatal = "the broker declared this worker hung (a request outlived its deadline)"
             return
+        reason = str(msg.header.get("reason"))
+        if reason.startswith("registration refused"):
+            if reason != self.refused[0] or now - self.refused[1] > 30.0:      # said again every 30 s, not each try
+                log.warning("worker %s: the broker %s; trying again", self.id, reason)
+                self.refused = (reason, now)
+            return                       # the next heartbeat is answered "not registered": READY goes then
         if now - self.last_ready < self.hb / 2:
             return
-        log.info("worker %s: broker asked us to re-register (%s)", self.id, msg.header.get("reason"))
+        if now - self.refused[1] > 30.0:     # (while refused, each try would say so)
+            log.info("worker %s: broker asked us to re-register (%s)", self.id, reason)
         self.compute.session += 1
         self._ready()
         self.last_ready = now
