@@ -10,7 +10,9 @@ The rules around it (ids, direct sockets, readiness, refusals) are tested alone 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, reference_logit
 from prometheus_client.parser import text_string_to_metric_families
 
 from laya_pool import Client, PoolError
-from laya_pool.broker import remote
+from laya_pool.broker import children, remote
 from laya_pool.broker.host import HostView, readiness
 from laya_pool.broker.processes import WorkerProcesses
 from laya_pool.protocol import contract
@@ -65,6 +67,36 @@ def test_a_hosts_workers_are_named_by_it_and_say_where_the_broker_has_them(tmp_p
         "tcp://10.1.2.3:5556", "gpu7-2", "cuda:1", "/k", "tcp://10.1.2.9:*", str(tmp_path / "gpu7-2.json"), "2")
     assert procs.children["gpu7-2"].env["CUDA_VISIBLE_DEVICES"] == "1"
     assert procs.states() == {w: "starting" for w in procs.children}     # not started: its process' state
+
+
+def test_a_worker_that_cannot_be_spawned_waits_out_its_backoff_and_is_started_again(tmp_path, caplog):
+    """children.start, which `up` and `laya-pool workers` share: a spawn out of file descriptors (the real Popen, this
+    process's open-files limit lowered to its lowest free descriptor) is logged with what to do and waits out its
+    backoff, as after a crash; once descriptors are to be had again, the round after the backoff starts it."""
+    cfg = remote.WorkersConfig(model="/m", devices=["cpu"], broker="tcp://127.0.0.2:5556", name="h")
+    procs = WorkerProcesses(cfg, cfg.broker, {}, name=cfg.name, presence_dir=tmp_path)
+    child = procs.children["h-0"]
+    child.argv = [sys.executable, "-c", "import sys; sys.exit(0)"]     # a child that starts and leaves at once
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    caplog.set_level(logging.INFO, logger="laya-pool.supervisor")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(set(range(len(used) + 1)) - used), hard))
+    try:
+        failed_at = time.monotonic()
+        procs.start_all()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert (child.state, child.proc, child.restarts) == ("backoff", None, 0)
+    assert child.next_start >= failed_at + children.BACKOFF_START and child.backoff == 2 * children.BACKOFF_START
+    said = [r.getMessage() for r in caplog.records if "could not start worker h-0" in r.getMessage()]
+    assert len(said) == 1 and "out of file descriptors: raise `ulimit -n`" in said[0], said
+    assert "trying again in 0.5 s" in said[0], said
+    procs.restart_due()
+    assert child.state == "backoff" and child.proc is None            # not before its backoff
+    wait_until(lambda: procs.restart_due() or child.state == "running", 5, "it was not started again")
+    assert child.proc.wait(10) == 0 and procs.states() == {"h-0": "running"}
+    procs.reap(stopping=False)
+    assert procs.states() == {"h-0": "down"}                           # (exit 0: it drained and left)
 
 
 def test_direct_sockets_listen_where_clients_reach_the_host():
