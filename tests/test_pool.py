@@ -315,6 +315,7 @@ def test_bad_requests_sent_directly_are_refused_naming_the_field(ipc_pool, runti
         too_long = make_rows(4, 1, 2_000)          # a row past max_len (512), within the socket's frame limit
         rep = raw.ask(wire.encode_request(7, wire.pack_rows(too_long), cid="raw"))
         assert rep.header["status"] == "final" and rep.header["error"]["field"], rep.header
+        assert (rep.header["error"]["field"], rep.header["error"]["row"]) == ("lengths", 0), rep.header
         rows = make_rows(8)
         ok = wire.parse_reply(raw.ask(wire.encode_request(8, wire.pack_rows(rows), cid="raw")))
         assert ok.status == "ok" and ok.worker == "0"
@@ -333,6 +334,7 @@ def test_bad_requests_sent_directly_are_refused_naming_the_field(ipc_pool, runti
         with pytest.raises(RequestFailed) as e:
             c.forward(make_rows(4, 1, 100_000))
         assert e.value.field in ("ids", "lengths", "rows"), e.value
+        assert "exceeds every worker's capacity" in str(e.value), e.value      # the broker's refusal
         rows = make_rows(8)
         np.testing.assert_allclose(c.forward(rows).flat, _reference(runtime, rows)[0], rtol=1e-5, atol=1e-5)
 
