@@ -102,13 +102,13 @@ def test_a_same_user_process_registers_only_with_the_pools_secret_and_never_on_a
         assert log.count("refused a READY for worker") <= 4, "one line per kind every 10 s"
 
 
-def _bare_broker(tmp_path, *flags: str) -> tuple[subprocess.Popen, str, str, object]:
+def _bare_broker(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str, str, object]:
     fe, be = f"tcp://127.0.0.1:{free_port()}", f"ipc://{tmp_path}/be"
     log = tmp_path / "broker.log"
     with open(log, "w") as out:
         p = subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
-                              "--heartbeat-ms", "250", "--liveness", "40", *flags], env=SUBPROCESS_ENV, cwd=ROOT,
-                             stdout=out, stderr=subprocess.STDOUT)
+                              "--heartbeat-ms", "250", "--liveness", "40", *flags], env=env or SUBPROCESS_ENV,
+                             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     return p, fe, be, log
 
 
@@ -166,3 +166,45 @@ def test_the_operator_secret_is_found_whatever_the_hosts_spelling(tmp_path):
         peers.close()
         broker.terminate()
         broker.wait(20)
+
+
+def test_workers_of_another_run_directory_register_with_the_brokers_worker_secret_file(tiny_ckpt, tmp_path,
+                                                                                        monkeypatch):
+    """`laya-pool workers` joining a broker without keys on this host, under another run directory (another
+    LAYA_POOL_RUNTIME_DIR, as a unit or a container of its own has): without the broker's worker secret its worker is
+    refused and says where it looked; handed the broker's file (--worker-secret-file), its worker registers."""
+    run_broker, run_workers = tmp_path / "run-broker", tmp_path / "run-workers"
+    broker, fe, be, log = _bare_broker(tmp_path, env=dict(SUBPROCESS_ENV, LAYA_POOL_RUNTIME_DIR=str(run_broker)))
+    monkeypatch.setenv("LAYA_POOL_RUNTIME_DIR", str(run_broker))
+    secret = credentials.secret_path(credentials.WORKER, be)
+    env = dict(SUBPROCESS_ENV, LAYA_POOL_RUNTIME_DIR=str(run_workers))
+    hosts: list[subprocess.Popen] = []
+
+    def workers(name: str, *flags: str) -> tuple[subprocess.Popen, object]:
+        out = tmp_path / f"{name}.log"
+        with open(out, "w") as f:
+            hosts.append(subprocess.Popen([sys.executable, "-m", "laya_pool", "workers", "--broker", be, "--model",
+                                           str(tiny_ckpt), "--name", name, "--heartbeat-ms", "250", "--liveness", "40",
+                                           "--threads", "1", *flags], env=env, cwd=ROOT, stdout=f,
+                                          stderr=subprocess.STDOUT))
+        return hosts[-1], out
+    try:
+        wait_until(secret.exists, 30, lambda: f"the broker wrote no worker secret:\n{log.read_text()[-2000:]}")
+        assert f"worker secret in {secret}" in log.read_text()      # where an operator finds the file to hand over
+        _, lost_log = workers("lost")
+        _, found_log = workers("found", "--worker-secret-file", str(secret))
+        with Client(fe, timeout=30.0, connect_timeout=30.0) as c:
+            wait_until(lambda: {w["id"]: w["state"] for w in c.status()["workers"]}.get("found-0") == "ready", 90,
+                       lambda: f"the worker with the secret file did not register:\n{found_log.read_text()[-2000:]}")
+            wait_until(lambda: "registration refused" in lost_log.read_text(), 60,
+                       lambda: f"the worker without the secret was not refused:\n{lost_log.read_text()[-2000:]}")
+            assert "lost-0" not in {w["id"] for w in c.status()["workers"]}
+        said = next(ln for ln in lost_log.read_text().splitlines() if "registration refused" in ln)
+        assert "this pool takes only the workers it started" in said and str(run_workers) in said, said
+        assert "none there" in said, said
+        assert "refused a READY for worker lost-0" in log.read_text()
+    finally:
+        for p in (*hosts, broker):
+            p.terminate()
+        for p in (*hosts, broker):
+            p.wait(30)

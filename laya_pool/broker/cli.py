@@ -180,7 +180,7 @@ def cmd_workers(a: argparse.Namespace) -> int:
     cfg = WorkersConfig(model=str(model), devices=devices, workers_per_device=a.workers_per_device,
                         heartbeat_ms=a.heartbeat_ms, liveness=a.liveness, mode=a.mode, credit=a.credit, keys=a.keys,
                         worker_args=worker_argv(a), drain_timeout=a.drain_timeout, http=a.http, broker=a.broker,
-                        name=name, direct_host=a.direct_host)
+                        name=name, direct_host=a.direct_host, worker_secret_file=a.worker_secret_file)
     return RemoteWorkers(cfg).run()
 
 
@@ -548,6 +548,10 @@ def _add_workers(s: argparse.ArgumentParser) -> None:
     s.add_argument("--liveness", type=_positive(int), default=contract.LIVENESS,
                    help="heartbeats missed before a worker takes the broker for gone and registers again")
     s.add_argument("--keys", default=None, help="the pool's CURVE key directory (needed beyond loopback)")
+    s.add_argument("--worker-secret-file", default=None, metavar="FILE",
+                   help="without --keys: the broker's worker secret, which proves that its workers were started for "
+                        "the pool (the file the broker logs at start; read at every registration). Default: the one "
+                        "in this user's run directory, where a broker on this host under the same user wrote it")
     _add_worker_options(s)
     s.add_argument("--http", default=None, metavar="[HOST:]PORT",
                    help="serve this host's /health/{live,ready} and /metrics here (a bare port: 127.0.0.1; beyond "

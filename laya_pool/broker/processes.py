@@ -49,6 +49,7 @@ class WorkerOptions:
     worker_args: list[str] = field(default_factory=list)
     drain_timeout: float = DRAIN_TIMEOUT
     http: str | None = None             # [HOST:]PORT for /metrics and /health; None: off
+    worker_secret_file: str | None = None   # the broker's worker secret (None: each worker reads the run directory)
 
 
 def cpu_sets(devices: list[str], per_device: int) -> list[list[int] | None]:
@@ -108,6 +109,8 @@ class WorkerProcesses:
             argv += ["--direct-endpoint", direct]
         if self.presence_dir is not None:
             argv += ["--presence-file", str(self.presence_dir / f"{wid}.json")]
+        if opts.worker_secret_file:
+            argv += ["--worker-secret-file", opts.worker_secret_file]
         return Child(f"worker {wid}", argv + opts.worker_args, env)
 
     # ------------------------------------------------------------------------------------------------ running

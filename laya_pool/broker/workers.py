@@ -46,6 +46,8 @@ class WorkerHandlers:
         if cfg.worker_secret and not cfg.keys and not cfg.insecure_backend:
             # After binding, as the operator secret: a broker that could not bind never replaces a pool's secret.
             self.token, self.token_path = credentials.publish(credentials.WORKER, cfg.backend)
+            log.info("workers register with the proof of the worker secret in %s (`laya-pool workers` under another "
+                     "run directory: --worker-secret-file)", self.token_path)
 
     def close(self) -> None:
         if self.token_path is not None:

@@ -5,7 +5,11 @@ Who reads the run directory is trusted with the pool: the broker writes both sec
 sockets; `laya-pool drain / restart-worker / reload` read the operator secret (a DRAIN carries it), a worker reads
 the worker secret and proves with it that the pool started it (READY's `proof`: an HMAC of its socket identity, so
 the secret itself never travels). A process that does not read the directory (a client, another pool's worker,
-another user's process) has neither.
+another user's process) has neither. A worker of the same user under another run directory (`laya-pool workers`
+with another LAYA_POOL_RUNTIME_DIR) is given the path of its broker's worker secret (`--worker-secret-file`), read
+at each registration as the run directory's is. With CURVE keys the worker key is the proof and none is asked: a
+tcp backend, and so a worker on another host, needs keys (or `--insecure-backend`, which asks for no proof), so the
+worker secret only ever serves workers on the broker's own host.
 
 One file per endpoint, named by a digest of the endpoint in one spelling (`canonical`): a loopback or wildcard tcp
 host is `local` (tcp://localhost:5555, tcp://127.0.0.1:5555 and tcp://[::1]:5555 are one pool's frontend), an ipc
@@ -91,13 +95,24 @@ def read(kind: str, endpoint: str) -> str | None:
     """The `kind` secret of the pool on `endpoint`, or None when this user has none. A file named by the exact
     spelling (what a broker before `canonical` wrote) is read when the canonical one is missing."""
     for path in (secret_path(kind, endpoint), runtime_dir() / _name(kind, endpoint)):
-        try:
-            token = path.read_text().strip()
-        except OSError:
-            continue
-        if token:
+        if token := read_file(path):
             return token
     return None
+
+
+def read_file(path: str | os.PathLike) -> str | None:
+    """The secret the file `path` holds, or None when it cannot be read or is empty."""
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def worker_secret(backend: str, path: str | None = None) -> str | None:
+    """The worker secret a worker of the pool on `backend` proves itself with: the file `path` (`--worker-secret-file`:
+    a worker under another run directory is given the broker's file), else the one its broker wrote to this user's
+    run directory."""
+    return read_file(path) if path else read(WORKER, backend)
 
 
 def remove(path: Path, token: str) -> None:

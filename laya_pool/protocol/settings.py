@@ -132,6 +132,8 @@ _up("broker", STR, None, "the broker's worker endpoint this host's workers join,
 _up("name", STR, None, "this host's name in its workers' ids (unset: the host name).", readers="`laya-pool workers`")
 _up("direct-host", STR, None, "the address clients reach this host's workers at (unset: with keys and a broker beyond "
     "loopback, this host's address towards the broker).", readers="`laya-pool workers`")
+_up("worker-secret-file", PATH, None, "without --keys: the broker's worker secret, which each worker proves it was "
+    "started for the pool with (unset: the one in this user's run directory).", readers="`laya-pool workers`")
 _up("insecure-backend", BOOL, False, "take workers without keys or proof: a tcp backend without keys, and on an ipc "
     "one workers the pool did not start (development only).")
 _up("mode", CHOICE, None, "each worker's execution mode (unset: graph-cached on CUDA, eager on a CPU).",

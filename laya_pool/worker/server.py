@@ -83,6 +83,7 @@ class WorkerConfig:
     lanes: str = "auto"                     # requests through shared memory too: auto = as direct (--lanes)
     generation: int = 0                     # restart count (set by the supervisor)
     presence_file: str | None = None        # where to say whether the broker has this worker (`laya-pool workers`)
+    worker_secret_file: str | None = None   # the broker's worker secret, when not in this user's run directory
     keys: str | None = None
     log_level: str = "INFO"
 
@@ -177,6 +178,7 @@ class Worker:
         self.identity = wire.worker_identity(self.id)
         self.data_identity = f"{wire.worker_identity(self.id)}/data"
         self.refused: tuple[str, float] = ("", 0.0)      # the last registration refusal logged, and when
+        self.secret_found = False                         # whether the last READY carried a proof
         self.inbox = SocketInbox(self.ctx, cfg.backend, self.data_identity, keys=cfg.keys,
                                  max_message_bytes=cfg.max_message_bytes, poll_us=cfg.poll_us,
                                  heartbeat_ms=cfg.heartbeat_ms,
@@ -234,8 +236,9 @@ class Worker:
         lim = self.rt.limits
         self.io_counts["registrations"] += 1
         # The proof that the pool started this worker: the worker secret its broker wrote to this user's run
-        # directory, read again at every registration (a restarted broker writes a new one).
-        token = credentials.read(credentials.WORKER, self.cfg.backend)
+        # directory (or --worker-secret-file), read again at every registration (a restarted broker writes a new one).
+        token = credentials.worker_secret(self.cfg.backend, self.cfg.worker_secret_file)
+        self.secret_found = token is not None
         proof = {"proof": credentials.proof(token, self.identity.encode())} if token else {}
         self._send(wire.encode(Cmd.READY, {
             "id": self.id, **proof, "data": self.data_identity, "data_requests": self.cfg.data_requests == "on",
@@ -413,7 +416,9 @@ class Worker:
         reason = str(msg.header.get("reason"))
         if reason.startswith("registration refused"):
             if reason != self.refused[0] or now - self.refused[1] > 30.0:      # said again every 30 s, not each try
-                log.warning("worker %s: the broker %s; trying again", self.id, reason)
+                mine = self.cfg.worker_secret_file or credentials.secret_path(credentials.WORKER, self.cfg.backend)
+                log.warning("worker %s: the broker %s; trying again (this worker's secret: %s%s)", self.id, reason,
+                            mine, "" if self.secret_found else ", none there")
                 self.refused = (reason, now)
             return                       # the next heartbeat is answered "not registered": READY goes then
         if now - self.last_ready < self.hb / 2:
@@ -557,6 +562,9 @@ def _data_path_args(p: argparse.ArgumentParser, d: WorkerConfig) -> None:
     p.add_argument("--generation", type=int, default=d.generation, help="restart count (set by the supervisor)")
     p.add_argument("--presence-file", default=None,
                    help="a file where this worker says whether the broker has it (set by `laya-pool workers`)")
+    p.add_argument("--worker-secret-file", default=None,
+                   help="a file holding the broker's worker secret, which READY's proof is made from (default: the "
+                        "one the broker wrote to this user's run directory; not needed with --keys)")
     p.add_argument("--keys", default=None, help="CURVE key directory (laya-pool keys)")
     p.add_argument("--log-level", default=settings.raw(logs.LEVEL_ENV) or d.log_level)
 
