@@ -533,7 +533,8 @@ def _add_up(up: argparse.ArgumentParser) -> None:
 
 def _add_workers(s: argparse.ArgumentParser) -> None:
     s.add_argument("--broker", required=True, type=_endpoint,
-                   help="the broker's worker endpoint (its --backend), tcp://HOST:PORT; beyond loopback with --keys")
+                   help="the broker's worker endpoint (its --backend): tcp://HOST:PORT (beyond loopback with "
+                        "--keys), or ipc://PATH on the broker's host")
     s.add_argument("--model", required=True, help="checkpoint directory (the one the pool serves, on this host)")
     s.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
     s.add_argument("--workers-per-device", type=_positive(int), default=1, help="worker processes per device")

@@ -127,7 +127,8 @@ _up("poll-us", INT, 0, "microseconds the broker keeps polling after each message
     "(costs a core while traffic flows).")
 _up("keys", PATH, None, "the CURVE key directory (`laya-pool keys` makes one); operator commands use it too.",
     readers="`laya-pool` commands")
-_up("broker", STR, None, "the broker's worker endpoint this host's workers join, tcp://HOST:PORT.",
+_up("broker", STR, None, "the broker's worker endpoint this host's workers join: tcp://HOST:PORT, or ipc://PATH on the "
+    "broker's host.",
     readers="`laya-pool workers`")
 _up("name", STR, None, "this host's name in its workers' ids (unset: the host name).", readers="`laya-pool workers`")
 _up("direct-host", STR, None, "the address clients reach this host's workers at (unset: with keys and a broker beyond "
