@@ -74,13 +74,31 @@ def _take(inbox, n: int) -> list:
     return got
 
 
+class _CountedPolls:
+    """The inbox's poller, counting the polls that found a socket ready."""
+
+    def __init__(self, poller):
+        self.poller, self.found = poller, 0
+
+    def poll(self, timeout=None):
+        ready = self.poller.poll(timeout)
+        self.found += bool(ready)
+        return ready
+
+    def __getattr__(self, name):
+        return getattr(self.poller, name)
+
+
 def test_with_a_group_computing_every_request_is_taken_once_and_the_landing_after(sockets):
     inbox, router, client, held = sockets
     flight = held["flight"] = _Flight()
     _send_all(router, client, 40)
+    polls = _CountedPolls(inbox.poller)
+    inbox.poller = polls
     got = _take(inbox, 80)
     assert sorted(got) == list(range(40)) + list(range(1000, 1040))
-    assert inbox.hot_reads > 0, "no hot read: the test would not show them"
+    # A request a poll did not find came from a hot read (the socket read again without a poll).
+    assert polls.found < len(got), f"{polls.found} polls found {len(got)} requests: no hot read, the test shows nothing"
     assert inbox.get(0.0) is NOTHING             # drained: the read that found nothing went back to polling
     assert inbox.hot is None
     flight.landed = True
@@ -122,3 +140,14 @@ def test_a_requests_message_does_not_keep_the_brokers_request_waiting(sockets, t
     got = [2000] + _take(inbox, n)
     assert sorted(got) == [7] + list(range(2000, 2000 + n))
     assert got.index(7) <= HOT_READS + 2, got.index(7)
+
+
+def test_a_poll_that_finds_nothing_ends_the_hot_socket_even_with_its_reads_spent(sockets):
+    """The hot socket's HOT_READS spent, the next read is a poll; finding nothing, it leaves no socket hot (the state
+    the drained inbox above asserts, whichever read the last request came from)."""
+    from laya_pool.worker.reading import HOT_READS
+    inbox, router, client, held = sockets
+    held["flight"] = _Flight()
+    inbox.hot, inbox.hot_reads = inbox.direct, HOT_READS
+    assert inbox.get(0.0) is NOTHING
+    assert inbox.hot is None

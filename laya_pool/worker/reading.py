@@ -101,6 +101,8 @@ class SocketReading:
         item = self._poll_sockets()
         if item is not NOTHING:
             self.hot_reads = 0
+        else:
+            self.hot = None         # nothing anywhere: the next request is found by a poll, whichever socket it is on
         return item
 
     def _poll_sockets(self) -> Any:
