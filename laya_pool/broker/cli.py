@@ -422,20 +422,6 @@ def _endpoint(value: str) -> str:
     return value
 
 
-def _positive(kind: type) -> Any:
-    def check(value: str) -> Any:
-        try:
-            v = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not {'an integer' if kind is int else 'a number'}") \
-                from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{value!r} must be greater than 0")
-        return v
-    check.__name__ = kind.__name__
-    return check
-
-
 def _level(value: str) -> str:
     try:
         return logs.check_level(value)
@@ -516,7 +502,7 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--model", required=True,
                     help="checkpoint directory (`laya-pool make-checkpoint --out DIR` makes a tiny one)")
     up.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
-    up.add_argument("--workers-per-device", type=_positive(int), default=1, help="worker processes per device")
+    up.add_argument("--workers-per-device", type=settings.positive(int), default=1, help="worker processes per device")
     add_arguments(up, supervised=True)          # the broker's flags, defined once in broker.broker
     _add_worker_options(up)
     up.add_argument("--http", default=None, metavar="[HOST:]PORT",
@@ -537,16 +523,16 @@ def _add_workers(s: argparse.ArgumentParser) -> None:
                         "--keys), or ipc://PATH on the broker's host")
     s.add_argument("--model", required=True, help="checkpoint directory (the one the pool serves, on this host)")
     s.add_argument("--devices", default="cpu", help="cpu, or cuda:0,cuda:1,...")
-    s.add_argument("--workers-per-device", type=_positive(int), default=1, help="worker processes per device")
+    s.add_argument("--workers-per-device", type=settings.positive(int), default=1, help="worker processes per device")
     s.add_argument("--name", default=None,
                    help="this host's name in its workers' ids (NAME-0, NAME-1, ...): unique in the pool, the same "
                         "after a restart (default: the host name)")
     s.add_argument("--direct-host", default=None, metavar="ADDRESS",
                    help="the address clients reach this host's workers at, for their requests (default: with keys and "
                         "a broker beyond loopback, this host's address towards the broker; else loopback)")
-    s.add_argument("--heartbeat-ms", type=_positive(int), default=contract.HEARTBEAT_MS,
+    s.add_argument("--heartbeat-ms", type=settings.positive(int), default=contract.HEARTBEAT_MS,
                    help="milliseconds between heartbeats of the broker and each worker (the broker's)")
-    s.add_argument("--liveness", type=_positive(int), default=contract.LIVENESS,
+    s.add_argument("--liveness", type=settings.positive(int), default=contract.LIVENESS,
                    help="heartbeats missed before a worker takes the broker for gone and registers again")
     s.add_argument("--keys", default=None, help="the pool's CURVE key directory (needed beyond loopback)")
     s.add_argument("--worker-secret-file", default=None, metavar="FILE",
@@ -566,22 +552,22 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
     worker's own default, which depends on its device)."""
     p.add_argument("--mode", default=None, choices=contract.MODES,
                    help="execution mode (default: graph-cached on CUDA, eager on CPU)")
-    p.add_argument("--credit", type=_positive(int), default=None,
+    p.add_argument("--credit", type=settings.positive(int), default=None,
                    help="requests a worker holds at once (default: twice its --max-batch, at least 2)")
-    p.add_argument("--max-batch", type=_positive(int), default=None,
+    p.add_argument("--max-batch", type=settings.positive(int), default=None,
                    help="queued requests a worker merges into one forward (default: 32 on CUDA, 1 on CPU)")
     p.add_argument("--merge-waste", type=int, default=None,
                    help="padding tokens a merged forward may hold beyond what its requests pad to alone; a request "
                         "that would take it past waits for the next group (default 512; negative: no bound)")
-    p.add_argument("--max-tokens", type=_positive(int), default=None,
+    p.add_argument("--max-tokens", type=settings.positive(int), default=None,
                    help="tokens one forward may hold (default: the worker's workspace size)")
-    p.add_argument("--max-rows", type=_positive(int), default=None,
+    p.add_argument("--max-rows", type=settings.positive(int), default=None,
                    help="rows (questions) one forward may hold (default: the worker's workspace size)")
-    p.add_argument("--max-markers", type=_positive(int), default=None,
+    p.add_argument("--max-markers", type=settings.positive(int), default=None,
                    help="option markers one forward may hold (default: the worker's workspace size)")
-    p.add_argument("--threads", type=_positive(int), default=None,
+    p.add_argument("--threads", type=settings.positive(int), default=None,
                    help="torch threads per worker (default: the cores it is pinned to)")
-    p.add_argument("--compute-timeout", type=_positive(float), default=None,
+    p.add_argument("--compute-timeout", type=settings.positive(float), default=None,
                    help="seconds a worker's forward may take before its device counts as hung (default 10 on CUDA, "
                         "30 on CPU); the worker leaves, its requests go to other workers, the supervisor restarts it")
     p.add_argument("--warmup-shapes", default=None, metavar="RxLxM,...",
@@ -595,7 +581,7 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
                         "1x48x4,4x256x4 for a load of both; '' for none (default: one question over 48, 64 or 128 "
                         "tokens, or none with --warmup-shapes). The buckets traffic missed most show in `status "
                         "--json` (a worker's stats.runtime.missed_shapes, with counts)")
-    p.add_argument("--drain-timeout", type=_positive(float), default=5.0,
+    p.add_argument("--drain-timeout", type=settings.positive(float), default=5.0,
                    help="seconds a stopping worker may take to finish its in-flight work before it is killed "
                         "(default 5, so that a stop ends within seconds even with a hung device: `up` within 10 s; a "
                         "longer one lets slow requests finish)")
@@ -656,7 +642,7 @@ def _add_operator_commands(command: Any) -> None:
         s = command(name, help)
         s.add_argument("--frontend", type=_endpoint, default=contract.default_frontend(),
                        help=f"the pool's client endpoint (default: ${contract.FRONTEND_ENV} or %(default)s)")
-        s.add_argument("--timeout", type=_positive(float), default=5.0,
+        s.add_argument("--timeout", type=settings.positive(float), default=5.0,
                        help="seconds for the whole call (every attempt within it)")
         s.add_argument("--keys", default=settings.raw(ENV_PREFIX + "KEYS"),
                        help=f"CURVE key directory (default: ${ENV_PREFIX}KEYS, else none)")
@@ -670,19 +656,20 @@ def _add_operator_commands(command: Any) -> None:
     s = operator("drain", "stop dispatching to a worker; it finishes its work and leaves")
     s.add_argument("id", help="worker id (laya-pool status)")
     s.add_argument("--wait", action="store_true", help="wait until it has left")
-    s.add_argument("--wait-timeout", type=_positive(float), default=120.0, help="seconds --wait waits")
+    s.add_argument("--wait-timeout", type=settings.positive(float), default=120.0, help="seconds --wait waits")
     s.set_defaults(fn=cmd_drain)
 
     s = operator("restart-worker", "drain a worker, restart it, wait until it rejoins")
     s.add_argument("id", help="worker id (laya-pool status)")
     s.add_argument("--no-wait", action="store_true", help="return once the drain is accepted")
-    s.add_argument("--wait-timeout", type=_positive(float), default=180.0, help="seconds to wait for it to rejoin")
+    s.add_argument("--wait-timeout", type=settings.positive(float), default=180.0,
+                   help="seconds to wait for it to rejoin")
     s.set_defaults(fn=cmd_restart_worker)
 
     s = operator("reload", "roll the pool onto another checkpoint, one worker at a time, failing no request")
     s.add_argument("--model", required=True, help="the new checkpoint directory (readable by the pool's user)")
     s.add_argument("--no-wait", action="store_true", help="return once the pool has accepted the reload")
-    s.add_argument("--wait-timeout", type=_positive(float), default=1800.0,
+    s.add_argument("--wait-timeout", type=settings.positive(float), default=1800.0,
                    help="seconds to wait for every worker to serve the new model")
     s.set_defaults(fn=cmd_reload)
 

@@ -35,20 +35,6 @@ class GatewayConfig:
     drain_timeout: float = 5.0            # seconds in-flight requests get to finish after SIGTERM
 
 
-def _positive(kind: type):
-    def check(value: str):
-        try:
-            v = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not {'an integer' if kind is int else 'a number'}") \
-                from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{value!r} must be greater than 0")
-        return v
-    check.__name__ = kind.__name__
-    return check
-
-
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
     """--api-key and --api-key-file (also `up`'s)."""
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -63,15 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="[HOST:]PORT",
                    help="where to serve HTTP (a bare port: 127.0.0.1); beyond loopback only with an API key")
     add_key_arguments(p)
-    p.add_argument("--max-concurrent", type=_positive(int), default=d.max_concurrent,
+    p.add_argument("--max-concurrent", type=settings.positive(int), default=d.max_concurrent,
                    help="requests past auth at once (bodies buffered, pool calls out); one more is answered 503")
-    p.add_argument("--max-connections", type=_positive(int), default=d.max_connections,
+    p.add_argument("--max-connections", type=settings.positive(int), default=d.max_connections,
                    help="open connections at once; a request on one more is answered 503")
-    p.add_argument("--read-timeout", type=_positive(float), default=d.read_timeout,
+    p.add_argument("--read-timeout", type=settings.positive(float), default=d.read_timeout,
                    help="seconds a request's head may take (then the connection is closed) and its body (then 408)")
-    p.add_argument("--idle-timeout", type=_positive(float), default=d.idle_timeout,
+    p.add_argument("--idle-timeout", type=settings.positive(float), default=d.idle_timeout,
                    help="seconds a kept-alive connection may wait for its next request")
-    p.add_argument("--call-timeout", type=_positive(float), default=d.timeout,
+    p.add_argument("--call-timeout", type=settings.positive(float), default=d.timeout,
                    help="seconds one HTTP request's pool calls may take, retries included (then 503)")
     p.add_argument("--model-name", default=d.model_name,
                    help="the name requests give the pool's checkpoint (`model`, `task`, `routing.model`)")

@@ -26,6 +26,7 @@ The official SDK's own LAYA_* variables are not ours and are never warned about.
 """
 from __future__ import annotations
 
+import argparse
 import difflib
 import logging
 import os
@@ -265,6 +266,21 @@ SDK = frozenset({
 _BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _KEYS = {name: os.fsencode(name) for name in DECLARED}
 _SEEN: dict[str, tuple] = {}          # name -> (the raw bytes parsed last, their value): one tuple, swapped whole
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+    """An argparse `type` for a flag that takes a number above 0 (`kind` int or float), its refusal naming the value."""
+    def check(value: str) -> Any:
+        try:
+            v = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {'an integer' if kind is int else 'a number'}") \
+                from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{value!r} must be greater than 0")
+        return v
+    check.__name__ = kind.__name__
+    return check
 
 
 def setting(name: str) -> Setting:
