@@ -23,9 +23,9 @@ from laya_pool.protocol.qtypes import QUESTION_TYPES
 def jev_confidence(answer: dict[str, Any]) -> float | None:
     """Jev's `confidence` for `answer`'s probabilities, or None (a type without one, or no usable numbers)."""
     qtype, probabilities = QUESTION_TYPES.find(answer.get("type")), answer.get("probabilities")
-    served = qtype.served if qtype is not None else None
-    if served is None or served.jev_order is None or not isinstance(probabilities, dict) or not probabilities:
+    if qtype is None or qtype.served.jev_order is None or not isinstance(probabilities, dict) or not probabilities:
         return None
+    served = qtype.served
     try:
         p = [float(probabilities[k]) for k in served.jev_order(probabilities)]
     except (TypeError, ValueError):

@@ -102,10 +102,9 @@ def _check_question_sizes(questions: dict[Any, Any]) -> None:
     total = 0
     for qid, question in questions.items():
         qtype = QUESTION_TYPES.find(question.get("type")) if isinstance(question, dict) else None
-        served = qtype.served if qtype is not None else None
-        if served is None or served.count is None:
+        if qtype is None or qtype.served.count is None:
             continue
-        crit = question.get("criteria")
+        served, crit = qtype.served, question.get("criteria")
         count = served.count(crit)
         if count is None:
             continue
