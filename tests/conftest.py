@@ -3,6 +3,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -71,6 +72,25 @@ def free_port() -> int:
 
 
 _GIVEN_PORTS: set[int] = set()
+
+
+class LoadThreads:
+    """A test load's client threads: started when its `with` block opens; `stop` set and each joined (JOIN_S at most)
+    when it ends. A subclass builds `threads` and `stop`."""
+
+    JOIN_S = 60.0
+    threads: list[threading.Thread]
+    stop: threading.Event
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(self.JOIN_S)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, message: str | Callable[[], str],

@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
+from conftest import SUBPROCESS_ENV, LoadThreads, free_port, make_rows, wait_until
 
 from laya_pool.client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
 from laya_pool.protocol import contract, wire
@@ -486,7 +486,7 @@ def test_bad_input_left_the_same_processes_serving(tcp_pool, tcp_pool_before_bad
 
 # ------------------------------------------------------------------------------------------------ failures
 
-class _Load:
+class _Load(LoadThreads):
     """Client threads sending known requests and checking every answer, until the `with` block ends."""
 
     def __init__(self, pool, runtime, n_threads: int, shape=(3, 40), direct: bool = True):
@@ -534,16 +534,6 @@ class _Load:
         """Wait until worker `wid` holds a request of this load (so that killing it loses work)."""
         wait_until(lambda: self.no_errors() and _workers(pool)[wid]["inflight"] > 0, 60,
                    f"worker {wid} never held a request", interval=0.02)
-
-    def __enter__(self) -> _Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(60)
 
 
 def test_kill_9_of_a_worker_holding_requests(ipc_pool, runtime):

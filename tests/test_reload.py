@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import SUBPROCESS_ENV, make_ckpt, wait_until
+from conftest import SUBPROCESS_ENV, LoadThreads, make_ckpt, wait_until
 
 from laya_pool.client.pool import Client, PoolUnavailable, local_pool
 from laya_pool.protocol import contract
@@ -54,7 +54,7 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout, env=SUBPROCESS_ENV, cwd=str(ROOT))
 
 
-class _Load:
+class _Load(LoadThreads):
     """Clients asking the CASES in a loop, each on its own thread; every answer kept with its time."""
 
     def __init__(self, endpoint: str, n: int):
@@ -64,16 +64,6 @@ class _Load:
         self.cards: list[str] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
-
-    def __enter__(self) -> _Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(60)
 
     def _run(self) -> None:
         with Client(self.endpoint, timeout=20, retries=3) as c:

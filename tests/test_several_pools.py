@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, reference_logits, wait_until
+from conftest import ROOT, SUBPROCESS_ENV, LoadThreads, free_port, make_rows, reference_logits, wait_until
 
 from laya_pool import AsyncClient, Client, PoolBusy, PoolError, PoolTimeout, PoolUnavailable, PoolUnreachable
 from laya_pool.client import pools
@@ -145,9 +145,11 @@ def _answered(st: dict) -> int:
     return sum(w.get("stats", {}).get("ok", 0) for w in st["workers"])
 
 
-class _Load:
+class _Load(LoadThreads):
     """A blocking client of both pools in threads, and an asyncio one with calls in flight together, each answer
     checked against the runtime, until stopped."""
+
+    JOIN_S = 30.0
 
     def __init__(self, endpoints: list[str], cases: list, want: list):
         self.endpoints, self.cases, self.want = endpoints, cases, want
@@ -189,16 +191,6 @@ class _Load:
             await asyncio.gather(*(loop(k) for k in range(3)))
         finally:
             c.close()
-
-    def __enter__(self) -> _Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
 
 
 @pytest.mark.timeout(120)

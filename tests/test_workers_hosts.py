@@ -23,7 +23,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, reference_logits, wait_until
+from conftest import ROOT, SUBPROCESS_ENV, LoadThreads, free_port, make_rows, reference_logits, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from laya_pool import Client, PoolError
@@ -186,9 +186,11 @@ class _Host:
         return json.loads(body) if code == 200 else None
 
 
-class _Load:
+class _Load(LoadThreads):
     """Client threads (with the pool's keys: their first attempts go to the workers' direct sockets), every answer
     checked against the runtime, until stopped."""
+
+    JOIN_S = 30.0
 
     def __init__(self, frontend: str, keys, cases: list, want: list):
         self.frontend, self.keys, self.cases, self.want = frontend, str(keys), cases, want
@@ -220,16 +222,6 @@ class _Load:
             return len(self.answers) if by is None else self.answers.count(by)
         base = count()
         wait_until(lambda: not self.errors and count() >= base + n, within, lambda: f"{what}: errors {self.errors[:3]}")
-
-    def __enter__(self) -> _Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
 
 
 def _rows(c: Client) -> dict[str, dict]:
