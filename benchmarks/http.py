@@ -26,6 +26,7 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 from benchmarks.common import add_pool, parser, pool, write
@@ -54,24 +55,48 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     return int(head.split(b" ", 2)[1])
 
 
+STALE = (asyncio.IncompleteReadError, ConnectionError)    # a kept-alive connection the server closed
+
+
+async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
 async def _connections(port: int, request: bytes, n: int, seconds: float, warmup: int, ready: Any,
                        start: Any) -> tuple[list[float], Counter]:
-    conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
-    for r, w in conns:
+    """`n` connections, warmed up together, then each in a closed loop for `seconds`. A server closes a kept-alive
+    connection left idle past its keep-alive timeout (uvicorn's 5 s, in both servers), as it may while the other
+    processes warm up: such a connection is reopened and the request sent again, as HTTP clients do, the reopening
+    inside the request's time and counted as `reopened`."""
+    conns = [list(await _open(port)) for _ in range(n)]
+    codes: Counter = Counter()
+
+    async def send(c: list) -> int:
+        try:
+            return await _exchange(c[0], c[1], request)
+        except STALE:
+            c[1].close()
+            c[:] = await _open(port)
+            codes["reopened"] += 1
+            return await _exchange(c[0], c[1], request)
+
+    async def warm(c: list) -> None:
         for _ in range(warmup):
-            await _exchange(r, w, request)
+            await send(c)
+    await asyncio.gather(*(warm(c) for c in conns))
     ready.put(1)
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
-    end, lat, codes = time.perf_counter() + seconds, [], Counter()
+    codes.clear()
+    end, lat = time.perf_counter() + seconds, []
 
-    async def closed_loop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def closed_loop(c: list) -> None:
         while time.perf_counter() < end:
             t = time.perf_counter()
-            codes[await _exchange(r, w, request)] += 1
+            codes[await send(c)] += 1
             lat.append((time.perf_counter() - t) * 1e3)
-    await asyncio.gather(*(closed_loop(r, w) for r, w in conns))
-    for _, w in conns:
-        w.close()
+    await asyncio.gather(*(closed_loop(c) for c in conns))
+    for c in conns:
+        c[1].close()
     return lat, codes
 
 
@@ -91,10 +116,9 @@ def measure(port: int, request: bytes, n: int, seconds: float, warmup: int, proc
     for p in ps:
         p.start()
     try:
-        for _ in ps:
-            ready.get(timeout=600)
+        _gather(ready, ps, 600)
         start.set()
-        out = [results.get(timeout=seconds + 300) for _ in ps]
+        out = _gather(results, ps, seconds + 300)
     finally:
         for p in ps:
             p.join(timeout=30)
@@ -102,10 +126,24 @@ def measure(port: int, request: bytes, n: int, seconds: float, warmup: int, proc
                 p.kill()
     lat = sorted(x for part, _ in out for x in part)
     codes = sum((Counter(c) for _, c in out), Counter())
-    ok = codes.get(200, 0)
+    ok, reopened = codes.get(200, 0), codes.pop("reopened", 0)
     return {"clients": n, "decisions_per_s": round(ok / seconds, 1), "p50_ms": round(statistics.median(lat), 3),
             "p95_ms": round(lat[int(0.95 * (len(lat) - 1))], 3), "requests": sum(codes.values()),
-            "not_200": {str(k): v for k, v in codes.items() if k != 200}}
+            "not_200": {str(k): v for k, v in codes.items() if k != 200}, "reopened": reopened}
+
+
+def _gather(queue: Any, procs: list, timeout: float) -> list:
+    """One item from `queue` per process of `procs`; raises as soon as one of them died without putting it."""
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            got.append(queue.get(timeout=0.5))
+        except Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise SystemExit(f"a client process failed (exit codes {dead})" if dead else
+                                 f"the client processes did not answer within {timeout:g} s") from None
+    return got
 
 
 def client_p50(frontend: str, model: str, seconds: float, warmup: int) -> float:
@@ -200,7 +238,7 @@ def report(out: dict[str, Any]) -> None:
             if kind in row:
                 r = row[kind]
                 print(f"{n:>7}  {kind:<10} {r['decisions_per_s']:>11.1f} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f}  "
-                      f"{r['not_200'] or '-'}")
+                      f"{r['not_200'] or '-'}" + (f"  ({r['reopened']} reopened)" if r.get("reopened") else ""))
         if "gateway_over_laya_serve" in row:
             print(f"{n:>7}  gateway / laya serve: {row['gateway_over_laya_serve']}x decisions/s")
     if "gateway_minus_client_p50_ms" in out:
