@@ -1,6 +1,7 @@
 """HTTP decisions: the gateway (`laya-pool api` before a pool) against `laya serve` on the same checkpoint and card.
 
-    python -m benchmarks.http --model /tmp/large [--devices cuda:0] [--clients 1,8,64] [--seconds 10] [--out DIR]
+    python -m benchmarks.http --model /tmp/large [--devices cuda:0] [--clients 1,8,64] [--seconds 10]
+        [--gateway-processes N] [--out DIR]
 
 N concurrent HTTP clients (--clients, each a kept-alive connection in a closed loop, spread over --procs processes)
 send one-question 1x48 requests (`laya_pool.tools.bench.make_request`) to `POST /v1/systemone` for --seconds, all
@@ -170,13 +171,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(kind: str, model: str, frontend: str, device: str, most: int) -> Iterator[int]:
+def server(kind: str, model: str, frontend: str, device: str, most: int, processes: int = 1) -> Iterator[int]:
     """The gateway or laya serve on a free loopback port, up and answering /health, for the block."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if kind == "gateway":
         argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", frontend, "--listen", str(port),
-                "--max-concurrent", str(most + 16), "--log-level", "warning"]
+                "--max-concurrent", str(most + 16), "--processes", str(processes), "--log-level", "warning"]
     else:
         argv = [sys.executable, "-m", "laya.serve"]
         env.update(LAYA_HOST="127.0.0.1", LAYA_PORT=str(port), LAYA_EXTRA_MODELS=json.dumps({"english": model}),
@@ -218,9 +219,10 @@ def run(args: Any, frontend: str) -> dict[str, Any]:
     rows: dict[int, dict[str, Any]] = {n: {} for n in counts}
     for i, n in enumerate(counts):
         for kind in (servers if i % 2 == 0 else servers[::-1]):
-            with server(kind, args.model, frontend, device, max(counts)) as port:
+            with server(kind, args.model, frontend, device, max(counts), args.gateway_processes) as port:
                 rows[n][kind] = measure(port, request, n, args.seconds, args.warmup, args.procs)
-    out: dict[str, Any] = {"request": "1x48, one question", "seconds": args.seconds, "rows": rows}
+    out: dict[str, Any] = {"request": "1x48, one question", "seconds": args.seconds,
+                           "gateway_processes": args.gateway_processes, "rows": rows}
     for row in rows.values():
         if all(s in row and row[s]["decisions_per_s"] for s in SERVERS):
             row["gateway_over_laya_serve"] = round(row["gateway"]["decisions_per_s"] / row["laya-serve"]
@@ -254,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=20, help="requests each connection sends before the run")
     ap.add_argument("--procs", type=int, default=4, help="client processes the connections are spread over")
     ap.add_argument("--servers", default=",".join(SERVERS), help="which of gateway,laya-serve to measure")
+    ap.add_argument("--gateway-processes", type=int, default=1, help="the gateway's --processes")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     extra = ["--threads", "1"] if args.devices == "cpu" else []

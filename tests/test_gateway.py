@@ -560,20 +560,56 @@ def test_a_pool_that_does_not_answer_is_503(tmp_path):
         stop_all([proc])
 
 
+def _gateway_processes(pid: int) -> list:
+    """The gateway processes `laya-pool api` (pid) runs: its spawned children, less one exited and not yet reaped."""
+    import psutil
+
+    def spawned(c: psutil.Process) -> bool:
+        try:
+            return c.status() != psutil.STATUS_ZOMBIE and any("spawn_main" in part for part in c.cmdline())
+        except psutil.Error:
+            return False
+    return [c for c in psutil.Process(pid).children() if spawned(c)]
+
+
+def test_processes_share_the_port_and_one_that_dies_is_started_again(pool):
+    proc, base = start_gateway(pool.endpoint, "--processes", "2")
+    try:
+        wait_until(lambda: len(_gateway_processes(proc.pid)) == 2, 30, "the gateway did not start 2 processes")
+        first = {c.pid for c in _gateway_processes(proc.pid)}
+        with ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda b: httpx.post(base + "/v1/systemone", json=b, timeout=60), GOOD[:2] * 8))
+        assert [r.status_code for r in got] == [200] * 16
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        # the other process answers meanwhile; the dead one is started again after its backoff (0.5 s)
+        assert httpx.post(base + "/v1/systemone", json=GOOD[0], timeout=60).status_code == 200
+        wait_until(lambda: len(_gateway_processes(proc.pid)) == 2, 30, "the killed gateway process was not replaced")
+        assert victim not in {c.pid for c in _gateway_processes(proc.pid)}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "exited (code -9); starting it again in 0.5 s" in proc.stderr.read()
+    finally:
+        stop_all([proc])
+
+
 # ------------------------------------------------------------------------------------------------ up --api
 
 def test_up_starts_the_gateway_beside_the_pool_and_stops_it(tiny_ckpt, tmp_path):
     port, frontend = free_port(), f"ipc://{tmp_path}/frontend"
     up = subprocess.Popen([sys.executable, "-m", "laya_pool", "up", "--model", str(tiny_ckpt), "--devices", "cpu",
                            "--threads", "1", "--frontend", frontend, "--backend", f"ipc://{tmp_path}/backend",
-                           "--api", str(port)], cwd=ROOT, env=SUBPROCESS_ENV, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+                           "--api", str(port), "--api-processes", "2"], cwd=ROOT, env=SUBPROCESS_ENV,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: httpx.get(base + "/health").json()["x_pool"]["ready"] == 1, 120,
                    "the gateway of `up --api` did not see a ready worker", ignore=(httpx.HTTPError,))
         r = httpx.post(base + "/v1/systemone", json=GOOD[0], timeout=60)
         assert r.status_code == 200 and set(r.json()["answers"]) == set(QUESTIONS)
+        import psutil
+        api = [c for c in psutil.Process(up.pid).children() if " api " in " ".join(c.cmdline())]
+        assert len(api) == 1 and len(_gateway_processes(api[0].pid)) == 2        # --api-processes 2
         up.send_signal(signal.SIGTERM)
         assert up.wait(30) == 0
         with pytest.raises(httpx.ConnectError):

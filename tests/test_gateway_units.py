@@ -245,3 +245,18 @@ def test_the_first_fault_is_the_one_reported():
     assert seen == ["hooks", "unknown", "max_len", "lang", "min_confidence", "unknown"], seen
     with pytest.raises(Refusal, match="batch_size"):
         calls.batch({"states": ["s"], "questions": {}, "batch_size": 0, "task": "nope"}, cp)
+
+
+def test_a_gateway_process_that_exits_is_started_again_after_a_doubling_delay():
+    from laya_pool.gateway.processes import FIRST_DELAY_S, MAX_DELAY_S, STEADY_S, Restarts
+    r = Restarts()
+    r.started(100.0)
+    waits = []
+    for _ in range(8):                      # exits right after each start: 0.5, 1, 2, ... up to the cap
+        now = r.due_at if r.due_at is not None else 100.0
+        waits.append(r.exited(now + 0.1))
+        assert not r.due(now + 0.1) and r.due(now + 0.1 + waits[-1])
+        r.started(now + 0.1 + waits[-1])
+    assert waits == [min(MAX_DELAY_S, FIRST_DELAY_S * 2 ** i) for i in range(8)]
+    assert r.due_at is None and not r.due(1e9)               # running: nothing due
+    assert r.exited(r.started_at + STEADY_S) == FIRST_DELAY_S   # up long enough: the delay starts over

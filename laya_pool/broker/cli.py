@@ -146,7 +146,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                            frontend=a.frontend, backend=a.backend, heartbeat_ms=a.heartbeat_ms, liveness=a.liveness,
                            mode=a.mode, credit=a.credit, keys=a.keys, broker_args=broker_args,
                            worker_args=worker_args, drain_timeout=a.drain_timeout)
-    cfg.http, cfg.api, cfg.api_key = a.http, a.api, api_key
+    cfg.http, cfg.api, cfg.api_key, cfg.api_processes = a.http, a.api, api_key, a.api_processes
     return Supervisor(cfg).run()
 
 
@@ -510,6 +510,8 @@ def _add_up(up: argparse.ArgumentParser) -> None:
     up.add_argument("--api", default=None, metavar="[HOST:]PORT",
                     help="serve the SDK server's HTTP API here (`laya-pool api` beside the pool; a bare port: "
                          "127.0.0.1; beyond loopback only with an API key; default: off)")
+    up.add_argument("--api-processes", type=settings.positive(int), default=1,
+                    help="the HTTP API's processes, sharing its port (`laya-pool api --processes`)")
     from laya_pool.gateway.options import add_key_arguments
     add_key_arguments(up)
     _check_endpoint_types(up)

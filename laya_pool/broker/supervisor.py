@@ -51,6 +51,7 @@ class SupervisorConfig(WorkerOptions):
     broker_args: list[str] = field(default_factory=list)
     api: str | None = None              # [HOST:]PORT for the HTTP gateway (gateway/); None: off
     api_key: str | None = None          # its bearer key, handed over in its environment (not on its command line)
+    api_processes: int = 1              # its processes (`laya-pool api --processes`)
 
 
 OPERATOR_RESTART_HOLD_S = 30.0
@@ -125,7 +126,8 @@ class Supervisor:
         env = {k: v for k, v in self.env.items() if k not in ("LAYA_POOL_API_KEY", "LAYA_POOL_API_KEY_FILE")}
         if cfg.api_key:
             env["LAYA_POOL_API_KEY"] = cfg.api_key
-        argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", cfg.frontend, "--listen", cfg.api]
+        argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", cfg.frontend, "--listen", cfg.api,
+                "--processes", str(cfg.api_processes)]
         return Child("gateway", argv + (["--keys", cfg.keys] if cfg.keys else []), env)
 
     def _singles(self) -> list[Child]:

@@ -8,6 +8,7 @@ connection), with the bounds `laya serve` leaves to its deployment.
 - A kept-alive connection waiting for its next request is closed after `idle_timeout`.
 - At most `max_connections` connections at once: a request on one more is answered 503 (uvicorn's limit).
 - SIGTERM / SIGINT: stop accepting, give in-flight requests `drain_timeout`, close the pool client, exit 0.
+- `processes` > 1: that many processes share the bound socket (gateway/processes.py).
 
 The listening socket is bound before the server starts, so a taken port is one line and exit 78 (`EXIT_CONFIG`).
 """
@@ -81,24 +82,34 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(cfg: GatewayConfig) -> int:
-    """Serve until SIGTERM / SIGINT; the exit code."""
-    import uvicorn
-
-    from .app import create_app
+    """Serve until SIGTERM / SIGINT; the exit code. With `cfg.processes` > 1, that many processes share the port
+    (gateway/processes.py)."""
     try:
         sock = listen_socket(cfg.host, cfg.port)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e.strerror or e)
         return contract.EXIT_CONFIG
+    log.info("the API on http://%s:%d/v1/systemone (pool %s, %s%s)", cfg.host, sock.getsockname()[1], cfg.frontend,
+             "bearer key required" if cfg.api_key else "no key: loopback only",
+             f", {cfg.processes} processes" if cfg.processes > 1 else "")
+    try:
+        if cfg.processes == 1:
+            return run(cfg, sock)
+        from .processes import GatewayProcesses
+        return GatewayProcesses(cfg, sock).run()
+    finally:
+        sock.close()
+
+
+def run(cfg: GatewayConfig, sock: socket.socket) -> int:
+    """One gateway process on the bound `sock` until SIGTERM / SIGINT; the exit code."""
+    import uvicorn
+
+    from .app import create_app
     config = uvicorn.Config(create_app(cfg), http=protocol_class(cfg.read_timeout), loop="asyncio", lifespan="on",
                             log_config=None, access_log=False, timeout_keep_alive=cfg.idle_timeout,
                             limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=round(cfg.drain_timeout),
                             backlog=BACKLOG)
     server = uvicorn.Server(config)
-    log.info("the API on http://%s:%d/v1/systemone (pool %s, %s)", cfg.host, sock.getsockname()[1], cfg.frontend,
-             "bearer key required" if cfg.api_key else "no key: loopback only")
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
+    server.run(sockets=[sock])
     return contract.EXIT_OK if server.started else contract.EXIT_CONFIG
