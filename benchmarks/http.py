@@ -171,13 +171,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(kind: str, model: str, frontend: str, device: str, most: int, processes: int = 1) -> Iterator[int]:
+def server(kind: str, model: str, frontend: str, device: str, most: int, processes: int = 1,
+           gateway_args: tuple[str, ...] = ()) -> Iterator[int]:
     """The gateway or laya serve on a free loopback port, up and answering /health, for the block."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if kind == "gateway":
         argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", frontend, "--listen", str(port),
-                "--max-concurrent", str(most + 16), "--processes", str(processes), "--log-level", "warning"]
+                "--max-concurrent", str(most + 16), "--processes", str(processes), "--log-level", "warning",
+                *gateway_args]
     else:
         argv = [sys.executable, "-m", "laya.serve"]
         env.update(LAYA_HOST="127.0.0.1", LAYA_PORT=str(port), LAYA_EXTRA_MODELS=json.dumps({"english": model}),
@@ -219,7 +221,8 @@ def run(args: Any, frontend: str) -> dict[str, Any]:
     rows: dict[int, dict[str, Any]] = {n: {} for n in counts}
     for i, n in enumerate(counts):
         for kind in (servers if i % 2 == 0 else servers[::-1]):
-            with server(kind, args.model, frontend, device, max(counts), args.gateway_processes) as port:
+            with server(kind, args.model, frontend, device, max(counts), args.gateway_processes,
+                        tuple(args.gateway_args.split())) as port:
                 rows[n][kind] = measure(port, request, n, args.seconds, args.warmup, args.procs)
     out: dict[str, Any] = {"request": "1x48, one question", "seconds": args.seconds,
                            "gateway_processes": args.gateway_processes, "rows": rows}
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--procs", type=int, default=4, help="client processes the connections are spread over")
     ap.add_argument("--servers", default=",".join(SERVERS), help="which of gateway,laya-serve to measure")
     ap.add_argument("--gateway-processes", type=int, default=1, help="the gateway's --processes")
+    ap.add_argument("--gateway-args", default="", help="more of the gateway's flags, e.g. '--spin-us 2000'")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     extra = ["--threads", "1"] if args.devices == "cpu" else []

@@ -34,6 +34,7 @@ class GatewayConfig:
     root_path: str = ""                   # the public URL prefix behind a reverse proxy
     drain_timeout: float = 5.0            # seconds in-flight requests get to finish after SIGTERM
     processes: int = 1                    # gateway processes sharing the port (gateway/processes.py)
+    spin_us: int = 0                      # microseconds the event loop polls after each event (gateway/spin.py)
 
 
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", type=settings.positive(int), default=d.processes,
                    help="gateway processes sharing the port, each with its own pool client and bounds: one answers "
                         "about 1,200 decisions/s on an H100 host (docs/performance.md)")
+    p.add_argument("--spin-us", type=int, default=d.spin_us,
+                   help="microseconds each process's event loop keeps polling after an event before it sleeps: "
+                        "less wake-up latency, a core busy while requests come (default 0: off)")
     p.add_argument("--max-concurrent", type=settings.positive(int), default=d.max_concurrent,
                    help="requests past auth at once (bodies buffered, pool calls out); one more is answered 503")
     p.add_argument("--max-connections", type=settings.positive(int), default=d.max_connections,
@@ -110,4 +114,5 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                          max_concurrent=a.max_concurrent, max_connections=a.max_connections,
                          read_timeout=a.read_timeout, idle_timeout=a.idle_timeout, timeout=a.call_timeout,
                          model_name=canonical(a.model_name), jev_strict=a.jev_strict,
-                         root_path=a.root_path.rstrip("/"), processes=a.processes)
+                         root_path=a.root_path.rstrip("/"), processes=a.processes,
+                         spin_us=max(0, a.spin_us))

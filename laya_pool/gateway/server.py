@@ -22,6 +22,7 @@ from typing import Any
 from laya_pool.protocol import contract
 from laya_pool.protocol.listen import family
 
+from . import spin
 from .options import GatewayConfig
 
 log = logging.getLogger("laya-pool.gateway")
@@ -111,5 +112,12 @@ def run(cfg: GatewayConfig, sock: socket.socket) -> int:
                             limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=round(cfg.drain_timeout),
                             backlog=BACKLOG)
     server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    loop = spin.loop_factory(cfg.spin_us / 1e6)()          # asyncio's own loop unless --spin-us
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(server.serve(sockets=[sock]))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
+        loop.close()
     return contract.EXIT_OK if server.started else contract.EXIT_CONFIG
