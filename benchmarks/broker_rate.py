@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import cpu_seconds, parser, write
+from benchmarks.common import cpu_seconds, parser, stub_pool, write
 
 MESSAGES_PER_CALL = {"ping": 2, "forward": 4}
 
@@ -119,28 +119,6 @@ def run_kind(endpoint: str, kind: str, procs: int, window: int, seconds: float, 
     return out
 
 
-@contextlib.contextmanager
-def _stub_pool(broker_args: list[str]):
-    """A broker (`python -m laya_pool.broker.broker`) and one stub worker on private ipc sockets; the frontend."""
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="laya-rate-") as d:
-        fe, be = f"ipc://{d}/fe", f"ipc://{d}/be"
-        procs = [subprocess.Popen([sys.executable, "-m", "laya_pool.broker.broker", "--frontend", fe, "--backend", be,
-                                   "--log-level", "WARNING", *broker_args])]
-        try:
-            time.sleep(1.0)                 # bound before the worker connects: its READY is not lost
-            procs.append(subprocess.Popen([sys.executable, "-m", "laya_pool.tools.stub_worker", "--backend", be]))
-            time.sleep(1.0)
-            yield fe
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(10)
-
-
 def main(argv: list[str] | None = None) -> int:
     from laya_pool.client.pool import Client, local_pool
 
@@ -168,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.frontend:
             endpoint = args.frontend
         elif args.stub:
-            endpoint = stack.enter_context(_stub_pool(extra))
+            endpoint = stack.enter_context(stub_pool(extra))
         else:
             endpoint = stack.enter_context(local_pool(args.model, args.device, extra_args=extra)).endpoint
         with Client(endpoint, timeout=10) as c:

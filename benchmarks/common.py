@@ -14,6 +14,8 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +56,30 @@ def pool(model: str, frontend: str | None, devices: str = "cuda:0", extra_args: 
     from laya_pool import local_pool
     with local_pool(model, devices, frontend=free_endpoint(), extra_args=list(extra_args), env=env) as p:
         yield p.endpoint
+
+
+@contextlib.contextmanager
+def stub_pool(broker_args: tuple[str, ...] | list[str] = (), stub_args: tuple[str, ...] | list[str] = ()
+              ) -> Iterator[str]:
+    """A broker (`python -m laya_pool.broker.broker`) and one stub worker (laya_pool/tools/stub_worker.py, with
+    `stub_args`) on private ipc sockets; the frontend."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="laya-stub-") as d:
+        fe, be = f"ipc://{d}/fe", f"ipc://{d}/be"
+        procs = [subprocess.Popen([sys.executable, "-m", "laya_pool.broker.broker", "--frontend", fe, "--backend", be,
+                                   "--log-level", "WARNING", *broker_args])]
+        try:
+            time.sleep(1.0)                 # bound before the worker connects: its READY is not lost
+            procs.append(subprocess.Popen([sys.executable, "-m", "laya_pool.tools.stub_worker", "--backend", be,
+                                           *stub_args]))
+            time.sleep(1.0)
+            yield fe
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(10)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,15 +1,19 @@
 """HTTP decisions: the gateway (`laya-pool api` before a pool) against `laya serve` on the same checkpoint and card.
 
     python -m benchmarks.http --model /tmp/large [--devices cuda:0] [--clients 1,8,64] [--seconds 10]
-        [--gateway-processes N] [--out DIR]
+        [--gateway-processes N] [--stub] [--out DIR]
 
 N concurrent HTTP clients (--clients, each a kept-alive connection in a closed loop, spread over --procs processes)
 send one-question 1x48 requests (`laya_pool.tools.bench.make_request`) to `POST /v1/systemone` for --seconds, all
 starting together once every connection has warmed up (--warmup requests each): first to the gateway (a pool started
 here on --devices unless --frontend names one), then to `laya serve` (`python -m laya.serve`, the SDK's server, this
 checkpoint as its `english`, on the first of --devices), alternating which goes first from one N to the next. Prints
-decisions per second (answers 200 a second) and the p50 / p95 of every request, the gateway's throughput over laya
-serve's, and at 1 client the gateway's p50 less the pooled `Client.predict` p50 measured in the same run.
+decisions per second (answers 200 a second), the p50 / p95 of every request and the server's CPU per request (its
+processes', children included), the gateway's throughput over laya serve's, and at 1 client the gateway's p50 less
+the pooled `Client.predict` p50 measured in the same run.
+
+`--stub`: the gateway alone, before a broker and a stub worker that answers at once with the checkpoint's card and
+zeros (laya_pool/tools/stub_worker.py): what one gateway process can answer, on any machine.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from pathlib import Path
 from queue import Empty
 from typing import Any
 
-from benchmarks.common import add_pool, parser, pool, write
+from benchmarks.common import add_pool, cpu_seconds, parser, pool, stub_pool, write
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("gateway", "laya-serve")
@@ -172,8 +176,8 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def server(kind: str, model: str, frontend: str, device: str, most: int, processes: int = 1,
-           gateway_args: tuple[str, ...] = ()) -> Iterator[int]:
-    """The gateway or laya serve on a free loopback port, up and answering /health, for the block."""
+           gateway_args: tuple[str, ...] = ()) -> Iterator[tuple[int, subprocess.Popen]]:
+    """The gateway or laya serve on a free loopback port, up and answering /health, for the block: (port, process)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if kind == "gateway":
@@ -190,7 +194,7 @@ def server(kind: str, model: str, frontend: str, device: str, most: int, process
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_up(proc, port, kind)
-        yield port
+        yield port, proc
     finally:
         proc.terminate()
         try:
@@ -198,6 +202,17 @@ def server(kind: str, model: str, frontend: str, device: str, most: int, process
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds process `pid` and its children (the gateway's --processes) have used so far."""
+    import psutil
+    pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    total = 0.0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+    return total
 
 
 def _wait_up(proc: subprocess.Popen, port: int, kind: str, timeout: float = 600) -> None:
@@ -222,8 +237,11 @@ def run(args: Any, frontend: str) -> dict[str, Any]:
     for i, n in enumerate(counts):
         for kind in (servers if i % 2 == 0 else servers[::-1]):
             with server(kind, args.model, frontend, device, max(counts), args.gateway_processes,
-                        tuple(args.gateway_args.split())) as port:
-                rows[n][kind] = measure(port, request, n, args.seconds, args.warmup, args.procs)
+                        tuple(args.gateway_args.split())) as (port, proc):
+                cpu0 = tree_cpu(proc.pid)
+                rows[n][kind] = row = measure(port, request, n, args.seconds, args.warmup, args.procs)
+                row["server_cpu_ms_per_request"] = round((tree_cpu(proc.pid) - cpu0) * 1e3 / max(1, row["requests"]),
+                                                         3)
     out: dict[str, Any] = {"request": "1x48, one question", "seconds": args.seconds,
                            "gateway_processes": args.gateway_processes, "rows": rows}
     for row in rows.values():
@@ -237,13 +255,14 @@ def run(args: Any, frontend: str) -> dict[str, Any]:
 
 
 def report(out: dict[str, Any]) -> None:
-    print(f"{'clients':>7}  {'server':<10} {'decisions/s':>11} {'p50 ms':>8} {'p95 ms':>8}  not 200")
+    print(f"{'clients':>7}  {'server':<10} {'decisions/s':>11} {'p50 ms':>8} {'p95 ms':>8}  {'cpu ms/r':>9}  not 200")
     for n, row in out["rows"].items():
         for kind in SERVERS:
             if kind in row:
                 r = row[kind]
                 print(f"{n:>7}  {kind:<10} {r['decisions_per_s']:>11.1f} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f}  "
-                      f"{r['not_200'] or '-'}" + (f"  ({r['reopened']} reopened)" if r.get("reopened") else ""))
+                      f"{r['server_cpu_ms_per_request']:>9.3f}  {r['not_200'] or '-'}"
+                      + (f"  ({r['reopened']} reopened)" if r.get("reopened") else ""))
         if "gateway_over_laya_serve" in row:
             print(f"{n:>7}  gateway / laya serve: {row['gateway_over_laya_serve']}x decisions/s")
     if "gateway_minus_client_p50_ms" in out:
@@ -261,10 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", default=",".join(SERVERS), help="which of gateway,laya-serve to measure")
     ap.add_argument("--gateway-processes", type=int, default=1, help="the gateway's --processes")
     ap.add_argument("--gateway-args", default="", help="more of the gateway's flags, e.g. '--spin-us 2000'")
+    ap.add_argument("--stub", action="store_true",
+                    help="the gateway alone before a stub worker that answers at once with the checkpoint's card "
+                         "(laya_pool/tools/stub_worker.py): the gateway's own ceiling, on any machine")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    extra = ["--threads", "1"] if args.devices == "cpu" else []
-    with pool(args.model, args.frontend, args.devices, extra_args=extra) as frontend:
+    if args.stub:
+        args.servers = "gateway"
+        ctx = stub_pool(stub_args=["--model", args.model, "--direct-endpoint", "tcp://127.0.0.1:*"])
+    else:
+        extra = ["--threads", "1"] if args.devices == "cpu" else []
+        ctx = pool(args.model, args.frontend, args.devices, extra_args=extra)
+    with ctx as frontend:
         out = run(args, frontend)
     report(out)
     write(args.out, "http", out)

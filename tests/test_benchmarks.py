@@ -82,6 +82,21 @@ def test_http_measures_the_gateway_and_laya_serve_and_writes_them(tiny_ckpt, tmp
     assert got["gateway_minus_client_p50_ms"] == round(got["rows"]["1"]["gateway"]["p50_ms"]
                                                        - got["client_predict_p50_ms"], 3)
     assert "at 1 client: gateway p50 - Client.predict p50 = " in r.stdout
+    assert all(got["rows"][n][k]["server_cpu_ms_per_request"] > 0 for n in ("1", "3")
+               for k in ("gateway", "laya-serve"))
+
+
+@pytest.mark.timeout(200)
+def test_http_with_a_stub_measures_the_gateway_alone(tiny_ckpt, tmp_path):
+    """The stub worker serves the checkpoint's card, so the gateway's client encodes and decodes real requests."""
+    pytest.importorskip("uvicorn")
+    r = _run("benchmarks.http", "--model", str(tiny_ckpt), "--stub", "--clients", "4", "--seconds", "1",
+             "--warmup", "2", "--procs", "1", "--gateway-processes", "2", "--out", str(tmp_path), timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((tmp_path / "http.json").read_text())["result"]
+    assert list(got["rows"]["4"]) == ["gateway"] and got["gateway_processes"] == 2
+    row = got["rows"]["4"]["gateway"]
+    assert row["decisions_per_s"] > 0 and row["not_200"] == {} and row["server_cpu_ms_per_request"] > 0
 
 
 def test_a_benchmark_takes_no_abbreviated_flag(tiny_ckpt):

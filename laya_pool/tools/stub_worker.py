@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Workers that answer without computing: the broker's paths measured on their own.
 
-    python -m laya_pool.tools.stub_worker --backend EP [--id stub] [--credit 64] [--fingerprint HEX]
+    python -m laya_pool.tools.stub_worker --backend EP [--id stub] [--credit 64] [--fingerprint HEX | --model DIR]
                                           [--workers N] [--keys DIR] [--direct-endpoint tcp://HOST:*]
 
 Each registers like a real worker (READY with a capacity and a fingerprint), heartbeats, and answers every REQUEST
@@ -9,6 +9,9 @@ at once with an `ok` reply of the right shape: logits [M], act [R, 2] and a metr
 worker's (the broker decodes and re-encodes what a real worker sends, so the stub sends as much). A DESCRIBE gets
 a small card. With it, `python -m benchmarks.broker_rate --stub` finds the routed forward's ceiling, which a CPU worker
 hides (every call then wakes the broker alone), and `python -m benchmarks.scale` stands in 8 hosts of 8 workers.
+With `--model DIR` it serves that checkpoint's fingerprint and card (no tensors read), so clients that encode and
+decode (`predict`, the HTTP gateway) run against it: `python -m benchmarks.http --stub` measures the gateway's own
+ceiling.
 
 - `--workers N`: N workers in this process (threads; ids ID-0 ... ID-N-1), as one host's;
 - `--keys DIR`: CURVE, as a worker of a pool with keys (the worker key pair towards the broker);
@@ -47,11 +50,11 @@ def metrics_like_a_worker() -> dict[str, Any]:
             "received_at": now, "started_at": now, "launched_at": now, "landed_at": now, "done_at": now}
 
 
-def reply_frames(rid: int, rows: int, markers: int, wid: str, fp: str, metrics: dict) -> list[Any]:
+def reply_frames(rid: int, rows: int, markers: int, wid: str, fp: str, metrics: dict, n_act: int = N_ACT) -> list[Any]:
     """An ok reply to job `rid`: zeros of the sizes its header promises."""
-    header = {"rid": rid, "status": wire.STATUS_OK, "markers": markers, "rows": rows, "n_act": N_ACT,
+    header = {"rid": rid, "status": wire.STATUS_OK, "markers": markers, "rows": rows, "n_act": n_act,
               "worker": wid, "fp": fp, "metrics": metrics}
-    return [wire.PROTOCOL + bytes((Cmd.REPLY,)) + msgpack.packb(header), bytes(4 * markers), bytes(4 * rows * N_ACT)]
+    return [wire.PROTOCOL + bytes((Cmd.REPLY,)) + msgpack.packb(header), bytes(4 * markers), bytes(4 * rows * n_act)]
 
 
 def _sockets(ctx: zmq.Context, backend: str, wid: str, keys: str | None,
@@ -77,7 +80,9 @@ def _sockets(ctx: zmq.Context, backend: str, wid: str, keys: str | None,
 
 
 def serve(backend: str, wid: str, credit: int, fp: str, heartbeat_s: float = 1.0, *, keys: str | None = None,
-          direct: str | None = None, ctx: zmq.Context | None = None) -> int:
+          direct: str | None = None, ctx: zmq.Context | None = None, card: bytes | None = None,
+          n_act: int = N_ACT) -> int:
+    """`card`: the packed model card a DESCRIBE gets (default: the fingerprint alone); `n_act`: its acts."""
     s, d, said = _sockets(ctx or zmq.Context.instance(), backend, wid, keys, direct)
     ready = {"id": wid, "device": "stub", "fingerprint": fp, "credit": credit, "pid": os.getpid(), "mode": "eager",
              "generation": 0, "host": socket.gethostname(), **said,
@@ -95,9 +100,9 @@ def serve(backend: str, wid: str, credit: int, fp: str, heartbeat_s: float = 1.0
     while True:
         events = dict(poller.poll(int(heartbeat_s * 1000)))
         if events.get(s):
-            last_sent = _drain(s, lambda frames: _answer(s, frames, wid, fp, metrics, ready), last_sent)
+            last_sent = _drain(s, lambda frames: _answer(s, frames, wid, fp, metrics, ready, card, n_act), last_sent)
         if d is not None and events.get(d):
-            _drain(d, lambda frames: _answer_direct(d, frames, wid, fp, metrics), last_sent)
+            _drain(d, lambda frames: _answer_direct(d, frames, wid, fp, metrics, n_act), last_sent)
         if time.monotonic() - last_sent >= heartbeat_s:
             s.send_multipart(wire.encode(Cmd.HEARTBEAT, {"stats": {}}))
             last_sent = time.monotonic()
@@ -114,14 +119,18 @@ def _drain(sock: zmq.Socket, answer: Any, last_sent: float) -> float:
         last_sent = time.monotonic()
 
 
-def _answer(s: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict, ready: dict) -> None:
+def _answer(s: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict, ready: dict,
+            card: bytes | None = None, n_act: int = N_ACT) -> None:
     cmd = frames[0][wire.HEAD - 1]
     if cmd == Cmd.REQUEST:
         h = msgpack.unpackb(frames[0][wire.HEAD:])
-        s.send_multipart(reply_frames(h["rid"], h["rows"], h["markers"], wid, fp, metrics), copy=False)
+        s.send_multipart(reply_frames(h["rid"], h["rows"], h["markers"], wid, fp, metrics, n_act), copy=False)
     elif cmd == Cmd.DESCRIBE:
         h = msgpack.unpackb(frames[0][wire.HEAD:])
-        s.send_multipart(wire.encode_body_reply(Cmd.DESCRIBE, h["rid"], {"fingerprint": fp}))
+        if card is None:
+            s.send_multipart(wire.encode_body_reply(Cmd.DESCRIBE, h["rid"], {"fingerprint": fp}))
+        else:                         # as a worker answers it (worker/server.py)
+            s.send_multipart(wire.encode(Cmd.DESCRIBE, {"rid": h["rid"], "status": wire.STATUS_OK, "fp": fp}, card))
     elif cmd == Cmd.DISCONNECT:
         s.send_multipart(wire.encode(Cmd.READY, ready))
     elif cmd == Cmd.DRAIN:
@@ -129,13 +138,14 @@ def _answer(s: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict
         sys.exit(0)
 
 
-def _answer_direct(d: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict) -> None:
+def _answer_direct(d: zmq.Socket, frames: list[bytes], wid: str, fp: str, metrics: dict, n_act: int = N_ACT) -> None:
     """A client's own request ([its identity, the request's frames]): the reply goes back to it."""
     if len(frames) < 2 or frames[1][wire.HEAD - 1] != Cmd.REQUEST:
         return
     h = msgpack.unpackb(frames[1][wire.HEAD:])
     try:
-        d.send_multipart([frames[0], *reply_frames(h["rid"], h["rows"], h["markers"], wid, fp, metrics)], copy=False)
+        reply = reply_frames(h["rid"], h["rows"], h["markers"], wid, fp, metrics, n_act)
+        d.send_multipart([frames[0], *reply], copy=False)
     except zmq.ZMQError:
         pass            # the client left
 
@@ -147,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--id", default="stub")
     ap.add_argument("--credit", type=int, default=64)
     ap.add_argument("--fingerprint", default=STUB_FINGERPRINT)
+    ap.add_argument("--model", default=None, help="serve this checkpoint's fingerprint and card (no tensors read)")
     ap.add_argument("--workers", type=int, default=1, help="workers in this process (ids ID-0, ID-1, ...)")
     ap.add_argument("--keys", default=None, help="the pool's CURVE key directory")
     ap.add_argument("--direct-endpoint", default=None, help="each worker's direct socket, e.g. tcp://127.0.0.1:*")
     a = ap.parse_args(argv)
+    a.card, a.n_act = None, N_ACT
+    if a.model:
+        from laya_pool.worker.checkpoint import load_checkpoint
+        ckpt = load_checkpoint(a.model, with_tensors=False)
+        a.fingerprint, a.card, a.n_act = ckpt.fingerprint, wire.pack(ckpt.card()), ckpt.arch.n_act
     if a.workers == 1:
         return _run_one(a, a.id)
     threads = [threading.Thread(target=_run_one, args=(a, f"{a.id}-{i}"), daemon=True) for i in range(a.workers)]
@@ -170,7 +186,8 @@ def _run_one(a: argparse.Namespace, wid: str) -> int:
         with _AUTH_LOCK:          # one ZAP handler for the process's direct sockets, before the first binds
             if not _AUTH:
                 _AUTH.append(wire.start_authenticator(zmq.Context.instance(), {"clients": Path(a.keys) / "authorized"}))
-    return serve(a.backend, wid, a.credit, a.fingerprint, keys=a.keys, direct=a.direct_endpoint)
+    return serve(a.backend, wid, a.credit, a.fingerprint, keys=a.keys, direct=a.direct_endpoint, card=a.card,
+                 n_act=a.n_act)
 
 
 if __name__ == "__main__":
