@@ -1,7 +1,7 @@
 """HTTP decisions: the gateway (`laya-pool api` before a pool) against `laya serve` on the same checkpoint and card.
 
     python -m benchmarks.http --model /tmp/large [--devices cuda:0] [--clients 1,8,64] [--seconds 10]
-        [--gateway-processes N] [--stub] [--out DIR]
+        [--gateway-processes N] [--gateway-args "FLAGS"] [--stub] [--out DIR]
 
 N concurrent HTTP clients (--clients, each a kept-alive connection in a closed loop, spread over --procs processes)
 send one-question 1x48 requests (`laya_pool.tools.bench.make_request`) to `POST /v1/systemone` for --seconds, all

@@ -260,3 +260,60 @@ def test_a_gateway_process_that_exits_is_started_again_after_a_doubling_delay():
     assert waits == [min(MAX_DELAY_S, FIRST_DELAY_S * 2 ** i) for i in range(8)]
     assert r.due_at is None and not r.due(1e9)               # running: nothing due
     assert r.exited(r.started_at + STEADY_S) == FIRST_DELAY_S   # up long enough: the delay starts over
+
+
+
+def _counting_selector(spin_s: float):
+    from laya_pool.gateway.spin import SpinSelector
+
+    class Counting(SpinSelector):
+        polls = waits = 0
+
+        def _wait(self, timeout):
+            if timeout == 0:
+                self.polls += 1
+            else:
+                self.waits += 1
+            return super()._wait(timeout)
+    return Counting(spin_s)
+
+
+def test_the_event_loop_polls_for_its_window_after_an_event_then_sleeps():
+    import selectors
+    import socket
+    import time
+    a, b = socket.socketpair()
+    sel = _counting_selector(0.05)
+    try:
+        sel.register(a, selectors.EVENT_READ)
+        assert sel.select(0.01) == [] and (sel.polls, sel.waits) == (0, 1)     # no event yet: it sleeps at once
+        b.send(b"x")
+        assert len(sel.select(1.0)) == 1 and (sel.polls, sel.waits) == (0, 2)  # woken
+        a.recv(1)
+        b.send(b"y")
+        assert len(sel.select(1.0)) == 1 and sel.polls >= 1 and sel.waits == 2  # within the window: found by a poll
+        a.recv(1)
+        polls, t = sel.polls, time.monotonic()
+        assert sel.select(1.0) == []             # nothing comes: polls out the 50 ms window, then sleeps the rest
+        assert sel.polls - polls > 10 and sel.waits == 3 and 0.9 <= time.monotonic() - t < 1.5
+        time.sleep(0.06)
+        polls = sel.polls
+        assert sel.select(0.01) == [] and sel.polls == polls and sel.waits == 4   # past the window: asleep at once
+        assert sel.select(0) == []                                           # a zero timeout never blocks
+    finally:
+        sel.close()
+        a.close()
+        b.close()
+
+
+def test_no_spin_is_asyncios_own_loop():
+    import asyncio
+
+    from laya_pool.gateway.spin import SpinSelector, loop_factory
+    assert loop_factory(0) is asyncio.SelectorEventLoop
+    loop = loop_factory(0.002)()
+    try:
+        assert isinstance(loop._selector, SpinSelector) and loop._selector.spin_s == 0.002
+        assert loop.run_until_complete(asyncio.sleep(0.01, "slept")) == "slept"
+    finally:
+        loop.close()
