@@ -13,6 +13,7 @@ failing under it, many callers at once, and `laya-pool up --api` starting and st
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -509,6 +510,53 @@ def test_heads_that_never_arrive_and_idle_connections_are_closed(gateway):
     assert _answer(kept)[0] == 200
     assert _closed_within(kept, IDLE_TIMEOUT + 2) < READ_TIMEOUT       # idle after its answer: the keep-alive bound
     assert gateway.get("/health").status_code == 200
+
+
+def _until_closed(s: socket.socket) -> bytes:
+    """Everything `s` receives until the server closes it (a reset counts as closed); fails after 5 s open."""
+    s.settimeout(5)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def parsed_by(request, pool):
+    """A gateway of the module's pool whose connections are parsed by httptools, then by h11: its base URL."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools")
+    proc, base = start_gateway(pool.endpoint, "--http-parser", request.param)
+    yield base
+    stop_all([proc])
+
+
+def test_a_head_over_16_kib_is_400_however_it_arrives(parsed_by):
+    from laya_pool.gateway import connection
+    filler = b"X-Filler: " + b"a" * 8000 + b"\r\n"
+    for pieces in (1, 7):                        # one write, or a head trickling in over several reads
+        s = _open(parsed_by)
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + filler * 3 + b"\r\n"
+        assert len(head) > connection.MAX_HEAD_BYTES
+        step = -(-len(head) // pieces)
+        with contextlib.suppress(ConnectionError):     # closed while the rest is sent
+            for i in range(0, len(head), step):
+                s.sendall(head[i:i + step])
+                time.sleep(0.02)
+        got = _until_closed(s)          # the 400, unless the close over unread bytes reset the connection first
+        assert got.startswith(b"HTTP/1.1 400 ") or got == b"", got[:200]
+        s.close()
+    s = _open(parsed_by)                          # under the bound, and a body sent with its head: answered
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + filler + b"\r\n")
+    assert _answer(s)[0] == 200
+    body = json.dumps({"state": "y" * 40_000, "questions": QUESTIONS}).encode()
+    s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d"
+              b"\r\n\r\n" % len(body) + body)
+    assert _answer(s)[0] == 200
+    s.close()
 
 
 def test_past_max_connections_a_request_is_503(gateway):

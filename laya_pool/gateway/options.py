@@ -35,6 +35,7 @@ class GatewayConfig:
     drain_timeout: float = 5.0            # seconds in-flight requests get to finish after SIGTERM
     processes: int = 1                    # gateway processes sharing the port (gateway/processes.py)
     spin_us: int = 2000                   # microseconds the event loop polls after each event (gateway/spin.py)
+    http_parser: str = "auto"             # auto (httptools where installed), httptools or h11 (gateway/connection.py)
 
 
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="microseconds each process's event loop keeps polling after an event before it sleeps: a "
                         "request in a steady stream finds it awake (0.3 ms less at one client), a core busy while "
                         "requests come (0: off)")
+    p.add_argument("--http-parser", choices=("auto", "httptools", "h11"), default=d.http_parser,
+                   help="the HTTP/1.1 parser: httptools (C, less CPU a request) or h11; auto: httptools where "
+                        "installed")
     p.add_argument("--max-concurrent", type=settings.positive(int), default=d.max_concurrent,
                    help="requests past auth at once (bodies buffered, pool calls out); one more is answered 503")
     p.add_argument("--max-connections", type=settings.positive(int), default=d.max_connections,
@@ -116,4 +120,4 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                          read_timeout=a.read_timeout, idle_timeout=a.idle_timeout, timeout=a.call_timeout,
                          model_name=canonical(a.model_name), jev_strict=a.jev_strict,
                          root_path=a.root_path.rstrip("/"), processes=a.processes,
-                         spin_us=max(0, a.spin_us))
+                         spin_us=max(0, a.spin_us), http_parser=a.http_parser)

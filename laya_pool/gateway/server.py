@@ -1,10 +1,8 @@
 """The gateway process: the app (gateway/app.py) served by uvicorn on one asyncio event loop (no thread per
 connection), with the bounds `laya serve` leaves to its deployment.
 
-- The head of every request must arrive within `read_timeout` of the connection opening or of the previous answer;
-  else the connection is closed. uvicorn bounds a head's size (h11: 16 KiB), not its time, and resets its keep-alive
-  timer on every byte: one byte every few seconds would keep a connection forever. The body's time is the app's
-  (408, as `laya serve`).
+- Each connection's bounds (gateway/connection.py): a request head within `read_timeout` and 16 KiB, TCP_NODELAY;
+  httptools parses where it is installed, else h11. The body's time is the app's (408, as `laya serve`).
 - A kept-alive connection waiting for its next request is closed after `idle_timeout`.
 - At most `max_connections` connections at once: a request on one more is answered 503 (uvicorn's limit).
 - SIGTERM / SIGINT: stop accepting, give in-flight requests `drain_timeout`, close the pool client, exit 0.
@@ -17,56 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any
 
 from laya_pool.protocol import contract
 from laya_pool.protocol.listen import family
 
 from . import spin
+from .connection import bounded_heads, protocol_class
 from .options import GatewayConfig
 
 log = logging.getLogger("laya-pool.gateway")
 BACKLOG = 2048
-
-
-def protocol_class(read_timeout: float) -> type:
-    """uvicorn's h11 protocol, without Nagle's delay, closing a connection whose next request head is late."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class Protocol(H11Protocol):
-        head_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: Any) -> None:
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                # Headers and body go out in two writes: with Nagle's algorithm the second waits for the client's
-                # delayed ACK, 40 ms an answer. asyncio sets it only where the socket reports IPPROTO_TCP.
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self.head_timer is not None:
-                self.head_timer.cancel()
-            self.head_timer = self.loop.call_later(read_timeout, self._late)
-
-        def _late(self) -> None:
-            self.head_timer = None
-            in_request = self.cycle is not None and not self.cycle.response_complete
-            if not in_request and not self.transport.is_closing():
-                self.transport.close()      # no request head in time: idle, or a head trickling in
-
-    return Protocol
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -107,8 +65,9 @@ def run(cfg: GatewayConfig, sock: socket.socket) -> int:
     import uvicorn
 
     from .app import create_app
-    config = uvicorn.Config(create_app(cfg), http=protocol_class(cfg.read_timeout), loop="asyncio", lifespan="on",
-                            log_config=None, access_log=False, timeout_keep_alive=cfg.idle_timeout,
+    http = protocol_class(cfg.read_timeout, cfg.http_parser)
+    config = uvicorn.Config(bounded_heads(create_app(cfg)), http=http, loop="asyncio", lifespan="on", log_config=None,
+                            access_log=False, timeout_keep_alive=cfg.idle_timeout,
                             limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=round(cfg.drain_timeout),
                             backlog=BACKLOG)
     server = uvicorn.Server(config)
