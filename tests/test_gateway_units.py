@@ -317,3 +317,17 @@ def test_no_spin_is_asyncios_own_loop():
         assert loop.run_until_complete(asyncio.sleep(0.01, "slept")) == "slept"
     finally:
         loop.close()
+
+
+def test_up_polls_the_gateways_event_loop_only_for_a_cuda_pool():
+    from laya_pool.broker.supervisor import GATEWAY_SPIN_US, SupervisorConfig, gateway_argv
+
+    def argv(devices: list[str]) -> list[str]:
+        cfg = SupervisorConfig(model="m", devices=devices, frontend="tcp://127.0.0.1:5555", backend="ipc:///x")
+        cfg.api, cfg.api_processes = "8000", 3
+        return gateway_argv(cfg)
+    cuda, cpu = argv(["cuda:0", "cuda:1"]), argv(["cpu"])
+    assert cuda[cuda.index("--spin-us") + 1] == str(GATEWAY_SPIN_US) and "--spin-us" not in cpu
+    assert cpu[cpu.index("--processes") + 1] == "3" and cpu[cpu.index("--listen") + 1] == "8000"
+    from laya_pool.gateway.options import GatewayConfig
+    assert GatewayConfig().spin_us == 0           # `laya-pool api` alone does not poll

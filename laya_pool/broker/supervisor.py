@@ -42,6 +42,8 @@ log = logging.getLogger("laya-pool.supervisor")
 BROKER_STOP_S = 2.0     # the broker's grace (it fails what is queued and in flight, then closes: milliseconds)
 __all__ = ["DRAIN_TIMEOUT", "Supervisor", "SupervisorConfig"]
 
+GATEWAY_SPIN_US = 2000     # `up --api` on CUDA: the gateway's event loop polls this long after each event
+
 
 @dataclass
 class SupervisorConfig(WorkerOptions):
@@ -71,6 +73,17 @@ class Reload:
     current: str | None = None
     pid_before: int | None = None
     since: float = 0.0
+
+
+def gateway_argv(cfg: SupervisorConfig) -> list[str]:
+    """`up --api`'s gateway command line (its key goes in the environment, never here)."""
+    argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", cfg.frontend, "--listen", cfg.api,
+            "--processes", str(cfg.api_processes)]
+    if any(d.startswith("cuda") for d in cfg.devices):
+        # The event loop polls 2 ms after each event, as a CUDA worker does (decisions/0024); beside CPU workers
+        # the polling would take their cores.
+        argv += ["--spin-us", str(GATEWAY_SPIN_US)]
+    return argv + (["--keys", cfg.keys] if cfg.keys else [])
 
 
 def _direct_beyond_loopback(cfg: SupervisorConfig, env: dict[str, str]) -> bool:
@@ -126,9 +139,7 @@ class Supervisor:
         env = {k: v for k, v in self.env.items() if k not in ("LAYA_POOL_API_KEY", "LAYA_POOL_API_KEY_FILE")}
         if cfg.api_key:
             env["LAYA_POOL_API_KEY"] = cfg.api_key
-        argv = [sys.executable, "-m", "laya_pool", "api", "--frontend", cfg.frontend, "--listen", cfg.api,
-                "--processes", str(cfg.api_processes)]
-        return Child("gateway", argv + (["--keys", cfg.keys] if cfg.keys else []), env)
+        return Child("gateway", gateway_argv(cfg), env)
 
     def _singles(self) -> list[Child]:
         """The children of which there is one: the broker, and the gateway with --api."""

@@ -34,7 +34,7 @@ class GatewayConfig:
     root_path: str = ""                   # the public URL prefix behind a reverse proxy
     drain_timeout: float = 5.0            # seconds in-flight requests get to finish after SIGTERM
     processes: int = 1                    # gateway processes sharing the port (gateway/processes.py)
-    spin_us: int = 2000                   # microseconds the event loop polls after each event (gateway/spin.py)
+    spin_us: int = 0                      # microseconds the event loop polls after each event (gateway/spin.py)
     http_parser: str = "auto"             # auto (httptools where installed), httptools or h11 (gateway/connection.py)
 
 
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin-us", type=int, default=d.spin_us,
                    help="microseconds each process's event loop keeps polling after an event before it sleeps: a "
                         "request in a steady stream finds it awake (0.3 ms less at one client), a core busy while "
-                        "requests come (0: off)")
+                        "requests come (default 0: off; `up --api` sets 2000 for a pool on CUDA)")
     p.add_argument("--http-parser", choices=("auto", "httptools", "h11"), default=d.http_parser,
                    help="the HTTP/1.1 parser: httptools (C, less CPU a request) or h11; auto: httptools where "
                         "installed")

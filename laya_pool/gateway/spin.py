@@ -7,7 +7,8 @@ docs/decisions/0015-poll-windows.md). Here the loop keeps asking epoll with a ze
 last event it saw before it sleeps, so a request in a steady stream finds it awake. The price is the gateway's core
 while requests come; with no traffic for `spin_s` it sleeps as any loop does. Measured with `benchmarks.http --stub`
 (docs/decisions/0024-gateway-event-loop-polls.md): at one client 2 ms of polling took the gateway's p50 from 1.31-1.46
-to 1.07-1.12 ms; at 8 and 32 clients it changed nothing beyond the runs' spread.
+to 1.07-1.12 ms; at 8 and 32 clients it changed nothing beyond the runs' spread. Off by default: while the pool
+computes, the loop polls on a core that CPU workers on the same host would want (`up --api` turns it on for CUDA).
 
 Pure standard library: `SpinSelector` is a `selectors` selector; `loop_factory` makes the loop gateway/server.py runs.
 """
