@@ -641,6 +641,21 @@ def test_processes_share_the_port_and_one_that_dies_is_started_again(pool):
         stop_all([proc])
 
 
+def test_the_gateways_processes_die_with_it(pool):
+    proc, base = start_gateway(pool.endpoint, "--processes", "2")
+    try:
+        wait_until(lambda: len(_gateway_processes(proc.pid)) == 2, 30, "the gateway did not start 2 processes")
+        kids = _gateway_processes(proc.pid)
+        proc.kill()                        # no drain, no handler: the kernel tells the children
+        proc.wait(10)
+        wait_until(lambda: not any(k.is_running() and k.status() != "zombie" for k in kids), 15,
+                   "a gateway process outlived its parent", ignore=(Exception,))
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(base + "/health", timeout=5)
+    finally:
+        stop_all([proc])
+
+
 # ------------------------------------------------------------------------------------------------ up --api
 
 def test_up_starts_the_gateway_beside_the_pool_and_stops_it(tiny_ckpt, tmp_path):

@@ -9,12 +9,14 @@ of them, and its own bounds: `max_concurrent` and `max_connections` hold per pro
 The parent only supervises: a process that exits while the gateway is not stopping is started again after a backoff
 (`Restarts`), unless it exited because it cannot start (usage or configuration), which stops the whole gateway with
 that code. SIGTERM / SIGINT reach every process (each drains as a lone gateway does); stragglers are killed
-`drain_timeout` + 5 s later.
+`drain_timeout` + 5 s later. A process gets SIGTERM when the parent dies, so none is left holding the port.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
+import os
 import signal
 import socket
 import threading
@@ -57,11 +59,23 @@ class Restarts:
         return self.due_at is not None and now >= self.due_at
 
 
-def _child(cfg: GatewayConfig, sock: socket.socket, index: int) -> None:
+def _die_with(parent: int) -> None:
+    """SIGTERM to this process when `parent` dies (Linux), as broker/children.py does for `up`'s children: a gateway
+    process left alone would hold the port, and `up` could not start the gateway again."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:          # it died before the call above
+        os._exit(0)
+
+
+def _child(cfg: GatewayConfig, sock: socket.socket, index: int, parent: int) -> None:
     """A gateway process (spawned: nothing of the parent but these arguments and the environment)."""
     import sys
 
     from .server import run
+    _die_with(parent)
     logs.setup(f"api-{index}", settings.raw(logs.LEVEL_ENV) or "INFO", settings.raw(logs.FORMAT_ENV) or "text")
     sys.exit(run(cfg, sock))
 
@@ -78,7 +92,8 @@ class GatewayProcesses:
         self.code = contract.EXIT_OK
 
     def _start(self, i: int) -> None:
-        p = self.ctx.Process(target=_child, args=(self.cfg, self.sock, i), name=f"laya-pool-api-{i}", daemon=False)
+        p = self.ctx.Process(target=_child, args=(self.cfg, self.sock, i, os.getpid()), name=f"laya-pool-api-{i}",
+                             daemon=False)
         p.start()
         self.procs[i] = p
         self.restarts[i].started(time.monotonic())
