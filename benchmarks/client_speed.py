@@ -1,6 +1,6 @@
 """The client's own CPU cost per `predict`, by stage, for bench.py's request shapes (no pool needed).
 
-    python -m benchmarks.client_speed --model DIR [--calls 400] [--out DIR]
+    python -m benchmarks.client_speed --model DIR [--calls 400] [--stub] [--out DIR]
 
 Stages: `encode` (questions checked, state tokenized as far as the rows keep it, rows built: what runs
 before the request is sent), `encode whole` (the same with the whole state tokenized, the cost a
@@ -8,6 +8,11 @@ window saves), `pack` (rows into the wire's five arrays), `count` (the whole sta
 in a background thread while the pool computes; timed here on its own), `decode` (logits into the SDK's
 answer dicts, the count already there). Medians and p95 in ms after a warm-up; the background count of
 each encode is waited for outside the timed region so it never overlaps the next timed call.
+
+`--stub`: also the calls through a pool whose worker answers at once (a broker and laya_pool/tools/stub_worker.py
+serving this checkpoint's card, the client on the worker's direct socket), 1x48: `Client.predict`, `Client.forward`
+of the same rows, `ping`, and in-process encode + decode, rounds alternating. Predict less forward less encode +
+decode is what the predict path adds on the host beyond the stages above.
 """
 from __future__ import annotations
 
@@ -58,10 +63,43 @@ def measure(card: ModelCard, rows: int, length: int, calls: int) -> dict:
     }
 
 
+def through_stub(model: str, card: ModelCard, calls: int) -> dict:
+    """1x48 calls through a stub pool (module docstring), p50 / p95 ms each, 6 alternating rounds of `calls`."""
+    from benchmarks.common import stub_pool
+    from laya_pool import Client
+    state, questions = make_request(card, 1, 48)
+    enc = encode_request(card, state, questions)
+    zeros = np.zeros(enc.n_markers, np.float32), np.zeros((len(enc.rows), card.n_act), np.float32)
+
+    def local() -> None:
+        e = encode_request(card, state, questions)
+        decode_answers(card, e, *zeros)
+    with stub_pool(stub_args=["--model", model, "--direct-endpoint", "tcp://127.0.0.1:*"]) as frontend, \
+            Client(frontend) as client:
+        kinds = {"encode + decode": local, "predict": lambda: client.predict(state, questions),
+                 "forward": lambda: client.forward(enc.rows), "ping": client.ping}
+        samples: dict[str, list[float]] = {k: [] for k in kinds}
+        for fn in kinds.values():
+            for _ in range(calls // 2):
+                fn()
+        for rnd in range(6):
+            for k in (list(kinds) if rnd % 2 == 0 else list(kinds)[::-1]):
+                for _ in range(calls):
+                    t = time.perf_counter()
+                    kinds[k]()
+                    samples[k].append((time.perf_counter() - t) * 1e3)
+    out = {}
+    for k, xs in samples.items():
+        xs.sort()
+        out[k] = {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--model", required=True, help="a checkpoint directory (only its tokenizer and config are read)")
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--stub", action="store_true", help="also 1x48 calls through a pool whose worker answers at once")
     args = ap.parse_args(argv)
     card = ModelCard.from_dir(args.model, fingerprint="-")
     results = [measure(card, r, n, args.calls) for r, n in SHAPES]
@@ -71,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         cells = " | ".join(f"{r[s]['p50']:.3f} / {r[s]['p95']:.3f}" for s in stages)
         print(f"| {r['shape']} | {r['state_tokens']} ({r['window_tokens']}) | {cells} |")
+    if args.stub:
+        stub = through_stub(args.model, card, args.calls)
+        print("through a stub pool, 1x48, p50 / p95 ms: " + ", ".join(f"{k} {v['p50']:.3f} / {v['p95']:.3f}"
+                                                                      for k, v in stub.items()))
+        results = {"stages": results, "through_stub": stub}
     write(args.out, "client_speed", results)
     return 0
 
