@@ -248,7 +248,10 @@ def test_the_first_fault_is_the_one_reported():
 
 
 def test_a_gateway_process_that_exits_is_started_again_after_a_doubling_delay():
-    from laya_pool.gateway.processes import FIRST_DELAY_S, MAX_DELAY_S, STEADY_S, Restarts
+    from laya_pool.gateway.processes import Restarts
+    from laya_pool.protocol.lifecycle import BACKOFF_MAX as MAX_DELAY_S
+    from laya_pool.protocol.lifecycle import BACKOFF_START as FIRST_DELAY_S
+    from laya_pool.protocol.lifecycle import STABLE_AFTER as STEADY_S
     r = Restarts()
     r.started(100.0)
     waits = []

@@ -27,10 +27,10 @@ from conftest import ROOT, SUBPROCESS_ENV, LoadThreads, free_port, make_rows, re
 from prometheus_client.parser import text_string_to_metric_families
 
 from laya_pool import Client, PoolError
-from laya_pool.broker import children, remote
+from laya_pool.broker import remote
 from laya_pool.broker.host import HostView, readiness
 from laya_pool.broker.processes import WorkerProcesses
-from laya_pool.protocol import contract
+from laya_pool.protocol import contract, lifecycle
 
 HB_MS, LIVENESS = 200, 3
 # The workers take clients' requests on their direct sockets as GPU workers do by default (a CPU worker does not), over
@@ -87,7 +87,7 @@ def test_a_worker_that_cannot_be_spawned_waits_out_its_backoff_and_is_started_ag
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert (child.state, child.proc, child.restarts) == ("backoff", None, 0)
-    assert child.next_start >= failed_at + children.BACKOFF_START and child.backoff == 2 * children.BACKOFF_START
+    assert child.next_start >= failed_at + lifecycle.BACKOFF_START and child.backoff == 2 * lifecycle.BACKOFF_START
     said = [r.getMessage() for r in caplog.records if "could not start worker h-0" in r.getMessage()]
     assert len(said) == 1 and "out of file descriptors: raise `ulimit -n`" in said[0], said
     assert "trying again in 0.5 s" in said[0], said

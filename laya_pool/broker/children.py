@@ -3,33 +3,27 @@
 Shared by `laya-pool up` (broker/supervisor.py: the broker, the workers, the gateway) and `laya-pool workers`
 (broker/remote.py: this host's workers joining a broker on another host); the workers' own rules are in
 broker/processes.py. A child is a subprocess started by module name in its own session, which gets SIGTERM when its
-supervisor dies (Linux), so nothing is orphaned; a crashed one comes back after an exponential backoff (0.5 s, doubled
-per crash up to 30 s, reset once it ran a minute). One that cannot be started at all (out of file descriptors,
-processes or memory: EMFILE, EAGAIN, ENOMEM) is logged and tried again with the same backoff, while the supervisor
-and the children it has go on.
+supervisor dies (Linux), so nothing is orphaned; a crashed one comes back after the pool's backoff (0.5 s, doubled
+per crash up to 30 s, reset once it ran a minute: protocol/lifecycle.py). One that cannot be started at all (out of
+file descriptors, processes or memory: EMFILE, EAGAIN, ENOMEM) is logged and tried again with the same backoff, while
+the supervisor and the children it has go on.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from laya_pool.protocol import settings
+from laya_pool.protocol import lifecycle, settings
 
 log = logging.getLogger("laya-pool.supervisor")
 # Where this package lies (a checkout's root, or site-packages): the children import it from there.
 HOME = Path(sys.modules[__name__.split(".")[0]].__file__).resolve().parents[1]
-BACKOFF_START = 0.5
-BACKOFF_MAX = 30.0
-STABLE_AFTER = 60.0     # a child up this long has its backoff reset
 KILLED_WAIT_S = 1.0     # for the kernel to reap a SIGKILLed child; longer means it is stuck in the kernel (D state)
 
 
@@ -41,7 +35,7 @@ class Child:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     restarts: int = 0
-    backoff: float = BACKOFF_START
+    backoff: float = lifecycle.BACKOFF_START
     next_start: float = 0.0
     state: str = "starting"      # running | backoff | down (drained / config error) | stopped
     last_exit: int | None = None
@@ -51,19 +45,6 @@ class Child:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
-
-
-try:  # loaded here, in the parent: dlopen after fork, with zmq's threads about, can deadlock the child
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:
-    _LIBC = None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the supervisor dies (Linux), so nothing is orphaned."""
-    if _LIBC is not None:
-        with contextlib.suppress(Exception):
-            _LIBC.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def environment() -> dict[str, str]:
@@ -100,14 +81,15 @@ def _spawn_hint(e: BaseException) -> str:
 def start(child: Child, extra: list[str] | None = None) -> None:
     """Start `child` (`extra`: arguments for this start only); one that cannot be spawned waits out its backoff."""
     try:
-        child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env, preexec_fn=_die_with_parent,
+        child.proc = subprocess.Popen(child.argv + (extra or []), env=child.env,
+                                      preexec_fn=lifecycle.die_with_parent,
                                       start_new_session=True)
     except (OSError, subprocess.SubprocessError) as e:
         # Out of file descriptors, processes or memory (EMFILE, EAGAIN, ENOMEM): what runs keeps running, and this
         # child is tried again with its backoff, as after a crash.
         child.state, child.next_start = "backoff", time.monotonic() + child.backoff
         log.error("could not start %s: %s%s; trying again in %.1f s", child.name, e, _spawn_hint(e), child.backoff)
-        child.backoff = min(BACKOFF_MAX, child.backoff * 2)
+        child.backoff = lifecycle.next_backoff(child.backoff)
         return
     child.started = time.monotonic()
     child.state = "running"
@@ -122,8 +104,7 @@ def exited(child: Child) -> int | None:
     if code is None:
         return None
     child.last_exit = code
-    if time.monotonic() - child.started > STABLE_AFTER:
-        child.backoff = BACKOFF_START
+    child.backoff = lifecycle.backoff_after(child.backoff, time.monotonic() - child.started)
     return code
 
 
@@ -140,7 +121,7 @@ def crashed(child: Child) -> None:
     log.warning("%s (pid %d) died (%s); restarting in %.1f s", child.name, child.proc.pid, how, child.backoff)
     child.restarts += 1
     child.state, child.next_start = "backoff", time.monotonic() + child.backoff
-    child.backoff = min(BACKOFF_MAX, child.backoff * 2)
+    child.backoff = lifecycle.next_backoff(child.backoff)
 
 
 def due(child: Child, now: float) -> bool:

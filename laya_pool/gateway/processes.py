@@ -6,14 +6,14 @@ listening socket, which the parent binds before starting them (so a taken port i
 kernel hands each new connection to one of them. Each has its own pool client, so the workers merge requests from all
 of them, and its own bounds: `max_concurrent` and `max_connections` hold per process.
 
-The parent only supervises: a process that exits while the gateway is not stopping is started again after a backoff
-(`Restarts`), unless it exited because it cannot start (usage or configuration), which stops the whole gateway with
-that code. SIGTERM / SIGINT reach every process (each drains as a lone gateway does); stragglers are killed
-`drain_timeout` + 5 s later. A process gets SIGTERM when the parent dies, so none is left holding the port.
+The parent only supervises: a process that exits while the gateway is not stopping is started again after the pool's
+one backoff (`Restarts`: 0.5 s, doubling to 30 s; protocol/lifecycle.py), unless it exited because it cannot start
+(usage or configuration), which stops the whole gateway with that code. SIGTERM / SIGINT reach every process (each
+drains as a lone gateway does); stragglers are killed `drain_timeout` + 5 s later. A process gets SIGTERM when the
+parent dies, so none is left holding the port.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -24,23 +24,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from laya_pool.protocol import contract, logs, settings
+from laya_pool.protocol import contract, lifecycle, logs, settings
 
 from .options import GatewayConfig
 
 log = logging.getLogger("laya-pool.gateway")
 
-FIRST_DELAY_S = 0.5          # a process that exits is started again this long after, doubling to MAX_DELAY_S
-MAX_DELAY_S = 30.0
-STEADY_S = 60.0              # up this long, a process's next exit starts from FIRST_DELAY_S again
 KILL_GRACE_S = 5.0           # past drain_timeout, before a stopping process is killed
 FATAL = (contract.EXIT_USAGE, contract.EXIT_CONFIG)
 
 
 @dataclass
 class Restarts:
-    """When one process slot starts its process again. Pure: the caller gives the clock."""
-    delay: float = FIRST_DELAY_S
+    """When one process slot starts its process again, by the pool's one backoff (protocol/lifecycle.py). Pure: the
+    caller gives the clock."""
+    delay: float = lifecycle.BACKOFF_START
     started_at: float = 0.0
     due_at: float | None = None            # None: running (or not yet started)
 
@@ -49,10 +47,8 @@ class Restarts:
 
     def exited(self, now: float) -> float:
         """The process exited at `now`: the delay before its next start (which `due` then answers)."""
-        if now - self.started_at >= STEADY_S:
-            self.delay = FIRST_DELAY_S
-        wait, self.delay = self.delay, min(MAX_DELAY_S, self.delay * 2)
-        self.due_at = now + wait
+        wait = lifecycle.backoff_after(self.delay, now - self.started_at)
+        self.delay, self.due_at = lifecycle.next_backoff(wait), now + wait
         return wait
 
     def due(self, now: float) -> bool:
@@ -60,13 +56,9 @@ class Restarts:
 
 
 def _die_with(parent: int) -> None:
-    """SIGTERM to this process when `parent` dies (Linux), as broker/children.py does for `up`'s children: a gateway
-    process left alone would hold the port, and `up` could not start the gateway again."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:          # it died before the call above
+    """SIGTERM to this process when `parent` dies: a gateway process left alone would hold the port, and `up` could
+    not start the gateway again."""
+    if lifecycle.die_with_parent() and os.getppid() != parent:      # it died before the call
         os._exit(0)
 
 
