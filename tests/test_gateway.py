@@ -401,6 +401,59 @@ def test_the_harness_catches_a_planted_difference(oracle, gateway):
             expect_same(want, plant)
 
 
+def _in_process(app, **kw):
+    from starlette.testclient import TestClient
+    return TestClient(app, raise_server_exceptions=False, **kw)
+
+
+def _same_bytes(a: httpx.Response, b: httpx.Response) -> None:
+    """Status, header names and values in order (the inference time's value apart), and body bytes."""
+    def heads(r):
+        return [(k, "t" if k in ("x-inference-time-ms", "server-timing") else v) for k, v in r.headers.multi_items()]
+    assert (a.status_code, heads(a), a.content) == (b.status_code, heads(b), b.content)
+
+
+def test_the_decision_routes_in_front_answer_as_fastapis_routes_do(pool):
+    """gateway/routes.py answers the decision routes before FastAPI is entered; FastAPI's own routes (served alone)
+    answer through the same function. On good input, each kind of refusal and a fault: the same bytes."""
+    from laya_pool.gateway.app import create_app
+    from laya_pool.gateway.options import GatewayConfig
+    from laya_pool.gateway.routes import in_front
+
+    cfg = GatewayConfig(frontend=pool.endpoint, api_key=KEY, max_concurrent=4)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    asks = [("/v1/systemone", {"json": GOOD[0], "headers": auth}),
+            ("/v1/systemone/batch", {"json": {"states": STATES[:2], "questions": QUESTIONS}, "headers": auth}),
+            ("/v1/systemone", {"json": GOOD[0]}),                                             # 401
+            ("/v1/systemone", {"content": b"{", "headers": auth}),                            # 400
+            ("/v1/systemone", {"json": {"state": "x", "questions": {"a": 5}}, "headers": auth}),     # 422
+            ("/v1/systemone", {"content": b"{}", "headers": {**auth, "Content-Length": str(3 << 20)}}),  # 413
+            ("/v1/systemone", {"json": {**GOOD[0], "questions": {f"q{i}": URGENT for i in range(MAX_ROWS + 4)}},
+                               "headers": auth})]                                             # 413: the pool's limit
+    with _in_process(create_app(cfg)) as alone, _in_process(in_front(create_app(cfg))) as fronted:
+        answers = [(alone.post(path, **kw), fronted.post(path, **kw)) for path, kw in asks]
+    assert [a.status_code for a, _ in answers] == [200, 200, 401, 400, 422, 413, 413]
+    for a, b in answers:
+        _same_bytes(a, b)
+
+    class NotJson:      # a fault no pool causes (an answer JSON cannot carry), put where the pool's answer goes
+        async def predict(self, *a, **kw):
+            return {"answers": {}, "usage": {}, "x": float("nan")}
+
+        def close(self):
+            pass
+    faulty = [create_app(cfg, NotJson) for _ in range(2)]
+    with _in_process(faulty[0]) as alone, _in_process(in_front(faulty[1])) as fronted:
+        a, b = (c.post("/v1/systemone", json=GOOD[0], headers=auth) for c in (alone, fronted))
+    assert a.status_code == 500 and a.text == "Internal Server Error"
+    _same_bytes(a, b)
+    good = answers[0][0]
+    for planted in (httpx.Response(200, headers=[*good.headers.multi_items(), ("x-more", "1")], content=good.content),
+                    httpx.Response(200, headers=good.headers.multi_items(), content=good.content.replace(b":", b": "))):
+        with pytest.raises(AssertionError):
+            _same_bytes(good, planted)
+
+
 # ------------------------------------------------------------------------------------------------ auth
 
 def test_bearer_auth_is_laya_serves(router, pool, tmp_path):

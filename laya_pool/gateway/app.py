@@ -24,7 +24,6 @@ from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
-from starlette.requests import ClientDisconnect
 
 from laya_pool.client.errors import (
     PoolBusy,
@@ -38,7 +37,7 @@ from laya_pool.client.errors import (
 from laya_pool.client.pool import AsyncClient
 from laya_pool.protocol.contract import Reason, WorkerState
 
-from . import calls, jev, limits
+from . import calls, jev, limits, routes
 from .limits import Refusal
 from .naming import Checkpoint
 from .options import GatewayConfig
@@ -119,30 +118,35 @@ class Gateway:
             self.admission.release()
 
     # -- a decision request -------------------------------------------------------------------------------------
-    async def read_body(self, request: Request) -> Any:
-        """The JSON body: at most MAX_BODY_BYTES however it is framed (413), within read_timeout (408)."""
-        if limits.declared_too_large(request.headers.get("content-length")):
+    async def read_body(self, content_length: str | None, receive: Any) -> Any:
+        """The JSON body from the ASGI `receive`: at most MAX_BODY_BYTES however it is framed (413), within
+        read_timeout (408)."""
+        if limits.declared_too_large(content_length):
             raise Refusal(413, "request body too large")
 
         async def collect() -> bytes:
             total, chunks = 0, []
-            async for chunk in request.stream():
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise Refusal(400, "the client closed the connection before its body arrived")
+                chunk = message.get("body", b"")
                 total += len(chunk)
                 if total > limits.MAX_BODY_BYTES:
                     raise Refusal(413, "request body too large")
                 chunks.append(chunk)
-            return b"".join(chunks)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
         try:
             raw = await asyncio.wait_for(collect(), self.cfg.read_timeout)
         except asyncio.TimeoutError:
             raise Refusal(408, "request body was not received in time") from None
-        except ClientDisconnect:
-            raise Refusal(400, "the client closed the connection before its body arrived") from None
         return limits.parse_json(raw)
 
-    async def answer(self, request: Request, plan: Callable[[Any, Checkpoint], calls.Call],
-                     batch: bool) -> JSONResponse:
-        call = plan(await self.read_body(request), self.checkpoint)
+    async def answer(self, content_length: str | None, receive: Any, plan: Callable[[Any, Checkpoint], calls.Call],
+                     batch: bool) -> tuple[Any, dict[str, str]]:
+        """A decision request's answer (the JSON content and its headers); a Refusal for an HTTP error."""
+        call = plan(await self.read_body(content_length, receive), self.checkpoint)
         t0 = time.perf_counter()
         try:
             if batch:
@@ -154,10 +158,10 @@ class Gateway:
         ms = (time.perf_counter() - t0) * 1e3
         shown = [self.shape({**r, "routing": call.routing}) for r in results]
         if not batch:
-            return JSONResponse(shown[0], headers=timing(ms))
+            return shown[0], timing(ms)
         total = {key: sum(r.get("usage", {}).get(key, 0) for r in results) for key in ("input_tokens",
                                                                                          "output_tokens")}
-        return JSONResponse({"results": shown, "total_usage": total}, headers=timing(ms))
+        return {"results": shown, "total_usage": total}, timing(ms)
 
     def shape(self, result: dict[str, Any]) -> dict[str, Any]:
         return jev.project_strict(result) if self.cfg.jev_strict else jev.add_jev_confidence(result)
@@ -220,16 +224,14 @@ def create_app(cfg: GatewayConfig, client_factory: Callable[[], Any] | None = No
             return LIVENESS
         return await gw.health()
 
+    # Answered by gateway/routes.py, in front of this app; declared here for the OpenAPI document and 405s, and
+    # answered the same way when the app is served alone.
     @app.post("/v1/systemone")
     async def systemone(request: Request, authorization: str | None = Header(default=None)):
-        gw.check_auth(authorization)
-        async with gw.admit():
-            return await gw.answer(request, calls.single, batch=False)
+        return routes.Answer(gw, routes.ROUTES["/v1/systemone"])
 
     @app.post("/v1/systemone/batch")
     async def systemone_batch(request: Request, authorization: str | None = Header(default=None)):
-        gw.check_auth(authorization)
-        async with gw.admit():
-            return await gw.answer(request, calls.batch, batch=True)
+        return routes.Answer(gw, routes.ROUTES["/v1/systemone/batch"])
 
     return app

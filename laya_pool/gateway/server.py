@@ -65,11 +65,12 @@ def run(cfg: GatewayConfig, sock: socket.socket) -> int:
     import uvicorn
 
     from .app import create_app
+    from .routes import in_front
     http = protocol_class(cfg.read_timeout, cfg.http_parser)
-    config = uvicorn.Config(bounded_heads(create_app(cfg)), http=http, loop="asyncio", lifespan="on", log_config=None,
-                            access_log=False, timeout_keep_alive=cfg.idle_timeout,
-                            limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=round(cfg.drain_timeout),
-                            backlog=BACKLOG)
+    app = bounded_heads(in_front(create_app(cfg)))
+    config = uvicorn.Config(app, http=http, loop="asyncio", lifespan="on", log_config=None, access_log=False,
+                            timeout_keep_alive=cfg.idle_timeout, limit_concurrency=cfg.max_connections,
+                            timeout_graceful_shutdown=round(cfg.drain_timeout), backlog=BACKLOG)
     server = uvicorn.Server(config)
     loop = spin.loop_factory(cfg.spin_us / 1e6)()          # asyncio's own loop unless --spin-us
     asyncio.set_event_loop(loop)
