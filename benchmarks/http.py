@@ -8,9 +8,10 @@ send one-question 1x48 requests (`laya_pool.tools.bench.make_request`) to `POST 
 starting together once every connection has warmed up (--warmup requests each): first to the gateway (a pool started
 here on --devices unless --frontend names one), then to `laya serve` (`python -m laya.serve`, the SDK's server, this
 checkpoint as its `english`, on the first of --devices), alternating which goes first from one N to the next. Prints
-decisions per second (answers 200 a second), the p50 / p95 of every request and the server's CPU per request (its
-processes', children included), the gateway's throughput over laya serve's, and at 1 client the gateway's p50 less
-the pooled `Client.predict` p50 measured in the same run.
+decisions per second (answers 200 a second), the p50 / p95 of every request, the p50 of the server's own inference
+time (`inside`: its X-Inference-Time-Ms, the pool call in the gateway, the forward in laya serve), the server's CPU
+per request (its processes', children included), the gateway's throughput over laya serve's, and at 1 client the
+gateway's p50 less the pooled `Client.predict` p50 measured in the same run.
 
 `--stub`: the gateway alone, before a broker and a stub worker that answers at once with the checkpoint's card and
 zeros (laya_pool/tools/stub_worker.py): what one gateway process can answer, on any machine.
@@ -50,14 +51,17 @@ def request_bytes(model: str) -> bytes:
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
-    """Send `request`, read its answer whole; the status code."""
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    request: bytes) -> tuple[int, float | None]:
+    """Send `request`, read its answer whole; the status code and the answer's X-Inference-Time-Ms (the server's own
+    time for the inference: the pool call in the gateway, the forward in laya serve), if it has one."""
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
-    await reader.readexactly(length)
-    return int(head.split(b" ", 2)[1])
+    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+    fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+    await reader.readexactly(int(fields.get(b"content-length", 0)))
+    inside = fields.get(b"x-inference-time-ms")
+    return int(head.split(b" ", 2)[1]), None if inside is None else float(inside)
 
 
 STALE = (asyncio.IncompleteReadError, ConnectionError)    # a kept-alive connection the server closed
@@ -68,7 +72,7 @@ async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
 
 
 async def _connections(port: int, request: bytes, n: int, seconds: float, warmup: int, ready: Any,
-                       start: Any) -> tuple[list[float], Counter]:
+                       start: Any) -> tuple[list[float], list[float], Counter]:
     """`n` connections, warmed up together, then each in a closed loop for `seconds`. A server closes a kept-alive
     connection left idle past its keep-alive timeout (uvicorn's 5 s, in both servers), as it may while the other
     processes warm up: such a connection is reopened and the request sent again, as HTTP clients do, the reopening
@@ -76,7 +80,7 @@ async def _connections(port: int, request: bytes, n: int, seconds: float, warmup
     conns = [list(await _open(port)) for _ in range(n)]
     codes: Counter = Counter()
 
-    async def send(c: list) -> int:
+    async def send(c: list) -> tuple[int, float | None]:
         try:
             return await _exchange(c[0], c[1], request)
         except STALE:
@@ -92,24 +96,27 @@ async def _connections(port: int, request: bytes, n: int, seconds: float, warmup
     ready.put(1)
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
     codes.clear()
-    end, lat = time.perf_counter() + seconds, []
+    end, lat, inside = time.perf_counter() + seconds, [], []
 
     async def closed_loop(c: list) -> None:
         while time.perf_counter() < end:
             t = time.perf_counter()
-            codes[await send(c)] += 1
+            code, ms = await send(c)
             lat.append((time.perf_counter() - t) * 1e3)
+            codes[code] += 1
+            if ms is not None:
+                inside.append(ms)
     await asyncio.gather(*(closed_loop(c) for c in conns))
     for c in conns:
         c[1].close()
-    return lat, codes
+    return lat, inside, codes
 
 
 def clients(port: int, request: bytes, n: int, seconds: float, warmup: int, ready: Any, start: Any,
             results: Any) -> None:
-    """A process of `n` HTTP clients; its latencies (ms) of answers 200 and its status counts."""
-    lat, codes = asyncio.run(_connections(port, request, n, seconds, warmup, ready, start))
-    results.put((lat, dict(codes)))
+    """A process of `n` HTTP clients; its latencies (ms), the servers' inference times (ms) and its status counts."""
+    lat, inside, codes = asyncio.run(_connections(port, request, n, seconds, warmup, ready, start))
+    results.put((lat, inside, dict(codes)))
 
 
 def measure(port: int, request: bytes, n: int, seconds: float, warmup: int, procs: int) -> dict[str, Any]:
@@ -129,11 +136,14 @@ def measure(port: int, request: bytes, n: int, seconds: float, warmup: int, proc
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    lat = sorted(x for part, _ in out for x in part)
-    codes = sum((Counter(c) for _, c in out), Counter())
+    lat = sorted(x for part, _, _ in out for x in part)
+    inside = [x for _, part, _ in out for x in part]
+    codes = sum((Counter(c) for _, _, c in out), Counter())
     ok, reopened = codes.get(200, 0), codes.pop("reopened", 0)
     return {"clients": n, "decisions_per_s": round(ok / seconds, 1), "p50_ms": round(statistics.median(lat), 3),
-            "p95_ms": round(lat[int(0.95 * (len(lat) - 1))], 3), "requests": sum(codes.values()),
+            "p95_ms": round(lat[int(0.95 * (len(lat) - 1))], 3),
+            "inference_p50_ms": round(statistics.median(inside), 3) if inside else None,
+            "requests": sum(codes.values()),
             "not_200": {str(k): v for k, v in codes.items() if k != 200}, "reopened": reopened}
 
 
@@ -255,12 +265,15 @@ def run(args: Any, frontend: str) -> dict[str, Any]:
 
 
 def report(out: dict[str, Any]) -> None:
-    print(f"{'clients':>7}  {'server':<10} {'decisions/s':>11} {'p50 ms':>8} {'p95 ms':>8}  {'cpu ms/r':>9}  not 200")
+    print(f"{'clients':>7}  {'server':<10} {'decisions/s':>11} {'p50 ms':>8} {'p95 ms':>8} {'inside':>7}  "
+          f"{'cpu ms/r':>9}  not 200")
     for n, row in out["rows"].items():
         for kind in SERVERS:
             if kind in row:
                 r = row[kind]
-                print(f"{n:>7}  {kind:<10} {r['decisions_per_s']:>11.1f} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f}  "
+                inside = "-" if r.get("inference_p50_ms") is None else f"{r['inference_p50_ms']:.3f}"
+                print(f"{n:>7}  {kind:<10} {r['decisions_per_s']:>11.1f} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f} "
+                      f"{inside:>7}  "
                       f"{r['server_cpu_ms_per_request']:>9.3f}  {r['not_200'] or '-'}"
                       + (f"  ({r['reopened']} reopened)" if r.get("reopened") else ""))
         if "gateway_over_laya_serve" in row:

@@ -87,6 +87,7 @@ def test_http_measures_the_gateway_and_laya_serve_and_writes_them(tiny_ckpt, tmp
             row = got["rows"][n][kind]
             assert row["clients"] == int(n) and row["decisions_per_s"] > 0 and row["not_200"] == {}
             assert 0 < row["p50_ms"] <= row["p95_ms"] and row["requests"] >= row["decisions_per_s"]
+            assert 0 < row["inference_p50_ms"] <= row["p50_ms"]      # a part of each request's time, read per answer
         assert got["rows"][n]["gateway_over_laya_serve"] == round(
             got["rows"][n]["gateway"]["decisions_per_s"] / got["rows"][n]["laya-serve"]["decisions_per_s"], 2)
     assert got["gateway_minus_client_p50_ms"] == round(got["rows"]["1"]["gateway"]["p50_ms"]
@@ -107,6 +108,7 @@ def test_http_with_a_stub_measures_the_gateway_alone(tiny_ckpt, tmp_path):
     assert list(got["rows"]["4"]) == ["gateway"] and got["gateway_processes"] == 2
     row = got["rows"]["4"]["gateway"]
     assert row["decisions_per_s"] > 0 and row["not_200"] == {} and row["server_cpu_ms_per_request"] > 0
+    assert 0 < row["inference_p50_ms"] <= row["p50_ms"]
 
 
 def test_a_benchmark_takes_no_abbreviated_flag(tiny_ckpt):
