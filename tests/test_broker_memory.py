@@ -17,7 +17,7 @@ import pytest
 import zmq
 from conftest import ROOT, SUBPROCESS_ENV, make_rows, wait_until
 
-from laya_pool.broker.unread import GRACE_S, MESSAGE_COST, SAMPLE_S, TRIM_BYTES, Unread
+from laya_pool.broker.unread import GRACE_S, MESSAGE_COST, SAMPLE_S, TRIM_BYTES, Unread, probe
 from laya_pool.client.pool import Client, local_pool
 from laya_pool.protocol import wire
 from laya_pool.worker.inbox import direct_limits
@@ -40,7 +40,16 @@ def test_the_unread_rule_from_a_table():
     assert not u.mark_due(b"a", 0.01)           # one mark in SAMPLE_S
     u.add(b"a", 40, 0.01)
     assert u.admit(b"a", 1, 0.02)               # past the bound, but a's mark is younger than GRACE_S
-    assert not u.admit(b"a", 1, GRACE_S + 0.001)     # past the bound, and a has not taken a reply that old
+    late = Tracker()
+    u.probed(late, GRACE_S)                     # a probe made GRACE_S after a's mark, not reported yet: the
+    assert u.admit(b"a", 1, 1.0)                # reports run late, so a may have taken it: not judged, however old
+    early = Tracker()
+    early.done = True
+    u.probed(early, GRACE_S - 0.001)            # reported, but made less than GRACE_S after a's mark
+    assert u.admit(b"a", 1, 1.0) and u.reported == float("-inf")    # (and behind the late one: not read yet)
+    late.done = True
+    assert not u.admit(b"a", 1, GRACE_S + 0.001)     # past the bound, a's mark not taken GRACE_S on: not reading
+    assert u.reported == GRACE_S
     assert u.admit(b"b", 50, 0.06)              # b holds nothing: its reply goes
     u.add(b"b", 50, 0.06)                       # (not marked: mark_due is the caller's question)
     assert u.total == 150 + 3 * c and u.held(b"a") == 100 + 2 * c
@@ -56,6 +65,31 @@ def test_the_unread_rule_from_a_table():
     big.done = True
     u.settle(2.0)
     assert u.trim_due(10.0) and not u.trim_due(10.5)  # once, then not again within a second
+
+
+def test_a_probe_is_reported_after_every_let_go_before_it():
+    """The order `Unread` relies on, with pyzmq's own trackers: a sent message that ZeroMQ let go of before a probe
+    was made is reported (its tracker done) by the time the probe is."""
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        b.bind("inproc://probe")
+        a.connect("inproc://probe")
+        for _ in range(200):
+            sent = a.send(zmq.Frame(b"x" * 64, track=True, copy=False), copy=False, track=True)   # (as sockets.py)
+            assert not sent.done
+            b.recv()                                  # its message let go of here
+            p = probe()
+            wait_until(lambda p=p: p.done, 10, "the probe was never reported", interval=1e-4)
+            assert sent.done
+        kept = a.send(zmq.Frame(b"y" * 64, track=True, copy=False), copy=False, track=True)  # not received: held
+        p = probe()
+        wait_until(lambda: p.done, 10, "the probe was never reported", interval=1e-4)
+        assert not kept.done
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
 
 
 def _vm(pid: int, key: str) -> int:

@@ -24,7 +24,7 @@ from .metering import Meter
 from .monitor import LogLimiter, SocketWatch
 from .replies import frames_bytes
 from .table import WorkerInfo
-from .unread import Unread, trim
+from .unread import Unread, probe, trim
 
 _MORE = wire.DONTWAIT | wire.SNDMORE
 PEER_BUFFER_BYTES = 256 << 20   # what one peer's messages waiting to be read may hold, at the largest frame
@@ -117,6 +117,8 @@ class Sockets:
                      "earlier replies: replies unread by all clients are at --unread-max-bytes (%d)",
                      self.unread.held(peer), self.cfg.unread_max_bytes)
             return
+        if self.unread.probe_due(now):
+            self.unread.probed(probe(), now)
         if self.unread.mark_due(peer, now):
             tracker = self._send_tracked(envelope, frames)
             sent = tracker is not None
