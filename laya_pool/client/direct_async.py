@@ -1,7 +1,8 @@
 """The asyncio client's requests straight to the workers: client/direct.py's routes, read by tasks instead of a poller.
 
-Each route's socket and monitor are read by tasks of their own through asyncio views of them (`_watch`): a reply goes
-to its call (the client's `_read` and `_deliver`), a dropped connection re-sends at once what was on it. A first
+Each route's socket is read by a callback on its descriptor (client/reader.py), its monitor by a task through an
+asyncio view of it (`_watch`): a reply goes to its call (the client's `_received` and `_deliver`), a dropped connection
+re-sends at once what was on it. A first
 attempt (`send`) goes on the route's lane when other calls of the client are out and the lane is free, else on the
 route's socket, or, with `together`, in one REQUESTS message with the other requests of the same turn of the event
 loop to that worker (`_send_together`).
@@ -9,7 +10,6 @@ loop to that worker (`_send_together`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -22,6 +22,7 @@ from laya_pool.protocol.wire import Cmd
 from .direct import RETRY_S, RING_IT, ROUTES_TIMEOUT_S, Routes
 from .errors import PoolError
 from .plans import header_only
+from .reader import Reader
 from .watch import RECONNECTED
 
 log = logging.getLogger("laya-pool.client")
@@ -42,7 +43,8 @@ class AsyncRoutes:
         self.routes = Routes(zmq.Context.shadow(ctx.underlying), None, wire.MAX_BODY_BYTES + wire.MAX_HEADER_BYTES,
                              watch=self._watch, unwatch=self._unwatch, keys=client.keys, key_role=client.key_role,
                              lanes=lanes)
-        self.tasks: dict[str, tuple[list[asyncio.Task], list[Any]]] = {}    # worker -> (its readers, their views)
+        # worker -> its socket's reader, its monitor's task and that task's asyncio view of the monitor
+        self.readers: dict[str, tuple[Reader, asyncio.Task, Any]] = {}
         # Direct requests waiting for this turn's REQUESTS message, by worker (`_send_together`).
         self.outbox: dict[str, list[tuple[int, list[Any], asyncio.Future]]] = {}
 
@@ -64,24 +66,30 @@ class AsyncRoutes:
             await self.send_asks()
 
     async def send_asks(self) -> None:
-        """Lane requests the routes made (client/direct.py `take_asks`), through each route's asyncio view."""
+        """Lane requests the routes made (client/direct.py `take_asks`), on their routes' sockets."""
         for r, ask in self.routes.take_asks():
-            tasks = self.tasks.get(r.worker)
-            try:
-                if tasks is None:
-                    raise zmq.Again
-                await tasks[1][0].send_multipart(ask, flags=zmq.NOBLOCK)
-            except zmq.Again:
+            if not self._send_on(r, ask):
                 self.routes.unask(r)          # (asked for again with a later table)
 
-    async def send(self, rid: int, framed: list[Any]) -> bool:
-        """Through the route's asyncio view, never its plain socket: a send on a ZeroMQ socket may take the
-        edge-triggered readiness of its file descriptor that the view's pending receive waits on, and a reply that
-        came meanwhile would then wait for the next event to be read (pyzmq's own sends look again; ours would not)."""
-        r = self.routes.choose()
-        if r is None or r.worker not in self.tasks:
+    def _send_on(self, r: Any, frames: list[Any]) -> bool:
+        """`frames` on `r`'s socket if its queue takes them now; its reader looks again after (a send may take the
+        edge of the descriptor it waits on: client/reader.py)."""
+        readers = self.readers.get(r.worker)
+        if readers is None:
             return False
-        view = self.tasks[r.worker][1][0]
+        try:
+            r.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:           # its queue is full
+            return False
+        finally:
+            readers[0].sent()
+        return True
+
+    async def send(self, rid: int, framed: list[Any]) -> bool:
+        """A first attempt on a route's lane or socket (False: none took it; it goes through the broker)."""
+        r = self.routes.choose()
+        if r is None or r.worker not in self.readers:
+            return False
         # A lane only with other calls of this client out (`_waiters` holds this one too). The event loop cannot wait
         # on a lane, so a lane's answer comes as a ring on this very socket and then a read of the lane: for a lone
         # call that costs more than the answer on the socket (1x48 at 1 in flight, H200 host: 2.01 against 1.88 ms
@@ -90,8 +98,7 @@ class AsyncRoutes:
         if len(self.client._waiters) > 1 and r.lane_open and r.lane_rid is None:
             took = self.routes.on_lane(r, rid, framed)
             if took is RING_IT:
-                with contextlib.suppress(zmq.Again):     # its queue is full: it is awake enough
-                    await view.send_multipart(self.routes.ring(r), flags=zmq.NOBLOCK)
+                self._send_on(r, self.routes.ring(r))    # (its queue full: it is awake enough)
             if took:
                 return True
         # This client reads BUNDLEs (`_deliver`): the worker may answer this request with the others of ours it runs in
@@ -100,9 +107,7 @@ class AsyncRoutes:
         if (self.client.together and r.together and len(self.client._waiters) > 1 and len(framed) == 2
                 and len(framed[1]) <= TOGETHER_BYTES):
             return await self._send_together(r, rid, framed)
-        try:
-            await view.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:           # its queue is full
+        if not self._send_on(r, framed):
             return False
         self.routes.took(r, rid)
         return True
@@ -131,13 +136,9 @@ class AsyncRoutes:
             part = [item for item in queued[at:end] if self.routes.by_rid.get(item[0]) is r]
             ok = False
             try:
-                tasks = self.tasks.get(r.worker)
-                if part and tasks is not None:
+                if part:           # (its queue full: these go through the broker)
                     frames = part[0][1] if len(part) == 1 else wire.requests_message([f for _, f, _ in part])
-                    await tasks[1][0].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    ok = True
-            except zmq.Again:       # its queue is full: these go through the broker
-                pass
+                    ok = self._send_on(r, frames)
             except Exception:       # noqa: BLE001 - a call must never wait on a send that will not happen
                 log.exception("could not send %d requests to worker %s together", len(part), r.worker)
             finally:
@@ -160,28 +161,24 @@ class AsyncRoutes:
     def _watch(self, r: Any) -> None:
         import zmq.asyncio
 
-        views = [zmq.asyncio.Socket.shadow(r.sock.underlying), zmq.asyncio.Socket.shadow(r.mon.underlying)]
-        tasks = [asyncio.ensure_future(self.client._read(views[0], f"worker {r.worker}", r)),
-                 asyncio.ensure_future(self._watch_monitor(r, views[0], views[1]))]
-        self.tasks[r.worker] = (tasks, views)
+        source = f"worker {r.worker}"
+        reader = Reader(r.sock, lambda frames: self.client._received(frames, source, r), source)
+        mon = zmq.asyncio.Socket.shadow(r.mon.underlying)
+        self.readers[r.worker] = (reader, asyncio.ensure_future(self._watch_monitor(r, reader, mon)), mon)
 
     def _unwatch(self, r: Any) -> None:
-        tasks, views = self.tasks.pop(r.worker, ([], []))
-        for t in tasks:
-            t.cancel()
-        for v in views:
-            v.close(linger=0)         # the asyncio views own nothing of their own: this closes the route's sockets
+        """Stop reading `r` (its sockets are closed after, by `Routes`)."""
+        if r.worker in self.readers:
+            reader, task, mon = self.readers.pop(r.worker)
+            reader.close()
+            task.cancel()
+            mon.close(linger=0)       # an asyncio view owns nothing of its own: this closes the route's monitor
 
-    async def _watch_monitor(self, r: Any, view: Any, mon: Any) -> None:
+    async def _watch_monitor(self, r: Any, reader: Reader, mon: Any) -> None:
         """A route's connection events: a dropped one re-sends at once what was on it (its replies read first)."""
         while True:
             await mon.poll(flags=zmq.POLLIN)
-            while True:            # replies that came before the drop count (client/direct.py)
-                try:
-                    frames = await view.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.client._deliver(wire.decode(frames))
+            reader.drain()         # replies that came before the drop count (client/direct.py)
             for rid in self.routes.events(r.mon):
                 fut = self.client._waiters.get(rid)
                 if fut is not None and not fut.done():

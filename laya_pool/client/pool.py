@@ -71,6 +71,7 @@ from .errors import (
 )
 from .flights import Flights
 from .plans import Await, Call, Many, NeedCard, Plan, T, header_only, starter
+from .reader import Reader
 from .receiver import Receiver
 from .retry import Action, Attempts, RetryPolicy, Step, reply_error
 from .state import in_background
@@ -899,12 +900,15 @@ class AsyncClient(_Base):
 
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock, self._mon = self._socket(self._ctx)
-        # Route sockets are plain ones on the same context (a non-blocking send is refused at once, as Client's);
-        # a task per route reads each through an asyncio view of it (client/direct_async.py).
+        # Replies are read by a callback on the socket's descriptor (client/reader.py), through a plain view of it,
+        # which every send goes through too.
+        self._plain = zmq.Socket.shadow(self._sock.underlying)
+        # Route sockets are plain ones on the same context (a non-blocking send is refused at once, as Client's),
+        # read the same way (client/direct_async.py).
         self._direct = AsyncRoutes(self, self._ctx, lanes) if direct else None
         self._routes = self._direct.routes if self._direct is not None else None
         self._waiters: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._reader: Reader | None = None
         self._card_lock: asyncio.Lock | None = None
         # The same watch as Client's (client/watch.py), read by a task of its own instead of a poller.
         self._watch = ConnectionWatch()
@@ -1026,23 +1030,20 @@ class AsyncClient(_Base):
             for t in tasks:
                 t.cancel()
 
-    async def _read(self, sock: Any = None, source: str = "the pool", route: Any = None) -> None:
-        """Hand every reply on `sock` (default: the broker's; else `route`'s) to its call."""
-        sock = self._sock if sock is None else sock
-        while True:
-            frames = await sock.recv_multipart()
-            if route is not None:
-                self._routes.heard_from(route)
-            try:
-                msg = wire.decode(frames)
-            except wire.ProtocolError as e:
-                # It cannot be matched to a call, so it fails none of them: each waits for its own reply
-                # (or times out and retries with the same id, which the broker answers from its cache).
-                log.warning("dropped an undecodable message from %s (%s)", source, e)
-                continue
-            if route is not None and not route.together and msg.header.get(wire.TOGETHER) is True:
-                route.together = True         # its worker takes REQUESTS (client/direct_async.py `_send_together`)
-            self._deliver(msg)
+    def _received(self, frames: list[bytes], source: str = "the pool", route: Any = None) -> None:
+        """A reply read from the broker's socket (or `route`'s, client/direct_async.py): to its call."""
+        if route is not None:
+            self._routes.heard_from(route)
+        try:
+            msg = wire.decode(frames)
+        except wire.ProtocolError as e:
+            # It cannot be matched to a call, so it fails none of them: each waits for its own reply
+            # (or times out and retries with the same id, which the broker answers from its cache).
+            log.warning("dropped an undecodable message from %s (%s)", source, e)
+            return
+        if route is not None and not route.together and msg.header.get(wire.TOGETHER) is True:
+            route.together = True         # its worker takes REQUESTS (client/direct_async.py `_send_together`)
+        self._deliver(msg)
 
     def _deliver(self, msg: wire.Message) -> None:
         if msg.cmd == Cmd.BUNDLE:
@@ -1089,10 +1090,12 @@ class AsyncClient(_Base):
             else:
                 self._routes.detach(rid, blame=attempts.silent)
         try:
-            await self._sock.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
+            self._plain.send_multipart(framed, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._events()
             return attempts.send_failed(self._watch.trouble or "the socket's send queue is full", self._watch.up)
+        finally:
+            self._reader.sent()
         return attempts.sent(self._watch.up)
 
     async def call(self, cmd: Cmd, build: Callable[[int, str], list[Any]], timeout: float | None = None,
@@ -1101,8 +1104,10 @@ class AsyncClient(_Base):
         if self._sock is None:
             raise PoolError("the client is closed")
         attempts = self._attempts(timeout, retries, started)
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.ensure_future(self._read())
+        if self._reader is None or not self._reader.live():
+            if self._reader is not None:
+                self._reader.close()
+            self._reader = Reader(self._plain, self._received, "the pool")
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch_connection())
         if direct and self._direct is not None:
@@ -1143,9 +1148,10 @@ class AsyncClient(_Base):
                 self._routes.answered(rid)
 
     def close(self) -> None:
-        for task in (self._reader, self._watcher):
-            if task is not None:
-                task.cancel()
+        if self._reader is not None:
+            self._reader.close()
+        if self._watcher is not None:
+            self._watcher.cancel()
         self._reader = self._watcher = None
         if self._routes is not None:
             self._routes.close()
