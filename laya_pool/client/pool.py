@@ -1017,7 +1017,9 @@ class AsyncClient(_Base):
     async def _run_all(self, plans: list[Plan[Any]], started: float | None = None) -> list[Any]:
         """The plans concurrently (at most `BATCH_IN_FLIGHT` at a time), results in order; the first failure cancels
         the rest and is raised. The first `BATCH_IN_FLIGHT` share the call's deadline (`started`), each later one has
-        its own from when it starts (as `Flights` does)."""
+        its own from when it starts (as `Flights` does). One plan runs in the caller's task."""
+        if len(plans) < 2:
+            return [await self._run(p, started) for p in plans]
         slots = asyncio.Semaphore(BATCH_IN_FLIGHT)
 
         async def run(plan: Plan[Any], i: int) -> Any:
