@@ -11,11 +11,13 @@ each encode is waited for outside the timed region so it never overlaps the next
 
 `--stub`: also the calls through a pool whose worker answers at once (a broker and laya_pool/tools/stub_worker.py
 serving this checkpoint's card, the client on the worker's direct socket), 1x48: `Client.predict`, `Client.forward`
-of the same rows, `ping`, and in-process encode + decode, rounds alternating. Predict less forward less encode +
-decode is what the predict path adds on the host beyond the stages above.
+of the same rows, `ping`, in-process encode + decode, and `AsyncClient.predict` (timed inside one event loop), rounds
+alternating. Predict less forward less encode + decode is what the predict path adds on the host beyond the stages
+above; `AsyncClient.predict` less `Client.predict` is what asyncio adds (the HTTP gateway's client).
 """
 from __future__ import annotations
 
+import asyncio
 import statistics
 import sys
 import time
@@ -66,7 +68,7 @@ def measure(card: ModelCard, rows: int, length: int, calls: int) -> dict:
 def through_stub(model: str, card: ModelCard, calls: int) -> dict:
     """1x48 calls through a stub pool (module docstring), p50 / p95 ms each, 6 alternating rounds of `calls`."""
     from benchmarks.common import stub_pool
-    from laya_pool import Client
+    from laya_pool import AsyncClient, Client
     state, questions = make_request(card, 1, 48)
     enc = encode_request(card, state, questions)
     zeros = np.zeros(enc.n_markers, np.float32), np.zeros((len(enc.rows), card.n_act), np.float32)
@@ -74,25 +76,41 @@ def through_stub(model: str, card: ModelCard, calls: int) -> dict:
     def local() -> None:
         e = encode_request(card, state, questions)
         decode_answers(card, e, *zeros)
+    async def async_round(client: AsyncClient, n: int) -> list[float]:
+        xs = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await client.predict(state, questions)
+            xs.append((time.perf_counter() - t) * 1e3)
+        return xs
+    loop = asyncio.new_event_loop()
     with stub_pool(stub_args=["--model", model, "--direct-endpoint", "tcp://127.0.0.1:*"]) as frontend, \
             Client(frontend) as client:
+        aclient = AsyncClient(frontend)
         kinds = {"encode + decode": local, "predict": lambda: client.predict(state, questions),
-                 "forward": lambda: client.forward(enc.rows), "ping": client.ping}
+                 "forward": lambda: client.forward(enc.rows), "ping": client.ping,
+                 "AsyncClient.predict": lambda n: loop.run_until_complete(async_round(aclient, n))}
         samples: dict[str, list[float]] = {k: [] for k in kinds}
-        for fn in kinds.values():
-            for _ in range(calls // 2):
-                fn()
-        for rnd in range(6):
+        for rnd in range(7):          # the first round warms up
             for k in (list(kinds) if rnd % 2 == 0 else list(kinds)[::-1]):
-                for _ in range(calls):
-                    t = time.perf_counter()
-                    kinds[k]()
-                    samples[k].append((time.perf_counter() - t) * 1e3)
+                xs = kinds[k](calls) if k == "AsyncClient.predict" else _round(kinds[k], calls)
+                samples[k] += xs if rnd else []
+        aclient.close()
+    loop.close()
     out = {}
     for k, xs in samples.items():
         xs.sort()
         out[k] = {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
     return out
+
+
+def _round(fn: Callable[[], object], n: int) -> list[float]:
+    xs = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        xs.append((time.perf_counter() - t) * 1e3)
+    return xs
 
 
 def main(argv: list[str] | None = None) -> int:
