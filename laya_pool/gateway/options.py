@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_key_arguments(p)
     p.add_argument("--processes", type=settings.positive(int), default=d.processes,
                    help="gateway processes sharing the port, each with its own pool client and bounds: one answers "
-                        "about 1,200 decisions/s on an H100 host (docs/performance.md)")
+                        "about 2,300 decisions/s on an H100 host (docs/performance.md)")
     p.add_argument("--spin-us", type=int, default=d.spin_us,
                    help="microseconds each process's event loop keeps polling after an event before it sleeps: a "
                         "request in a steady stream finds it awake (0.3 ms less at one client), a core busy while "

@@ -1,10 +1,10 @@
 """Several gateway processes on one port (`laya-pool api --processes N`).
 
-One gateway process is one Python event loop: on an H100 host it answers at most about 1,200 one-question decisions a
-second (docs/performance.md), a ninth of what one GPU's worker computes. N processes share the one
-listening socket, which the parent binds before starting them (so a taken port is still one line and exit 78); the
-kernel hands each new connection to one of them. Each has its own pool client, so the workers merge requests from all
-of them, and its own bounds: `max_concurrent` and `max_connections` hold per process.
+One gateway process is one Python event loop: on an H100 host it answers at most about 2,300 one-question decisions a
+second (docs/performance.md), a quarter of what one GPU's worker computes; eight answered 8,455 from 64 clients. N
+processes share the one listening socket, which the parent binds before starting them (so a taken port is still one line
+and exit 78); the kernel hands each new connection to one of them. Each has its own pool client, so the workers merge
+requests from all of them, and its own bounds: `max_concurrent` and `max_connections` hold per process.
 
 The parent only supervises: a process that exits while the gateway is not stopping is started again after the pool's
 one backoff (`Restarts`: 0.5 s, doubling to 30 s; protocol/lifecycle.py), unless it exited because it cannot start

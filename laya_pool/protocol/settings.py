@@ -161,7 +161,7 @@ _up("http", STR, None, "[HOST:]PORT to serve /metrics and /health on (unset: off
 _up("api", STR, None, "[HOST:]PORT to serve the SDK server's HTTP API on (`laya-pool api` beside the pool; unset: "
     "off).")
 _up("api-processes", INT, 1, "the HTTP API's processes, sharing its port (`laya-pool api --processes`); one "
-    "answers about 1,200 decisions/s on an H100 host.")
+    "answers about 2,300 decisions/s on an H100 host, eight 8,455 from 64 clients.")
 _up("api-key", STR, None, "the bearer key HTTP clients must send (`Authorization: Bearer KEY`); needed to serve the "
     "API beyond loopback.", readers="`laya-pool up`, `laya-pool api`")
 _up("api-key-file", PATH, None, "a file holding that key (one line).", readers="`laya-pool up`, `laya-pool api`")
