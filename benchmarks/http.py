@@ -52,19 +52,22 @@ def request_bytes(model: str) -> bytes:
 
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    request: bytes) -> tuple[int, float | None]:
-    """Send `request`, read its answer whole; the status code and the answer's X-Inference-Time-Ms (the server's own
-    time for the inference: the pool call in the gateway, the forward in laya serve), if it has one."""
+                    request: bytes) -> tuple[int, float | None, bytes]:
+    """Send `request`, read its answer whole; the status code, the answer's X-Inference-Time-Ms (the server's own
+    time for the inference: the pool call in the gateway, the forward in laya serve) if it has one, and the body of an
+    answer other than 200 (empty for a 200)."""
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
     fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
     fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
-    await reader.readexactly(int(fields.get(b"content-length", 0)))
+    body = await reader.readexactly(int(fields.get(b"content-length", 0)))
     inside = fields.get(b"x-inference-time-ms")
-    return int(head.split(b" ", 2)[1]), None if inside is None else float(inside)
+    code = int(head.split(b" ", 2)[1])
+    return code, None if inside is None else float(inside), b"" if code == 200 else body
 
 
 STALE = (asyncio.IncompleteReadError, ConnectionError)    # a kept-alive connection the server closed
+REFUSALS_KEPT = 3            # answers other than 200 kept (status and body) a row, to say why
 
 
 async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -72,15 +75,17 @@ async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
 
 
 async def _connections(port: int, request: bytes, n: int, seconds: float, warmup: int, ready: Any,
-                       start: Any) -> tuple[list[float], list[float], Counter]:
+                       start: Any) -> tuple[list[float], list[float], Counter, list[str]]:
     """`n` connections, warmed up together, then each in a closed loop for `seconds`. A server closes a kept-alive
     connection left idle past its keep-alive timeout (uvicorn's 5 s, in both servers), as it may while the other
     processes warm up: such a connection is reopened and the request sent again, as HTTP clients do, the reopening
-    inside the request's time and counted as `reopened`."""
+    inside the request's time and counted as `reopened`. The first REFUSALS_KEPT answers other than 200 are kept
+    (status and body), to say why."""
     conns = [list(await _open(port)) for _ in range(n)]
     codes: Counter = Counter()
+    refusals: list[str] = []
 
-    async def send(c: list) -> tuple[int, float | None]:
+    async def send(c: list) -> tuple[int, float | None, bytes]:
         try:
             return await _exchange(c[0], c[1], request)
         except STALE:
@@ -101,22 +106,25 @@ async def _connections(port: int, request: bytes, n: int, seconds: float, warmup
     async def closed_loop(c: list) -> None:
         while time.perf_counter() < end:
             t = time.perf_counter()
-            code, ms = await send(c)
+            code, ms, body = await send(c)
             lat.append((time.perf_counter() - t) * 1e3)
             codes[code] += 1
+            if code != 200 and len(refusals) < REFUSALS_KEPT:
+                refusals.append(f"{code} {body[:200].decode(errors='replace')}")
             if ms is not None:
                 inside.append(ms)
     await asyncio.gather(*(closed_loop(c) for c in conns))
     for c in conns:
         c[1].close()
-    return lat, inside, codes
+    return lat, inside, codes, refusals
 
 
 def clients(port: int, request: bytes, n: int, seconds: float, warmup: int, ready: Any, start: Any,
             results: Any) -> None:
-    """A process of `n` HTTP clients; its latencies (ms), the servers' inference times (ms) and its status counts."""
-    lat, inside, codes = asyncio.run(_connections(port, request, n, seconds, warmup, ready, start))
-    results.put((lat, inside, dict(codes)))
+    """A process of `n` HTTP clients; its latencies (ms), the servers' inference times (ms), its status counts and its
+    first answers other than 200."""
+    lat, inside, codes, refusals = asyncio.run(_connections(port, request, n, seconds, warmup, ready, start))
+    results.put((lat, inside, dict(codes), refusals))
 
 
 def measure(port: int, request: bytes, n: int, seconds: float, warmup: int, procs: int) -> dict[str, Any]:
@@ -136,15 +144,16 @@ def measure(port: int, request: bytes, n: int, seconds: float, warmup: int, proc
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    lat = sorted(x for part, _, _ in out for x in part)
-    inside = [x for _, part, _ in out for x in part]
-    codes = sum((Counter(c) for _, _, c in out), Counter())
+    lat = sorted(x for part, _, _, _ in out for x in part)
+    inside = [x for _, part, _, _ in out for x in part]
+    codes = sum((Counter(c) for _, _, c, _ in out), Counter())
     ok, reopened = codes.get(200, 0), codes.pop("reopened", 0)
     return {"clients": n, "decisions_per_s": round(ok / seconds, 1), "p50_ms": round(statistics.median(lat), 3),
             "p95_ms": round(lat[int(0.95 * (len(lat) - 1))], 3),
             "inference_p50_ms": round(statistics.median(inside), 3) if inside else None,
             "requests": sum(codes.values()),
-            "not_200": {str(k): v for k, v in codes.items() if k != 200}, "reopened": reopened}
+            "not_200": {str(k): v for k, v in codes.items() if k != 200}, "reopened": reopened,
+            "refusals": [r for _, _, _, part in out for r in part][:REFUSALS_KEPT]}
 
 
 def _gather(queue: Any, procs: list, timeout: float) -> list:
@@ -276,6 +285,8 @@ def report(out: dict[str, Any]) -> None:
                       f"{inside:>7}  "
                       f"{r['server_cpu_ms_per_request']:>9.3f}  {r['not_200'] or '-'}"
                       + (f"  ({r['reopened']} reopened)" if r.get("reopened") else ""))
+                for refusal in r.get("refusals") or ():
+                    print(f"{'':>7}  {kind:<10} answered {refusal}")
         if "gateway_over_laya_serve" in row:
             print(f"{n:>7}  gateway / laya serve: {row['gateway_over_laya_serve']}x decisions/s")
     if "gateway_minus_client_p50_ms" in out:

@@ -87,7 +87,7 @@ def test_http_measures_the_gateway_and_laya_serve_and_writes_them(tiny_ckpt, tmp
     for n in ("1", "3"):
         for kind in ("gateway", "laya-serve"):
             row = got["rows"][n][kind]
-            assert row["clients"] == int(n) and row["decisions_per_s"] > 0 and row["not_200"] == {}
+            assert row["clients"] == int(n) and row["decisions_per_s"] > 0 and row["not_200"] == {}, row["refusals"]
             assert 0 < row["p50_ms"] <= row["p95_ms"] and row["requests"] >= row["decisions_per_s"]
             assert 0 < row["inference_p50_ms"] <= row["p50_ms"]      # a part of each request's time, read per answer
         assert got["rows"][n]["gateway_over_laya_serve"] == round(
@@ -109,8 +109,24 @@ def test_http_with_a_stub_measures_the_gateway_alone(tiny_ckpt, tmp_path):
     got = json.loads((tmp_path / "http.json").read_text())["result"]
     assert list(got["rows"]["4"]) == ["gateway"] and got["gateway_processes"] == 2
     row = got["rows"]["4"]["gateway"]
-    assert row["decisions_per_s"] > 0 and row["not_200"] == {} and row["server_cpu_ms_per_request"] > 0
+    assert row["not_200"] == {} and row["refusals"] == [], row["refusals"]
+    assert row["decisions_per_s"] > 0 and row["server_cpu_ms_per_request"] > 0
     assert 0 < row["inference_p50_ms"] <= row["p50_ms"]
+
+
+@pytest.mark.timeout(200)
+def test_http_keeps_what_an_answer_other_than_200_said(tiny_ckpt, tmp_path):
+    """A gateway that takes one request at a time answers the others 503 at once: counted, and their bodies kept."""
+    pytest.importorskip("uvicorn")
+    from laya_pool.gateway.limits import BUSY
+    r = _run("benchmarks.http", "--model", str(tiny_ckpt), "--stub", "--clients", "4", "--seconds", "1",
+             "--warmup", "1", "--procs", "1", "--gateway-args", "--max-concurrent 1", "--out", str(tmp_path),
+             timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads((tmp_path / "http.json").read_text())["result"]["rows"]["4"]["gateway"]
+    assert row["not_200"].get("503", 0) >= len(row["refusals"]) > 0
+    assert all(x[:4] == "503 " and json.loads(x[4:]) == {"detail": BUSY} for x in row["refusals"]), row["refusals"]
+    assert "gateway    answered 503 " in r.stdout
 
 
 def test_a_benchmark_takes_no_abbreviated_flag(tiny_ckpt):
