@@ -1,11 +1,10 @@
-"""The asyncio client's requests straight to the workers: client/direct.py's routes, read by tasks instead of a poller.
+"""The asyncio client's requests straight to the workers: client/direct.py's routes, read from the event loop.
 
-Each route's socket is read by a callback on its descriptor (client/reader.py), its monitor by a task through an
-asyncio view of it (`_watch`): a reply goes to its call (the client's `_received` and `_deliver`), a dropped connection
-re-sends at once what was on it. A first
-attempt (`send`) goes on the route's lane when other calls of the client are out and the lane is free, else on the
-route's socket, or, with `together`, in one REQUESTS message with the other requests of the same turn of the event
-loop to that worker (`_send_together`).
+Each route's socket is read by a callback on its descriptor (client/reader.py), its monitor by a task through an asyncio
+view of it (`_watch`): a reply goes to its call (the client's `_received` and `_deliver`), a dropped connection re-sends
+at once what was on it. A first attempt (`send`) goes on the route's lane when other calls of the client are out and the
+lane is free, else on the route's socket, or, with `together`, in one REQUESTS message with the other requests of the
+same turn of the event loop to that worker (`_send_together`).
 """
 from __future__ import annotations
 
