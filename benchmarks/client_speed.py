@@ -18,6 +18,7 @@ above; `AsyncClient.predict` less `Client.predict` is what asyncio adds (the HTT
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 import sys
 import time
@@ -87,15 +88,18 @@ def through_stub(model: str, card: ModelCard, calls: int) -> dict:
     with stub_pool(stub_args=["--model", model, "--direct-endpoint", "tcp://127.0.0.1:*"]) as frontend, \
             Client(frontend) as client:
         aclient = AsyncClient(frontend)
-        kinds = {"encode + decode": local, "predict": lambda: client.predict(state, questions),
-                 "forward": lambda: client.forward(enc.rows), "ping": client.ping,
-                 "AsyncClient.predict": lambda n: loop.run_until_complete(async_round(aclient, n))}
-        samples: dict[str, list[float]] = {k: [] for k in kinds}
-        for rnd in range(7):          # the first round warms up
-            for k in (list(kinds) if rnd % 2 == 0 else list(kinds)[::-1]):
-                xs = kinds[k](calls) if k == "AsyncClient.predict" else _round(kinds[k], calls)
-                samples[k] += xs if rnd else []
-        aclient.close()
+        calls_of = {"encode + decode": local, "predict": lambda: client.predict(state, questions),
+                    "forward": lambda: client.forward(enc.rows), "ping": client.ping}
+        rounds = {k: functools.partial(_round, fn) for k, fn in calls_of.items()}      # n -> n times in ms
+        rounds["AsyncClient.predict"] = lambda n: loop.run_until_complete(async_round(aclient, n))
+        samples: dict[str, list[float]] = {k: [] for k in rounds}
+        try:
+            for rnd in range(7):          # the first round warms up
+                for k in (list(rounds) if rnd % 2 == 0 else list(rounds)[::-1]):
+                    xs = rounds[k](calls)
+                    samples[k] += xs if rnd else []
+        finally:
+            aclient.close()
     loop.close()
     out = {}
     for k, xs in samples.items():
