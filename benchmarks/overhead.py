@@ -16,8 +16,9 @@ and the neighbours' load hit them alike), on the host clock:
 - where a forward's time goes, from the reply's timings (the worker's clock is this host's monotonic clock):
   `up` (the call starts -> the worker's data thread reads it: client encode and send, broker, two hops; on a worker
   without `data_requests`, the I/O thread reads it and hands it over), `queue` (-> the data thread starts its
-  forward: decode, validation), `worker` (-> answered by the data thread), `down` (-> the call returns: reply
-  encode, the data socket, broker, two hops, client decode);
+  forward: decode, validation), `worker` (-> answered by the data thread; its `launch` split by the runtime's own
+  stamps into `plan`, `pack` and `submit`: the merge, the copies and the graph launch), `down` (-> the call
+  returns: reply encode, the data socket, broker, two hops, client decode);
 - the CPU cost of each protocol step, timed alone here: the client's request frames and its reply parsing,
   the broker's decode / re-encode of a request and of a reply, the worker's request parsing and validation
   and its reply encoding.
@@ -43,12 +44,14 @@ from laya_pool.protocol.wire import Cmd
 # What is timed: three kinds of call, then the parts of one pooled forward, in the order a request meets them
 # (the worker stamps each on this host's monotonic clock: compute.py `_answer`).
 PARTS = ("ping", "forward", "forward via broker", "in-process", "up", "up: to the broker", "up: in the broker",
-         "up: to the worker", "queue", "worker", "launch", "device wait", "wake", "down", "down: to the broker",
-         "down: to the client")
+         "up: to the worker", "queue", "worker", "launch", "launch: plan", "launch: pack", "launch: submit",
+         "device wait", "wake", "down", "down: to the broker", "down: to the client")
 PART_NOTES = {"up": " (client -> worker's data thread)", "up: to the broker": " (encode, send, hop, broker wakes)",
               "up: in the broker": " (parse, queue, dispatch)", "up: to the worker": " (send, hop, data thread)",
               "queue": " (-> forward starts: admit)",
               "worker": " (received -> reply built)", "launch": " (merge, pack, upload, launch)",
+              "launch: plan": " (the graph for the shape)", "launch: pack": " (a slot, rows into it)",
+              "launch: submit": " (merge, copies, graph launch)",
               "device wait": " (launched -> readback landed)", "wake": " (landed -> answers cut, reply built)",
               "down": " (reply -> client)", "down: to the broker": " (data socket send, hop)",
               "down: to the client": " (broker, hop, client wakes)"}
@@ -172,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
                 samples["down: to the broker"].append((m["broker_back"] - m["done_at"]) * 1e3)
                 samples["down: to the client"].append((end - m["broker_back"]) * 1e3)
             if "landed_at" in m:
-                samples["launch"].append((m["launched_at"] - m["started_at"]) * 1e3)
+                launch = (m["launched_at"] - m["started_at"]) * 1e3
+                samples["launch"].append(launch)
+                if "plan_ms" in m:             # the runtime's own stamps inside its launch (worker/runtime.py)
+                    samples["launch: plan"].append(m["plan_ms"])
+                    samples["launch: pack"].append(m["pack_ms"])
+                    samples["launch: submit"].append(launch - m["validate_ms"] - m["plan_ms"] - m["pack_ms"])
                 samples["device wait"].append((m["landed_at"] - m["launched_at"]) * 1e3)
                 samples["wake"].append((m["done_at"] - m["landed_at"]) * 1e3)
 
