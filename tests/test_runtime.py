@@ -5,10 +5,11 @@ import torch
 from conftest import make_rows
 
 from laya_pool.worker.batch import Batch, Limits, RequestError, validate
+from laya_pool.worker.capture import readbacks
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.graphs import CachePolicy, GraphCache, GraphEntry
 from laya_pool.worker.runtime import ROW_STEP, Runtime, bucket_of, bucket_rows
-from laya_pool.worker.workspace import Capacity, Shape
+from laya_pool.worker.workspace import FIELDS, Capacity, Shape, Workspace, act_at
 
 LIMITS = Limits(vocab_size=100, max_len=32, max_tokens=64, max_rows=4, max_markers=16)
 
@@ -84,11 +85,11 @@ def test_the_runtime_says_which_forward_it_runs_and_why(runtime):
 
 def test_workspace_is_reused_by_address(runtime):
     ws = runtime.workspace
-    addrs = (ws.host_address, ws.device_address, ws.out_logits.ctypes.data)
+    addrs = (ws.host_address, ws.device_address, ws.out.ctypes.data)
     vocab = runtime.checkpoint.arch.vocab_size
     for seed in range(3):
         runtime.run(Batch.from_rows(_rows(seed, 3, vocab)))
-        assert (ws.host_address, ws.device_address, ws.out_logits.ctypes.data) == addrs
+        assert (ws.host_address, ws.device_address, ws.out.ctypes.data) == addrs
 
 
 def test_bad_request_leaves_runtime_serving(runtime):
@@ -299,3 +300,34 @@ def test_the_one_row_fast_check_never_passes_what_the_full_check_refuses(seed):
         passed += fast
         valid += ok
     assert valid > 150 and passed == valid, (passed, valid)
+
+
+def test_one_copy_up_and_one_back():
+    """A slot's fields lie 64-byte aligned with the ids last, so one span from its start to the last token uploads a
+    group; the forward lays act out after the logits as the slot does, so one copy reads both back (else two)."""
+    ws = Workspace(Capacity(max_tokens=100, max_rows=5, max_markers=20, row_markers=3), n_act=3,
+                   device=torch.device("cpu"))
+    assert list(ws.offsets) == list(FIELDS) and FIELDS[-1] == "ids"
+    assert all(at % 16 == 0 for at in ws.offsets.values()), ws.offsets
+    b = Batch.from_rows([(np.arange(10, 17, dtype=np.int32), np.array([1, 3], np.int32), 2),
+                         (np.arange(20, 25, dtype=np.int32), np.array([2], np.int32), 1)])
+    shape = Shape(4, 8, 3)
+    (start, count), = ws.pack(b, shape)
+    up = ws.host_in[start: start + count]          # what the one copy carries
+    o = ws.offsets
+    assert up[o["ids"]: o["ids"] + b.tokens].tolist() == b.ids.tolist() and start + count == o["ids"] + b.tokens
+    assert up[o["row_start"]: o["row_start"] + 4].tolist() == [0, 7, 0, 0]
+    assert up[o["row_len"]: o["row_len"] + 4].tolist() == [7, 5, 0, 0]
+    assert up[o["qtype"]: o["qtype"] + 2].tolist() == [2, 1]
+    assert up[o["markers"]: o["markers"] + 6].tolist() == [1, 3, -1, 2, -1, -1]
+
+    at = act_at(shape.rows, shape.row_markers)
+    assert at == 16 and act_at(4, 4) == 16 and act_at(3, 6) == 32
+    logits, act = ws.slots[0].outputs(shape, 3)
+    assert logits.size == 12 and act.size == 12 and act.ctypes.data == ws.out.ctypes.data + 4 * at
+    answers = torch.zeros(at + 12)
+    one = readbacks(answers[:12].view(4, 3), answers[at:].view(4, 3), at)
+    assert one == ((0, answers.data_ptr(), 4 * (at + 12)),)
+    apart = torch.zeros(12), torch.zeros(12)
+    assert readbacks(apart[0].view(4, 3), apart[1].view(4, 3), at) == (
+        (0, apart[0].data_ptr(), 48), (4 * at, apart[1].data_ptr(), 48))

@@ -201,12 +201,18 @@ def test_padding_and_bucket_edges(ckpt):
 
 
 def test_injected_copy_failure_drains_and_next_request_is_right(ckpt, tiny_ckpt):
+    """A group's upload is one copy (worker/workspace.py): when it fails nothing was queued, so nothing drains; a
+    failure after some copies of several drains them first (the upload's own rule, on the real cudaMemcpyAsync)."""
     rt = runtime(ckpt, "graph-cached")
     b = frozen_batches(tiny_ckpt)[0]
     want = rt.run(b)
-    rt.upload.fault = lambda i: i == 1           # the second of the two copies (ids, then the row fields)
-    with pytest.raises(UploadError, match="after 1 of 2 copies"):
+    rt.upload.fault = lambda i: i == 0
+    with pytest.raises(UploadError, match="after 0 of 1 copies"):
         rt.run(b)
+    assert rt.upload.drains == 0 and rt.upload.last_drained_after == 0
+    rt.upload.fault = lambda i: i == 1
+    with pytest.raises(UploadError, match="after 1 of 2 copies"):
+        rt.upload.submit([(0, 16), (16, 16)], 0)
     assert rt.upload.drains == 1 and rt.upload.last_drained_after == 1
     rt.upload.fault = None
     other = frozen_batches(tiny_ckpt)[3]

@@ -129,9 +129,9 @@ def test_no_captures_on_the_request_path_after_ready(ckpt):
 
 
 def test_failed_upload_with_a_group_in_flight(ckpt):
-    """The second group's upload fails part-way (a copy aimed at an invalid device pointer, inside the real
+    """The second group's upload fails (its one copy aimed at an invalid device pointer, inside the real
     cudaMemcpyAsync) while the first group computes: the first is answered right, the failed one's requests
-    are retryable, the drain ran, and the worker serves the rest."""
+    are retryable, nothing was queued to drain, and the worker serves the rest."""
     batches = small_requests(3, 12)
     want = Driven(worker_runtime(ckpt, overlap=False), 1).run([queued(i, b) for i, b in enumerate(batches)])
     rt = worker_runtime(ckpt)
@@ -140,12 +140,12 @@ def test_failed_upload_with_a_group_in_flight(ckpt):
     def fault(i: int) -> bool:
         if i == 0:
             groups.append(1)
-        return len(groups) == 2 and i == 1       # the second group's second copy (its row fields)
+        return len(groups) == 2                  # the second group's copy
     rt.upload.fault = fault
     d = Driven(rt, max_group=1)
     got = d.run([queued(i, b) for i, b in enumerate(batches)])
     assert got[1].status == "retryable" and got[1].error.get("reason") == "upload-failed", got[1]
-    assert rt.upload.drains == 1 and rt.upload.last_drained_after == 1
+    assert rt.upload.drains == 0 and rt.upload.last_drained_after == 0
     assert all(same(got[i], want[i]) for i in range(len(batches)) if i != 1)
     assert d.counts["upload_errors"] == 1 and rt.slots.in_flight == 0
 

@@ -207,14 +207,18 @@ class FastModel:
         gemm(m, self.sc1_w, m2, bias=self.sc1_b, act=Act.GELU)
         score = empty((R * K, 1), device=dev, dtype=cd)
         gemm(m2, self.sc3_w, score, bias=self.sc3_b)
-        logits = empty((R, K), device=dev, dtype=torch.float32)
+        # The two answers in one buffer, act 64-byte aligned after the logits: a worker's slot holds them so
+        # (worker/workspace.py `act_at`), and reads both back in one copy.
+        at = -(-R * K // 16) * 16
+        answers = empty((at + R * a.n_act,), device=dev, dtype=torch.float32)
+        logits = answers[: R * K].view(R, K)
         act_in = empty((R, d + 16), device=dev, dtype=cd)   # d + 4 used; a 16-aligned row stride
         rk.features(score, markers, h, row_start, logits, act_in, ABSENT_LOGIT, self.max_positions + 1)
         hid = empty((R, self.act0_w.shape[0]), device=dev, dtype=cd)
         gemm(act_in[:, : d + 4], self.act0_w, hid, bias=self.act0_b, act=Act.GELU)
         act = empty((R, a.n_act), device=dev, dtype=cd)
         gemm(hid, self.act2_w, act, bias=self.act2_b)
-        act_probs = empty((R, a.n_act), device=dev, dtype=torch.float32)
+        act_probs = answers[at: at + R * a.n_act].view(R, a.n_act)
         rk.softmax_rows(act, act_probs)
         if taps is not None:
             taps["logits"], taps["act"] = logits, act_probs

@@ -427,9 +427,9 @@ class Runtime:
                 outputs = self._submit(spans, shape, entry, tap_dict, slot)
             else:
                 logits, act = outputs = self._forward(shape, tap_dict, slot)
-                out = self.workspace.slots[slot]
-                out.out_logits[: logits.numel()] = logits.reshape(-1).numpy()
-                out.out_act[: act.numel()] = act.reshape(-1).numpy()
+                out_logits, out_act = self.workspace.slots[slot].outputs(shape, self.checkpoint.arch.n_act)
+                out_logits[:] = logits.reshape(-1).numpy()
+                out_act[:] = act.reshape(-1).numpy()
                 self.slots.submitted(slot)
         except BaseException:
             self._abandon(slot)
@@ -457,17 +457,17 @@ class Runtime:
     def _answers(self, job: Launched, t4: float) -> RunResult:
         batch, shape = job.batch, job.shape
         t0, t1, t2, t3 = job.times
-        out = self.workspace.slots[job.slot]
+        n_act = self.checkpoint.arch.n_act
         r, k = shape.rows, shape.row_markers
-        grid = out.out_logits[: r * k].reshape(r, k)
+        logits, act = self.workspace.slots[job.slot].outputs(shape, n_act)
+        grid = logits.reshape(r, k)
         counts = batch.marker_counts
         if batch.rows == 1:             # a lone row (most small requests): a slice, 2.5 us less than the mask below
             out_logits = grid[0, : int(counts[0])].copy()
         else:
             cols = np.arange(counts.max())[None, :] < counts[:, None]
             out_logits = grid[: batch.rows, : cols.shape[1]][cols]          # fancy indexing: a copy
-        n_act = self.checkpoint.arch.n_act
-        out_act = out.out_act[: r * n_act].reshape(r, n_act)[: batch.rows].copy()
+        out_act = act.reshape(r, n_act)[: batch.rows].copy()
         self.served += 1
         total = (time.perf_counter() - t0) * 1e3
         if job.first:
@@ -504,8 +504,9 @@ class Runtime:
             else:
                 logits, act = self._forward(shape, taps)
             logits, act = logits.contiguous(), act.contiguous()
-            memcpy_async(out.out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
-            memcpy_async(out.out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
+            out_logits, out_act = out.outputs(shape, self.checkpoint.arch.n_act)
+            memcpy_async(out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
+            memcpy_async(out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
             self.events[slot].record(handle)
         # Eager outputs must live until the readback ran; a graph's outputs belong to its entry (holding them here
         # would keep an evicted graph's pool segment reserved until this group is answered).
@@ -516,14 +517,15 @@ class Runtime:
         the worker's stream explicitly, so no torch stream context is entered."""
         from .cudart import graph_launch, memcpy_async
 
-        exec_, logits_ptr, logits_bytes, act_ptr, act_bytes = direct
+        exec_, readbacks = direct
         self.upload.submit(spans, slot)
         self.slots.submitted(slot)
         graph_launch(exec_, handle)
         entry.replays += 1
         self.direct_launches += 1
-        memcpy_async(out.out_logits.ctypes.data, logits_ptr, logits_bytes, False, handle)
-        memcpy_async(out.out_act.ctypes.data, act_ptr, act_bytes, False, handle)
+        base = out.out.ctypes.data
+        for at, src, nbytes in readbacks:        # one copy where the forward laid its answers out as the slot does
+            memcpy_async(base + at, src, nbytes, False, handle)
         self.events[slot].record(handle)
         return ()
 

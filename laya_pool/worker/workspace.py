@@ -8,8 +8,12 @@ request, and the stream orders group N+1's upload after group N's compute has re
 the forward runs synchronously and reads the host staging in place, so one slot is all there is.
 
 Layout of one slot (int32, element offsets fixed by the capacity, so each field's address never moves):
-    ids[max_tokens] | row_start[max_rows] | row_len[max_rows] | qtype[max_rows] | markers[max_rows * row_markers]
-Output (float32, per slot): logits[max_rows * row_markers] | act[max_rows * n_act]
+    row_start[max_rows] | row_len[max_rows] | qtype[max_rows] | markers[max_rows * row_markers] | ids[max_tokens]
+The ids come last so that one copy from the slot's start to the request's last token uploads a group (the markers
+past the shape's go along unread): each cudaMemcpyAsync costs the host ~10 us on an H100 host
+(docs/decisions/0028-host-path-taken-apart.md).
+Output (float32, per slot): a shape's logits[rows * row_markers], then its act[rows * n_act] from `act_at(shape)`, as
+the forward lays them out on the device (kernels/fast.py), so one copy reads a group's answers back.
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ import torch
 
 from .batch import Batch
 
-FIELDS = ("ids", "row_start", "row_len", "qtype", "markers")
+FIELDS = ("row_start", "row_len", "qtype", "markers", "ids")      # in the slot's order
+ALIGN = 16             # elements: every field, and act in the outputs, start 64-byte aligned (Triton's kernels
+                       # are specialised on 16-byte alignment; an allocation of its own is aligned more)
 
 
 @dataclass(frozen=True)
@@ -48,24 +54,36 @@ class Shape:
         return f"{self.rows}x{self.row_len}x{self.row_markers}"
 
 
+def act_at(rows: int, row_markers: int) -> int:
+    """Where a group's act starts in its outputs (elements): after its logits, ALIGN-aligned."""
+    return -(-rows * row_markers // ALIGN) * ALIGN
+
+
 @dataclass
 class Slot:
     """One slot's host side: the packed inputs (by field) and the outputs the readback lands in."""
     host_in: np.ndarray
     host: dict[str, np.ndarray]
-    out_logits: np.ndarray
-    out_act: np.ndarray
+    out: np.ndarray             # a group's logits, then its act from `act_at` (see the module's docstring)
+
+    def outputs(self, shape: Shape, n_act: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where `shape`'s logits [rows * row_markers] and act [rows * n_act] land."""
+        r, k = shape.rows, shape.row_markers
+        at = act_at(r, k)
+        return self.out[: r * k], self.out[at: at + r * n_act]
 
 
 class Workspace:
     def __init__(self, capacity: Capacity, n_act: int, device: torch.device, slots: int = 1):
         self.capacity, self.n_act, self.device = capacity, n_act, device
         c = capacity
-        sizes = (c.max_tokens, c.max_rows, c.max_rows, c.max_rows, c.max_rows * c.row_markers)
-        self.offsets = dict(zip(FIELDS, np.cumsum((0,) + sizes[:-1]).tolist()))
-        self.sizes = dict(zip(FIELDS, sizes))
-        self.in_elems = int(sum(sizes))
-        self.out_elems = c.max_rows * c.row_markers + c.max_rows * n_act
+        self.sizes = {"row_start": c.max_rows, "row_len": c.max_rows, "qtype": c.max_rows,
+                      "markers": c.max_rows * c.row_markers, "ids": c.max_tokens}
+        self.offsets, at = {}, 0
+        for f in FIELDS:                 # each field 64-byte aligned, whatever the capacity
+            self.offsets[f], at = at, at + -(-self.sizes[f] // ALIGN) * ALIGN
+        self.in_elems = self.offsets["ids"] + self.sizes["ids"]
+        self.out_elems = act_at(c.max_rows, c.row_markers) + c.max_rows * n_act
         self.pinned = None
         per_slot = self.in_elems + self.out_elems
         if device.type == "cuda":
@@ -80,9 +98,8 @@ class Workspace:
             regions = [(np.zeros(self.in_elems, np.int32), np.zeros(self.out_elems, np.float32))
                        for _ in range(slots)]
             self.dev_in = torch.from_numpy(regions[0][0])
-        k = c.max_rows * c.row_markers
         self.slots = [Slot(host_in, {f: host_in[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS},
-                           host_out[:k], host_out[k:]) for host_in, host_out in regions]
+                           host_out) for host_in, host_out in regions]
         mirrors = [self.dev_in] if device.type == "cuda" else [torch.from_numpy(r[0]) for r in regions]
         self.dev_slots = [{f: m[self.offsets[f]: self.offsets[f] + self.sizes[f]] for f in FIELDS} for m in mirrors]
         self.dev = self.dev_slots[0]
@@ -94,12 +111,8 @@ class Workspace:
         return self.slots[0].host_in
 
     @property
-    def out_logits(self) -> np.ndarray:
-        return self.slots[0].out_logits
-
-    @property
-    def out_act(self) -> np.ndarray:
-        return self.slots[0].out_act
+    def out(self) -> np.ndarray:
+        return self.slots[0].out
 
     @property
     def host_address(self) -> int:
@@ -110,7 +123,7 @@ class Workspace:
         return int(self.dev_in.data_ptr())
 
     def pack(self, batch: Batch, shape: Shape, slot: int = 0) -> list[tuple[int, int]]:
-        """Write `batch` into slot `slot` laid out for `shape`; return the (offset, count) spans to upload (two).
+        """Write `batch` into slot `slot` laid out for `shape`; return the (offset, count) spans to upload (one).
 
         Padding rows get length 0 and no markers, so the forward ignores them; every marker slot of the
         shape is rewritten, so nothing of an earlier request can leak into this one.
@@ -131,11 +144,10 @@ class Workspace:
         for i, c in enumerate(batch.marker_counts.tolist()):
             mk[i, :c] = batch.markers[o: o + c]
             o += c
-        # Two copies, not one per field: row_start, row_len, qtype and markers lie back to back (FIELDS' order), so
-        # one span from row_start's first to this shape's last marker holds all four; the tails between them (rows
-        # past this shape's) go along unread. Each cudaMemcpyAsync is a few microseconds of host time a group.
-        fields = self.offsets["row_start"]
-        return [(self.offsets["ids"], batch.tokens), (fields, self.offsets["markers"] + rows * k - fields)]
+        # One copy, not one per field: the fields lie back to back (FIELDS' order) with the ids last, so one span from
+        # the slot's start to the last token holds them all; the tails between them (rows and markers past this
+        # shape's) go along unread.
+        return [(0, self.offsets["ids"] + batch.tokens)]
 
     def views(self, shape: Shape, slot: int = 0) -> tuple[torch.Tensor, ...]:
         """Device tensors the forward reads for `shape`: always the same addresses for the same shape (on CUDA
