@@ -100,6 +100,9 @@ def through_stub(model: str, card: ModelCard, calls: int) -> dict:
                     samples[k] += xs if rnd else []
         finally:
             aclient.close()
+            # One turn of its loop, so the cancellation of its tasks runs before the loop closes (else they are
+            # destroyed pending, and say so at exit).
+            loop.run_until_complete(asyncio.sleep(0))
     loop.close()
     out = {}
     for k, xs in samples.items():
