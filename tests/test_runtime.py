@@ -5,11 +5,10 @@ import torch
 from conftest import make_rows
 
 from laya_pool.worker.batch import Batch, Limits, RequestError, validate
-from laya_pool.worker.capture import readbacks
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.graphs import CachePolicy, GraphCache, GraphEntry
 from laya_pool.worker.runtime import ROW_STEP, Runtime, bucket_of, bucket_rows
-from laya_pool.worker.workspace import FIELDS, Capacity, Shape, Workspace, act_at
+from laya_pool.worker.workspace import FIELDS, Capacity, Shape, Workspace, act_at, readbacks
 
 LIMITS = Limits(vocab_size=100, max_len=32, max_tokens=64, max_rows=4, max_markers=16)
 
@@ -323,11 +322,11 @@ def test_one_copy_up_and_one_back():
 
     at = act_at(shape.rows, shape.row_markers)
     assert at == 16 and act_at(4, 4) == 16 and act_at(3, 6) == 32
-    logits, act = ws.slots[0].outputs(shape, 3)
+    logits, act = ws.outputs(0, shape)
     assert logits.size == 12 and act.size == 12 and act.ctypes.data == ws.out.ctypes.data + 4 * at
     answers = torch.zeros(at + 12)
-    one = readbacks(answers[:12].view(4, 3), answers[at:].view(4, 3), at)
+    one = readbacks(answers[:12].view(4, 3), answers[at:].view(4, 3), shape)
     assert one == ((0, answers.data_ptr(), 4 * (at + 12)),)
     apart = torch.zeros(12), torch.zeros(12)
-    assert readbacks(apart[0].view(4, 3), apart[1].view(4, 3), at) == (
+    assert readbacks(apart[0].view(4, 3), apart[1].view(4, 3), shape) == (
         (0, apart[0].data_ptr(), 48), (4 * at, apart[1].data_ptr(), 48))

@@ -13,7 +13,7 @@ import torch
 from laya_pool.kernels.compile import procs_for, release
 
 from .graphs import GraphEntry
-from .workspace import Shape, act_at
+from .workspace import Shape, readbacks
 
 
 class CaptureError(RuntimeError):
@@ -88,7 +88,7 @@ class Capturer:
         if rt.graph_launch == "direct" and raw is not None and logits.is_contiguous() and act.is_contiguous():
             from .cudart import graph_exec
             # What `_submit_direct` needs per launch, read once: the exec handle and its readbacks.
-            extra["direct"] = (graph_exec(raw()), readbacks(logits, act, act_at(shape.rows, shape.row_markers)))
+            extra["direct"] = (graph_exec(raw()), readbacks(logits, act, shape))
         return GraphEntry(graph=graph, outputs=outputs, pool=pool, nbytes=nbytes, extra=extra)
 
     def release(self, entry: GraphEntry) -> int:
@@ -170,12 +170,3 @@ class Capturer:
             if compilers:
                 release(compilers)
 
-
-def readbacks(logits: torch.Tensor, act: torch.Tensor, at: int) -> tuple[tuple[int, int, int], ...]:
-    """The copies that read a graph's answers back into a slot's outputs (worker/workspace.py): `(offset in the
-    outputs, device address, bytes)`. One where the forward laid act out `at` elements after the logits, as the slot
-    holds them (kernels/fast.py); else one each."""
-    lo, n_lo, ac, n_ac = logits.data_ptr(), 4 * logits.numel(), act.data_ptr(), 4 * act.numel()
-    if ac == lo + 4 * at:
-        return ((0, lo, 4 * at + n_ac),)
-    return ((0, lo, n_lo), (4 * at, ac, n_ac))

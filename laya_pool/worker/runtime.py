@@ -30,7 +30,7 @@ from .capture import CaptureError, Capturer
 from .checkpoint import Checkpoint
 from .graphs import CachePolicy, GraphCache, GraphEntry, smallest_cover
 from .slots import SlotLedger, SlotState
-from .workspace import Capacity, Shape, Workspace
+from .workspace import Capacity, Shape, Workspace, readbacks
 
 # A bucket's row length is a multiple of this. The fast forward computes rows x row_len packed token slots, so the
 # step is paid in every row of a merged group: at 64, a group of 32 one-question requests of 48 tokens ran 2,048
@@ -48,6 +48,15 @@ DEFAULT_WARMUP = "1x64x2,1x64x4,1x128x4,2x128x4,4x256x4,4x256x8,8x256x8,16x512x8
 DEFAULT_MERGED = "1x48x4,1x64x4,1x128x4"
 CAPTURE_MODES = ("idle", "inline")    # a missed bucket: captured when no request waits, or by the request
 MISSED_LISTED = 16                    # missed buckets status lists (the most missed first)
+
+
+def read_back(out: Any, copies: tuple[tuple[int, int, int], ...], stream: int) -> None:
+    """Queue `copies` (workspace.readbacks) from the device into slot outputs `out` on `stream`."""
+    from .cudart import memcpy_async  # (the CUDA runtime's bindings: only where a device is)
+
+    base = out.out.ctypes.data
+    for at, src, nbytes in copies:
+        memcpy_async(base + at, src, nbytes, False, stream)
 
 
 def parse_shapes(text: str) -> tuple[Shape, ...]:
@@ -427,7 +436,7 @@ class Runtime:
                 outputs = self._submit(spans, shape, entry, tap_dict, slot)
             else:
                 logits, act = outputs = self._forward(shape, tap_dict, slot)
-                out_logits, out_act = self.workspace.slots[slot].outputs(shape, self.checkpoint.arch.n_act)
+                out_logits, out_act = self.workspace.outputs(slot, shape)
                 out_logits[:] = logits.reshape(-1).numpy()
                 out_act[:] = act.reshape(-1).numpy()
                 self.slots.submitted(slot)
@@ -459,7 +468,7 @@ class Runtime:
         t0, t1, t2, t3 = job.times
         n_act = self.checkpoint.arch.n_act
         r, k = shape.rows, shape.row_markers
-        logits, act = self.workspace.slots[job.slot].outputs(shape, n_act)
+        logits, act = self.workspace.outputs(job.slot, shape)
         grid = logits.reshape(r, k)
         counts = batch.marker_counts
         if batch.rows == 1:             # a lone row (most small requests): a slice, 2.5 us less than the mask below
@@ -485,8 +494,6 @@ class Runtime:
 
     def _submit(self, spans, shape: Shape, entry: GraphEntry | None, taps: dict | None, slot: int) -> tuple:
         """Queue the group on the stream: upload from the slot, forward, readback into the slot, done event."""
-        from .cudart import memcpy_async
-
         s = self.stream
         handle = s.cuda_stream
         out = self.workspace.slots[slot]
@@ -504,9 +511,7 @@ class Runtime:
             else:
                 logits, act = self._forward(shape, taps)
             logits, act = logits.contiguous(), act.contiguous()
-            out_logits, out_act = out.outputs(shape, self.checkpoint.arch.n_act)
-            memcpy_async(out_logits.ctypes.data, logits.data_ptr(), 4 * logits.numel(), False, handle)
-            memcpy_async(out_act.ctypes.data, act.data_ptr(), 4 * act.numel(), False, handle)
+            read_back(out, readbacks(logits, act, shape), handle)
             self.events[slot].record(handle)
         # Eager outputs must live until the readback ran; a graph's outputs belong to its entry (holding them here
         # would keep an evicted graph's pool segment reserved until this group is answered).
@@ -515,17 +520,15 @@ class Runtime:
     def _submit_direct(self, spans, entry: GraphEntry, direct: tuple, handle: int, out, slot: int) -> tuple:
         """`_submit` for a captured graph launched with cudaGraphLaunch (LAYA_GRAPH_LAUNCH=direct): every call takes
         the worker's stream explicitly, so no torch stream context is entered."""
-        from .cudart import graph_launch, memcpy_async
+        from .cudart import graph_launch
 
-        exec_, readbacks = direct
+        exec_, copies = direct
         self.upload.submit(spans, slot)
         self.slots.submitted(slot)
         graph_launch(exec_, handle)
         entry.replays += 1
         self.direct_launches += 1
-        base = out.out.ctypes.data
-        for at, src, nbytes in readbacks:        # one copy where the forward laid its answers out as the slot does
-            memcpy_async(base + at, src, nbytes, False, handle)
+        read_back(out, copies, handle)
         self.events[slot].record(handle)
         return ()
 

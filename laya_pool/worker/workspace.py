@@ -66,11 +66,16 @@ class Slot:
     host: dict[str, np.ndarray]
     out: np.ndarray             # a group's logits, then its act from `act_at` (see the module's docstring)
 
-    def outputs(self, shape: Shape, n_act: int) -> tuple[np.ndarray, np.ndarray]:
-        """Where `shape`'s logits [rows * row_markers] and act [rows * n_act] land."""
-        r, k = shape.rows, shape.row_markers
-        at = act_at(r, k)
-        return self.out[: r * k], self.out[at: at + r * n_act]
+
+def readbacks(logits: torch.Tensor, act: torch.Tensor, shape: Shape) -> tuple[tuple[int, int, int], ...]:
+    """The copies that read a forward's answers for `shape` back into a slot's outputs: `(byte offset in the outputs,
+    device address, bytes)`. One where the forward laid act out as the slot holds it, `act_at` after the logits
+    (kernels/fast.py); else one each."""
+    at = 4 * act_at(shape.rows, shape.row_markers)
+    lo, n_lo, ac, n_ac = logits.data_ptr(), 4 * logits.numel(), act.data_ptr(), 4 * act.numel()
+    if ac == lo + at:
+        return ((0, lo, at + n_ac),)
+    return ((0, lo, n_lo), (at, ac, n_ac))
 
 
 class Workspace:
@@ -113,6 +118,12 @@ class Workspace:
     @property
     def out(self) -> np.ndarray:
         return self.slots[0].out
+
+    def outputs(self, slot: int, shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+        """Where `shape`'s logits [rows * row_markers] and act [rows * n_act] land in slot `slot`."""
+        r, k = shape.rows, shape.row_markers
+        at, out = act_at(r, k), self.slots[slot].out
+        return out[: r * k], out[at: at + r * self.n_act]
 
     @property
     def host_address(self) -> int:
