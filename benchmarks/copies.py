@@ -21,12 +21,21 @@ from benchmarks.common import parser, write
 
 UP = (4 * 48, 4 * 52)          # ids, then the row fields and markers (bytes)
 BACK = (16, 16)                # logits, act
-ONE_UP = 4 * (8384 + 48)       # the slot's start to the last token: fields, markers' capacity, ids
+
+
+def one_up(tokens: int = 48) -> int:
+    """Bytes of the worker's one upload of a `tokens`-token group at the default capacity: the slot's start (the
+    fields, the markers' whole capacity) to its last token."""
+    import torch
+
+    from laya_pool.worker.workspace import Capacity, Workspace
+    return 4 * (Workspace(Capacity(), 4, torch.device("cpu")).offsets["ids"] + tokens)
 
 
 def variants(ptrs: tuple[int, int], stream: int, event: Any) -> dict[str, Callable[[], None]]:
     from laya_pool.worker.cudart import memcpy_async
     host, dev = ptrs
+    up = one_up()
 
     def apart() -> None:
         memcpy_async(dev, host, UP[0], True, stream)
@@ -36,7 +45,7 @@ def variants(ptrs: tuple[int, int], stream: int, event: Any) -> dict[str, Callab
         event.record(stream)
 
     def together() -> None:
-        memcpy_async(dev, host, ONE_UP, True, stream)
+        memcpy_async(dev, host, up, True, stream)
         memcpy_async(host + 500000, dev + 300000, sum(BACK) + 48, False, stream)
         event.record(stream)
     return {"two up, two back": apart, "one up, one back": together}
