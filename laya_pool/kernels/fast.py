@@ -17,6 +17,8 @@ here is shape-static and free of host synchronisation, so a worker can capture i
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from laya_pool.protocol import settings
@@ -67,6 +69,21 @@ class _Taps:
             self.taps[name] = h[self.index].float() * self.valid[..., None]
 
 
+@dataclass
+class _Scratch:
+    """One forward's buffers (`FastModel._scratch`)."""
+    h: torch.Tensor                  # the residual stream, fp32 [T, d]
+    x: torch.Tensor                  # the normed input of the next GEMM [T, d]
+    qkv_spare: torch.Tensor          # [T + 1, 3d]: the QKV product, row T attention_sdpa's padding (zero)
+    spare: torch.Tensor              # [T + 1, d]: attention's output, row T attention_sdpa's padding slots
+    mid: torch.Tensor                # [T, max(intermediate, 4d)]: the GeGLU / head MLP's inner activations
+    pos: torch.Tensor                # each token's position in its row
+    row: torch.Tensor                # each token's row
+    parts: torch.Tensor | None       # chunk sums of split residual GEMMs
+    product: torch.Tensor | None     # cuBLAS's residual products waiting for the next LayerNorm
+    rows: Rows | None                # attention_sdpa's padded layout
+
+
 class FastModel:
     """bf16 Laya forward on CUDA over packed rows (see the module docstring)."""
 
@@ -114,93 +131,115 @@ class FastModel:
         """`tokens`: how many packed token slots to compute; every row must lie inside them. The default,
         rows x max_row_len (at most the ids given), holds any batch packed back to back from slot 0, which
         is how a worker packs (worker/workspace.py)."""
-        a, dev = self.arch, self.device
+        dev = self.device
         L = int(max_row_len)
         if not 0 < L <= self.max_positions:
             raise ValueError(f"max_row_len {L} must be in 1..{self.max_positions}")
-        R, K = row_start.shape[0], markers.shape[1]
+        R = row_start.shape[0]
         T = min(R * L, ids.shape[0]) if tokens is None else int(tokens)
-        d, H, D = a.hidden, a.heads, a.head_dim
         row_start = row_start.to(dev, torch.int32)
         row_len = row_len.to(dev, torch.int32)
         qtype = qtype.to(dev, torch.int32)
         markers = markers.to(dev, torch.int32).contiguous()
         ids = ids.to(dev, torch.int32)
+        s = self._scratch(T, row_start, row_len, L, taps is None)
+        rk.embed(ids, row_start, row_len, self.tok_emb, self.emb_norm, s.h, s.x, s.pos, s.row, self.arch.pad_id,
+                 self.arch.norm_eps)
+        tap = _Taps(taps, row_start, row_len, L)
+        tap("embeddings", s.h)
+        pending = self._encoder(s, row_start, row_len, L, tap)
+        if taps is not None:
+            tap("final_norm", torch.nn.functional.layer_norm(s.h, (self.arch.hidden,), self.final_norm, None,
+                                                             self.arch.norm_eps))
+        self._head(s, row_start, row_len, qtype, L, pending, tap)
+        logits, act_probs = self._answers(s.h, row_start, markers, L)
+        if taps is not None:
+            taps["logits"], taps["act"] = logits, act_probs
+        return logits, act_probs
 
-        empty, cd = torch.empty, self.dtype
-        h = empty((T, d), device=dev, dtype=torch.float32)          # the residual stream
-        x = empty((T, d), device=dev, dtype=cd)         # normed input of the next GEMM
-        qkv_spare = empty((T + 1, 3 * d), device=dev, dtype=cd)     # row T: attention_sdpa's padding, zero
-        qkv = qkv_spare[:T]
-        spare = empty((T + 1, d), device=dev, dtype=cd)      # attention_sdpa writes padding slots to row T
-        att = spare[:T]
+    def _scratch(self, T: int, row_start: torch.Tensor, row_len: torch.Tensor, L: int, fused: bool) -> _Scratch:
+        """The forward's buffers for T token slots. `fused`: no taps, which read h between layers, so split residual
+        GEMMs may leave chunk sums and cuBLAS's products may wait for the next LayerNorm."""
+        a, dev, cd, empty = self.arch, self.device, self.dtype, torch.empty
+        d = a.hidden
         ff = max(a.intermediate, 4 * d if self.head else 0)
-        mid = empty((T, ff), device=dev, dtype=cd)
-        pos = empty(T, device=dev, dtype=torch.int32)
-        row = empty(T, device=dev, dtype=torch.int32)
-        # Chunk sums of split residual GEMMs, added by the next row kernel (kernels/gemm.py); none with taps, which
-        # read h between layers, and none where M is too large to split.
+        qkv_spare = empty((T + 1, 3 * d), device=dev, dtype=cd)     # row T: attention_sdpa's padding, zero
+        spare = empty((T + 1, d), device=dev, dtype=cd)             # attention_sdpa writes padding slots to row T
+        # Chunk sums of split residual GEMMs, added by the next row kernel (kernels/gemm.py); none where M is too large
+        # to split.
         parts = None
-        if taps is None and self.max_chunks > 1 and T <= SPLIT_MAX_M:
+        if fused and self.max_chunks > 1 and T <= SPLIT_MAX_M:
             parts = empty((self.max_chunks, T, d), device=dev, dtype=torch.float32)
-        pending = None
-        # cuBLAS's residual products wait here for the next LayerNorm (kernels/cublas.py); only where it may run, and
-        # not with taps, which read h between layers
+        # cuBLAS's residual products wait here for the next LayerNorm (kernels/cublas.py); only where it may run
         product = None
-        if self.products is not None and taps is None and cublas.wanted(T):
+        if self.products is not None and fused and cublas.wanted(T):
             product = empty((1, T, d), device=dev, dtype=cd)
         rows = Rows(row_start, row_len, L, T, a.half_window, cd) if self.attention == "sdpa" else None
         if rows is not None:
             qkv_spare[T].zero_()
+        return _Scratch(h=empty((T, d), device=dev, dtype=torch.float32), x=empty((T, d), device=dev, dtype=cd),
+                        qkv_spare=qkv_spare, spare=spare, mid=empty((T, ff), device=dev, dtype=cd),
+                        pos=empty(T, device=dev, dtype=torch.int32), row=empty(T, device=dev, dtype=torch.int32),
+                        parts=parts, product=product, rows=rows)
 
-        rk.embed(ids, row_start, row_len, self.tok_emb, self.emb_norm, h, x, pos, row, a.pad_id, a.norm_eps)
-        tap = _Taps(taps, row_start, row_len, L)
-        tap("embeddings", h)
-        scale = D ** -0.5
+    def _encoder(self, s: _Scratch, row_start, row_len, L: int, tap: _Taps):
+        """The encoder layers on s.h; returns what the head's entry kernel still has to add (a `Pending`, or None)."""
+        a = self.arch
+        H, D = a.heads, a.head_dim
+        qkv, att = s.qkv_spare[:-1], s.spare[:-1]
+        pending = None
         for i, lay in enumerate(self.layers):
             if lay["attn_norm"] is not None:       # layer 0 has none, and nothing pending before it
-                rk.layer_norm(h, lay["attn_norm"], None, x, a.norm_eps, pending)
+                rk.layer_norm(s.h, lay["attn_norm"], None, s.x, a.norm_eps, pending)
             cos, sin = self.rope[lay["theta"]]
-            self._qkv(x, lay, qkv, (pos, cos, sin, D, 2 * H))
-            if rows is not None:
-                attention_sdpa(qkv_spare, spare, rows, H, D, scale, local=not lay["global"])
+            self._qkv(s.x, lay, qkv, (s.pos, cos, sin, D, 2 * H))
+            if s.rows is not None:
+                attention_sdpa(s.qkv_spare, s.spare, s.rows, H, D, D ** -0.5, local=not lay["global"])
             else:
-                banded(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, scale)
-            pending = self._residual(att, lay["Wo"], h, parts, product, lay["mlp_norm"])
-            rk.layer_norm(h, lay["mlp_norm"], None, x, a.norm_eps, pending)
-            inner = mid[:, : a.intermediate]
-            gemm(x, lay["Wi"], inner, epi=self.geglu)
+                banded(qkv, att, row_start, row_len, H, D, L, None if lay["global"] else a.half_window, D ** -0.5)
+            pending = self._residual(att, lay["Wo"], s.h, s.parts, s.product, lay["mlp_norm"])
+            rk.layer_norm(s.h, lay["mlp_norm"], None, s.x, a.norm_eps, pending)
+            inner = s.mid[:, : a.intermediate]
+            gemm(s.x, lay["Wi"], inner, epi=self.geglu)
             # The last layer's is ours: the head's entry kernel, not a proven LayerNorm, adds what it leaves.
             last = i == len(self.layers) - 1
-            pending = self._residual(inner, lay["Wo_mlp"], h, parts, None if last else product, lay["mlp_norm"])
-            tap(f"encoder.{i}", h)
-        if taps is not None:
-            tap("final_norm", torch.nn.functional.layer_norm(h, (d,), self.final_norm, None, a.norm_eps))
+            pending = self._residual(inner, lay["Wo_mlp"], s.h, s.parts, None if last else s.product,
+                                     lay["mlp_norm"])
+            tap(f"encoder.{i}", s.h)
+        return pending
 
-        # ---- decision head: h <- final_norm(h) + type_emb; pre-norm layers, biases rounded as the SDK rounds
+    def _head(self, s: _Scratch, row_start, row_len, qtype, L: int, pending, tap: _Taps) -> None:
+        """The decision head on s.h: h <- final_norm(h) + type_emb; pre-norm layers, biases rounded as the SDK
+        rounds them."""
+        a = self.arch
         HH = a.head_heads
-        HD = d // HH
+        HD = a.hidden // HH
+        qkv, att = s.qkv_spare[:-1], s.spare[:-1]
         for j, lay in enumerate(self.head):
             if j == 0:
-                rk.head_entry(h, row, qtype, self.final_norm, self.type_emb, lay["n1_w"], lay["n1_b"], x,
+                rk.head_entry(s.h, s.row, qtype, self.final_norm, self.type_emb, lay["n1_w"], lay["n1_b"], s.x,
                               a.norm_eps, HEAD_NORM_EPS, pending)
             else:
-                rk.layer_norm(h, lay["n1_w"], lay["n1_b"], x, HEAD_NORM_EPS, pending)
-            gemm(x, lay["in_w"], qkv, bias=lay["in_b"], bias_apart=True)
-            if rows is not None:
-                attention_sdpa(qkv_spare, spare, rows, HH, HD, HD ** -0.5)
+                rk.layer_norm(s.h, lay["n1_w"], lay["n1_b"], s.x, HEAD_NORM_EPS, pending)
+            gemm(s.x, lay["in_w"], qkv, bias=lay["in_b"], bias_apart=True)
+            if s.rows is not None:
+                attention_sdpa(s.qkv_spare, s.spare, s.rows, HH, HD, HD ** -0.5)
             else:
                 banded(qkv, att, row_start, row_len, HH, HD, L, None, HD ** -0.5)
-            pending = residual(att, lay["out_w"], h, parts, bias=lay["out_b"], bias_apart=True)
-            rk.layer_norm(h, lay["n2_w"], lay["n2_b"], x, HEAD_NORM_EPS, pending)
-            inner = mid[:, : 4 * d]
-            gemm(x, lay["l1_w"], inner, bias=lay["l1_b"], act=Act.RELU)
+            pending = residual(att, lay["out_w"], s.h, s.parts, bias=lay["out_b"], bias_apart=True)
+            rk.layer_norm(s.h, lay["n2_w"], lay["n2_b"], s.x, HEAD_NORM_EPS, pending)
+            inner = s.mid[:, : 4 * a.hidden]
+            gemm(s.x, lay["l1_w"], inner, bias=lay["l1_b"], act=Act.RELU)
             # The last one finishes in place: what reads h next (the scorer's gathers) adds no chunk sums.
             last = j == len(self.head) - 1
-            pending = residual(inner, lay["l2_w"], h, None if last else parts, bias=lay["l2_b"])
-            tap(f"head.{j}", h)
+            pending = residual(inner, lay["l2_w"], s.h, None if last else s.parts, bias=lay["l2_b"])
+            tap(f"head.{j}", s.h)
 
-        # ---- scorer at the [MASK] markers, confidence features, act head
+    def _answers(self, h: torch.Tensor, row_start, markers, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scorer at the [MASK] markers, the confidence features and the act head: (logits [R, K], act [R, n_act]),
+        views of one buffer."""
+        a, dev, cd, empty = self.arch, self.device, self.dtype, torch.empty
+        R, K, d = row_start.shape[0], markers.shape[1], a.hidden
         m = empty((R * K, d), device=dev, dtype=cd)
         rk.gather_norm(h, row_start, markers, self.sc_norm_w, self.sc_norm_b, m, L, HEAD_NORM_EPS)
         m2 = empty((R * K, d), device=dev, dtype=cd)
@@ -220,8 +259,6 @@ class FastModel:
         gemm(hid, self.act2_w, act, bias=self.act2_b)
         act_probs = answers[at: at + R * a.n_act].view(R, a.n_act)
         rk.softmax_rows(act, act_probs)
-        if taps is not None:
-            taps["logits"], taps["act"] = logits, act_probs
         return logits, act_probs
 
     __call__ = forward
