@@ -76,6 +76,18 @@ def test_client_speed_through_a_stub_times_both_clients_predict_forward_and_ping
     for kind in ("predict", "AsyncClient.predict"):         # a pool call on top of the local work
         assert stub[kind]["p50"] > stub["encode + decode"]["p50"]
 
+def test_after_wait_times_encode_and_decode_after_each_kind_of_wait(tiny_ckpt, tmp_path):
+    r = _run("benchmarks.after_wait", "--model", str(tiny_ckpt), "--device", "cpu", "--calls", "5", "--rounds", "2",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((tmp_path / "after_wait.json").read_text())["result"]
+    assert got["device"] == "cpu" and list(got["kinds"]) == ["none", "sleep", "spin"]     # the CUDA kinds need CUDA
+    assert all(0 < k[step]["p50"] <= k[step]["p95"] for k in got["kinds"].values() for step in ("encode", "decode"))
+    assert all(f"\n{kind} " in r.stdout for kind in got["kinds"])
+    r = _run("benchmarks.after_wait", "--model", str(tiny_ckpt), "--device", "cpu", "--rounds", "1")
+    assert r.returncode == 2 and "--rounds must be at least 2" in r.stderr
+
+
 @pytest.mark.timeout(400)
 def test_http_measures_the_gateway_and_laya_serve_and_writes_them(tiny_ckpt, tmp_path):
     pytest.importorskip("laya.serve")
