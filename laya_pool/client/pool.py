@@ -56,6 +56,7 @@ from laya_pool.protocol.wire import Cmd
 from . import batching, scan
 from .abstain import apply_confidence_gate, check_min_confidence
 from .card import CardError
+from .decode import decode_answers
 from .direct import RETRY_S, ROUTES_TIMEOUT_S, Routes
 from .direct_async import AsyncRoutes
 from .errors import (
@@ -74,6 +75,7 @@ from .plans import Await, Call, Many, NeedCard, Plan, T, header_only, starter
 from .reader import Reader
 from .receiver import Receiver
 from .retry import Action, Attempts, RetryPolicy, Step, reply_error
+from .semantics import encode_request
 from .state import in_background
 from .watch import EVENTS, RECONNECTED, ConnectionWatch
 
@@ -335,9 +337,10 @@ class _Base:
             chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
 
             # The whole states' counts (usage) are tokenized while the pool computes.
-            replies = yield Many([self._forward_plan([row for i in chunk for row in encoded[i].rows], timeout, retries,
-                                                      worker, mode, False, starter([encoded[i] for i in chunk]))
-                                   for chunk in chunks])
+            plans = [self._forward_plan([row for i in chunk for row in encoded[i].rows], timeout, retries, worker, mode,
+                                        False, starter([encoded[i] for i in chunk])) for chunk in chunks]
+            # One request (every predict's) runs inside this plan: a Many of one would take a driver of its own.
+            replies = [(yield from plans[0])] if len(plans) == 1 else (yield Many(plans))
             outputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             for chunk, res in zip(chunks, replies):
                 parts = batching.split_outputs(res.flat, res.act, [encoded[i].n_markers for i in chunk],
@@ -528,7 +531,6 @@ class _Base:
     def _encode(self, card: Any, state: Any, questions: dict, max_len: int | None, head_max_len: int | None,
                 window: bool = True, row: int | None = None) -> Any:
         """The state's rows (semantics.encode_request); `row`: its place among a batch's states, for an error."""
-        from .semantics import encode_request
         try:
             return encode_request(card, state, questions, max_len=max_len, head_max_len=head_max_len, window=window,
                                   max_state_bytes=self.max_state_bytes)
@@ -540,7 +542,6 @@ class _Base:
     @staticmethod
     def _decode(card: Any, encoded: Any, flat: np.ndarray, act: np.ndarray, lang: str | None = None,
                 lang_temperatures: dict[str, Any] | None = None, calibration: Any = None) -> dict[str, Any]:
-        from .decode import decode_answers
         return decode_answers(card, encoded, flat, act, lang, lang_temperatures, calibration)
 
 
