@@ -37,7 +37,10 @@ def cuda_waits(model: str, batch: Any) -> dict[str, Callable[[], Any]]:
     from laya_pool.worker.runtime import Runtime, RuntimeConfig
     rt = Runtime(load_checkpoint(model), device="cuda", config=RuntimeConfig(mode="graph-cached"))
     rt.run(batch)                                   # captures the request's bucket
-    graph = rt.cache.get(rt.bucket(batch)).graph
+    entry = rt.cache.get(rt.bucket(batch))
+    if entry is None:
+        raise SystemExit(f"no graph was captured for {rt.bucket(batch)}: nothing to replay")
+    graph = entry.graph
     done = torch.cuda.Event()
 
     def synchronize() -> None:
