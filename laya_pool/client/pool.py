@@ -135,6 +135,17 @@ def _feed_events(watch: ConnectionWatch, mon: zmq.Socket) -> bool:
         back = watch.feed(int(ev["event"])) or back
 
 
+def _check_outputs(reply: wire.Reply, counts: np.ndarray) -> None:
+    """An ok reply's logits and act match the request's rows (`counts`: each row's markers)."""
+    if reply.logits is None or reply.act is None:
+        raise MalformedReply("reply", "an ok reply without logits")
+    sizes = counts.tolist()
+    markers, rows = sum(sizes), len(sizes)
+    if reply.logits.shape[0] != markers or reply.act.shape[0] != rows:
+        raise MalformedReply("reply", f"{reply.logits.shape[0]} logits and {reply.act.shape[0]} act rows "
+                                      f"for a request of {markers} markers in {rows} rows")
+
+
 def _split_rows(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     """`flat` cut into rows of `counts` logits, each its own copy. By slices at Python ints: `np.split` took 4 us for
     one row on the development CPU, most of the client's work on a reply."""
@@ -234,8 +245,15 @@ class _Base:
 
     # -- plans: each API call written once; the drivers run them -------------------------------------------
     def _forward_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
-                      worker: str | None, mode: str | None, taps: bool,
-                      on_sent: Callable[[], None] | None = None) -> Plan[ForwardResult]:
+                      worker: str | None, mode: str | None, taps: bool) -> Plan[ForwardResult]:
+        reply, counts, attempts = yield from self._reply_plan(rows, timeout, retries, worker, mode, taps)
+        return self._forward_result(reply, counts, attempts)
+
+    def _reply_plan(self, rows: Sequence[tuple[Any, Any, int]], timeout: float | None, retries: int | None,
+                    worker: str | None, mode: str | None, taps: bool = False,
+                    on_sent: Callable[[], None] | None = None) -> Plan[tuple[wire.Reply, np.ndarray, int]]:
+        """One request of `rows`: its ok reply, logits and act matching the rows (read-only arrays over the reply's
+        buffers), the rows' marker counts and the attempts it took."""
         arrays = self._pack(rows)
         self._check_fits(len(arrays["lengths"]), len(arrays["ids"]), len(arrays["markers"]), "rows")
         msg, attempts = yield Call(Cmd.REQUEST, self._request_frames(arrays, worker, mode, taps), timeout, retries,
@@ -243,7 +261,8 @@ class _Base:
         reply = wire.parse_reply(msg)
         if reply.status == wire.STATUS_FINAL:
             self._raise_final(reply)
-        return self._forward_result(reply, arrays["marker_counts"], attempts)
+        _check_outputs(reply, arrays["marker_counts"])
+        return reply, arrays["marker_counts"], attempts
 
     def _predict_plan(self, state: Any, questions: dict[Any, Any], timeout: float | None, retries: int | None,
                       max_len: int | None, head_max_len: int | None, worker: str | None,
@@ -334,19 +353,20 @@ class _Base:
             # requests within the frame limit rather than one the client must refuse: a request's one buffer holds at
             # most 5 int32 a token (a row has a token or more, a marker is a token's position).
             capacity = {"max_tokens": self.max_frame_bytes // 20, **self.capacity}
-            chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
+            chunks = [[0]] if len(encoded) == 1 else batching.pack(
+                [(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
 
             # The whole states' counts (usage) are tokenized while the pool computes.
-            plans = [self._forward_plan([row for i in chunk for row in encoded[i].rows], timeout, retries, worker, mode,
-                                        False, starter([encoded[i] for i in chunk])) for chunk in chunks]
+            plans = [self._reply_plan([row for i in chunk for row in encoded[i].rows], timeout, retries, worker, mode,
+                                      False, starter([encoded[i] for i in chunk])) for chunk in chunks]
             # One request (every predict's) runs inside this plan: a Many of one would take a driver of its own.
             replies = [(yield from plans[0])] if len(plans) == 1 else (yield Many(plans))
             outputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-            for chunk, res in zip(chunks, replies):
-                parts = batching.split_outputs(res.flat, res.act, [encoded[i].n_markers for i in chunk],
+            for chunk, (reply, _, _) in zip(chunks, replies):
+                parts = batching.split_outputs(reply.logits, reply.act, [encoded[i].n_markers for i in chunk],
                                                [len(encoded[i].rows) for i in chunk])
                 outputs.update(zip(chunk, parts))
-            served = {res.fingerprint for res in replies}
+            served = {reply.fingerprint for reply, _, _ in replies}
             for i, e in enumerate(encoded):
                 pending = e.state.pending()
                 if pending is not None:
@@ -356,9 +376,9 @@ class _Base:
                     # argument says cannot happen: answer from rows built from the whole state, and say so.
                     log.warning("state window disagreed with the whole state's tokens; re-sent with the whole state")
                     encoded[i] = e = self._encode(card, states[i], questions, max_len, head_max_len, window=False)
-                    res = yield from self._forward_plan(e.rows, timeout, retries, worker, mode, False)
-                    outputs[i] = (res.flat, res.act)
-                    served.add(res.fingerprint)
+                    reply, _, _ = yield from self._reply_plan(e.rows, timeout, retries, worker, mode)
+                    outputs[i] = (reply.logits, reply.act)
+                    served.add(reply.fingerprint)
             stale = sorted(f for f in served if f is not None and card.fingerprint and f != card.fingerprint)
             if not stale:
                 langs = self._lang_temperatures(card)
@@ -496,15 +516,10 @@ class _Base:
 
     @staticmethod
     def _forward_result(reply: wire.Reply, counts: np.ndarray, attempts: int) -> ForwardResult:
-        if reply.logits is None or reply.act is None:
-            raise MalformedReply("reply", "an ok reply without logits")
-        sizes = counts.tolist()
-        if reply.logits.shape[0] != sum(sizes) or reply.act.shape[0] != len(sizes):
-            raise MalformedReply("reply", f"{reply.logits.shape[0]} logits and {reply.act.shape[0]} act rows "
-                                          f"for a request of {sum(sizes)} markers in {len(sizes)} rows")
+        """A checked reply (`_reply_plan`) as the caller's own arrays."""
         flat = np.array(reply.logits, dtype=np.float32)
-        return ForwardResult(logits=_split_rows(flat, sizes), act=np.array(reply.act, dtype=np.float32), flat=flat,
-                             worker=reply.worker, fingerprint=reply.fingerprint, metrics=reply.metrics,
+        return ForwardResult(logits=_split_rows(flat, counts.tolist()), act=np.array(reply.act, dtype=np.float32),
+                             flat=flat, worker=reply.worker, fingerprint=reply.fingerprint, metrics=reply.metrics,
                              taps=None if reply.taps is None else {k: np.array(v) for k, v in reply.taps.items()},
                              attempts=attempts)
 
