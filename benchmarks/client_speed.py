@@ -13,7 +13,11 @@ each encode is waited for outside the timed region so it never overlaps the next
 serving this checkpoint's card, the client on the worker's direct socket), 1x48: `Client.predict`, `Client.forward`
 of the same rows, `ping`, in-process encode + decode, and `AsyncClient.predict` (timed inside one event loop), rounds
 alternating. Predict less forward less encode + decode is what the predict path adds on the host beyond the stages
-above; `AsyncClient.predict` less `Client.predict` is what asyncio adds (the HTTP gateway's client).
+above; `AsyncClient.predict` less `Client.predict` is what asyncio adds (the HTTP gateway's client). And the client's
+own work alone, with no wire and no other process: `predict, reply replayed` (`Client.predict` whose pool call is
+answered at once with a reply recorded from the stub: everything the client runs but the socket or lane and the
+wait) against `encode + wire + decode` (encode_request, the request's frames, the reply parsed, decode_answers:
+the stages it cannot skip); their difference is the call's own Python (its plan, checks and bookkeeping).
 """
 from __future__ import annotations
 
@@ -103,12 +107,53 @@ def through_stub(model: str, card: ModelCard, calls: int) -> dict:
             # One turn of its loop, so the cancellation of its tasks runs before the loop closes (else they are
             # destroyed pending, and say so at exit).
             loop.run_until_complete(asyncio.sleep(0))
+        samples.update(replayed(client, card, state, questions, calls))
     loop.close()
     out = {}
     for k, xs in samples.items():
         xs.sort()
         out[k] = {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
     return out
+
+
+def replayed(client: object, card: ModelCard, state: object, questions: dict, calls: int) -> dict[str, list[float]]:
+    """`client.predict` with its pool call answered from a recorded reply, against the stages it cannot skip (module
+    docstring): 6 x `calls` of each after `calls` of warm-up, one of each in turn (the vCPUs' speed changes hit both
+    alike); ms."""
+    call = client.call
+    recorded = []
+
+    def recording(*args: object, **kwargs: object) -> object:
+        recorded.append(call(*args, **kwargs))
+        return recorded[-1]
+
+    def replaying(cmd: object, build: Callable, timeout: object = None, retries: object = None,
+                  on_sent: Callable | None = None, **kwargs: object) -> object:
+        build(1, client.cid)                     # the request's frames, as a call builds them before sending
+        if on_sent is not None:
+            on_sent()
+        return recorded[0]
+
+    def parts() -> None:
+        enc = encode_request(card, state, questions)
+        wire.encode_request(1, wire.pack_rows(enc.rows), cid=client.cid)
+        reply = wire.parse_reply(recorded[0][0])
+        decode_answers(card, enc, reply.logits, reply.act)
+    client.call = recording
+    client.predict(state, questions)
+    client.call = replaying
+    try:
+        kinds = {"predict, reply replayed": lambda: client.predict(state, questions), "encode + wire + decode": parts}
+        samples: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(7 * calls):
+            for k, fn in kinds.items():
+                t = time.perf_counter()
+                fn()
+                if i >= calls:
+                    samples[k].append((time.perf_counter() - t) * 1e3)
+    finally:
+        del client.call                          # the class's own again
+    return samples
 
 
 def _round(fn: Callable[[], object], n: int) -> list[float]:

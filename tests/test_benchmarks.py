@@ -70,11 +70,14 @@ def test_client_speed_through_a_stub_times_both_clients_predict_forward_and_ping
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads((tmp_path / "client_speed.json").read_text())["result"]
     stub = got["through_stub"]
-    assert set(stub) == {"encode + decode", "predict", "forward", "ping", "AsyncClient.predict"}
+    assert set(stub) == {"encode + decode", "predict", "forward", "ping", "AsyncClient.predict",
+                         "predict, reply replayed", "encode + wire + decode"}
     assert len(got["stages"]) >= 4
     assert all(0 < v["p50"] <= v["p95"] for v in stub.values())
     for kind in ("predict", "AsyncClient.predict"):         # a pool call on top of the local work
         assert stub[kind]["p50"] > stub["encode + decode"]["p50"]
+    # what a replayed predict runs is its stages and more, and never the wire's wait
+    assert stub["encode + wire + decode"]["p50"] < stub["predict, reply replayed"]["p50"] < stub["predict"]["p50"]
 
 def test_after_wait_times_encode_and_decode_after_each_kind_of_wait(tiny_ckpt, tmp_path):
     r = _run("benchmarks.after_wait", "--model", str(tiny_ckpt), "--device", "cpu", "--calls", "5", "--rounds", "2",
