@@ -261,3 +261,33 @@ def test_alone_says_whether_another_thread_could_want_the_gil():
     gate.set()
     queued.result()
     wait_until(lambda: alone() == before, 5, "the finished task still counted")
+
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_cancelled_count_stops_between_two_pieces(card, monkeypatch, cancel):
+    """A call that ended stops its state's background count at the next piece (`StateTokens.cancel`); one that did
+    not counts every piece."""
+    from concurrent.futures import CancelledError
+
+    monkeypatch.setattr(state_module, "_COUNT_CHARS", 2000)
+    text = _words(1, 6000)                       # ~36,000 characters: the count takes many pieces
+    policy = WindowPolicy(True, card.window.added, card.window.margin, min_chars=0)
+    calls: list[int] = []
+    made: list = []
+
+    def encode(t: str) -> list[int]:
+        calls.append(len(t))
+        if cancel and made:                      # the count's first piece: the call ends while it is tokenized
+            made[0].cancel()
+        return card.encode(t)
+    tokens = tokenize_state(encode, policy, text, 50, False)
+    made.append(tokens)
+    assert not tokens.complete
+    before = len(calls)
+    if cancel:
+        with pytest.raises(CancelledError):
+            tokens.count()
+        assert len(calls) - before == 1
+    else:
+        assert tokens.count() == len(card.encode(text)) and len(calls) - before > 5

@@ -317,7 +317,8 @@ class _Base:
         if not questions:
             results = [batching.empty_result() for _ in states]
         else:
-            card = yield NeedCard(timeout)
+            # (the driver's answer to NeedCard, without the round trip once the card is here)
+            card = self._card if self._card is not None else (yield NeedCard(timeout))
             results = yield from self._answer_states(card, states, questions, lang, max_len, head_max_len, batch_size,
                                                      timeout, retries, worker, mode)
         apply_confidence_gate(results, threshold)
