@@ -9,7 +9,7 @@ No I/O.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,12 +34,14 @@ def empty_result() -> dict[str, Any]:
     return {"model": MODEL_NAME, "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0}}
 
 
-def pack(sizes: Iterable[tuple[int, int, int]], capacity: dict[str, int],
+def pack(sizes: Sequence[tuple[int, int, int]], capacity: dict[str, int],
          batch_size: int | None = None) -> list[list[int]]:
     """Indices of whole states per request, in order: each request at most `batch_size` states and within
     `capacity` ("max_rows", "max_tokens", "max_markers"; a missing key is no limit). `sizes` is each
     state's (rows, tokens, markers); a state larger than the capacity alone gets a request of its own
     (the client refuses it before sending, naming the limit)."""
+    if len(sizes) == 1:         # one state (every predict's): one request, without the loop below
+        return [[0]]
     limits = (capacity.get("max_rows"), capacity.get("max_tokens"), capacity.get("max_markers"))
     per_request = batch_size if batch_size and batch_size > 0 else None
     chunks: list[list[int]] = []

@@ -354,8 +354,7 @@ class _Base:
             # requests within the frame limit rather than one the client must refuse: a request's one buffer holds at
             # most 5 int32 a token (a row has a token or more, a marker is a token's position).
             capacity = {"max_tokens": self.max_frame_bytes // 20, **self.capacity}
-            chunks = [[0]] if len(encoded) == 1 else batching.pack(
-                [(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
+            chunks = batching.pack([(len(e.rows), e.n_tokens, e.n_markers) for e in encoded], capacity, batch_size)
 
             # The whole states' counts (usage) are tokenized while the pool computes.
             plans = [self._reply_plan([row for i in chunk for row in encoded[i].rows], timeout, retries, worker, mode,

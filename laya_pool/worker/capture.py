@@ -169,4 +169,3 @@ class Capturer:
         finally:
             if compilers:
                 release(compilers)
-
