@@ -106,7 +106,7 @@ def protocol_steps(rows: list, n: int) -> dict[str, dict[str, float]]:
     return {name: stats([clock(fn) for _ in range(n)][n // 5:]) for name, fn in steps.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments(argv: list[str] | None) -> Any:
     ap = parser(__doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cpu")
@@ -126,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="calls of one kind in a row per turn (default 1: the kinds interleaved). A forward right "
                          "after a forward finds the worker still polling, so it takes a lane: a loop of forwards, as "
                          "a decision loop (and benchmarks/pool_overhead.py) calls them, wants --burst 20 or so")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def in_process(args: Any, rows: list) -> Callable[[], None]:
+    """The same batch run by the runtime the worker runs, here (warmed up): what the pool adds is measured over it."""
     import torch
 
     from laya_pool.worker.batch import Batch
@@ -135,82 +138,94 @@ def main(argv: list[str] | None = None) -> int:
     from laya_pool.worker.runtime import Runtime, RuntimeConfig
 
     torch.set_num_threads(args.threads)
-    rows = one_row()
-    frontend = None
-    if args.transport == "tcp":
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            frontend = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     on_cuda = args.device.startswith("cuda")
     rt = Runtime(load_checkpoint(args.model), device=args.device,
                  config=RuntimeConfig(mode="graph-cached" if on_cuda else "eager"))
     rt.warmup()
     batch = Batch.from_rows(rows)
 
-    def in_process() -> None:
+    def run() -> None:
         rt.run(batch)
         if on_cuda:
             torch.cuda.synchronize()
+    return run
 
+
+def free_tcp() -> str:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def record_parts(samples: dict[str, list[float]], m: dict[str, Any], t: float, end: float) -> None:
+    """A pooled forward's parts from its reply's stamps (`m`: its metrics; `t`, `end`: when the call started and
+    returned, on this host's monotonic clock, which the worker's and the broker's stamps share)."""
+    samples["queue"].append(m["queue_ms"])
+    samples["worker"].append(m["worker_ms"])
+    if "received_at" in m:             # the worker's stamps (compute.py `_answer`)
+        samples["up"].append((m["received_at"] - t) * 1e3)
+        samples["down"].append((end - m["done_at"]) * 1e3)
+    if "broker_in" in m and "received_at" in m:     # the broker's stamps (on the broker's path only)
+        samples["up: to the broker"].append((m["broker_in"] - t) * 1e3)
+        samples["up: in the broker"].append((m["broker_out"] - m["broker_in"]) * 1e3)
+        samples["up: to the worker"].append((m["received_at"] - m["broker_out"]) * 1e3)
+        samples["down: to the broker"].append((m["broker_back"] - m["done_at"]) * 1e3)
+        samples["down: to the client"].append((end - m["broker_back"]) * 1e3)
+    if "landed_at" in m:
+        launch = (m["launched_at"] - m["started_at"]) * 1e3
+        samples["launch"].append(launch)
+        if "plan_ms" in m:             # the runtime's own stamps inside its launch (worker/runtime.py)
+            samples["launch: plan"].append(m["plan_ms"])
+            samples["launch: pack"].append(m["pack_ms"])
+            samples["launch: submit"].append(launch - m["validate_ms"] - m["plan_ms"] - m["pack_ms"])
+        samples["device wait"].append((m["landed_at"] - m["launched_at"]) * 1e3)
+        samples["wake"].append((m["done_at"] - m["landed_at"]) * 1e3)
+
+
+def in_turn(kinds: dict[str, Callable[[], Any]], samples: dict[str, list[float]], calls: int, burst: int) -> None:
+    """One call (or `burst` calls) of each kind in turn, the order rotating, so load from elsewhere on the machine
+    falls on every kind alike."""
+    names = list(kinds)
+    for i in range(-(-calls // burst)):
+        for k in range(len(names)):
+            kind = names[(i + k) % len(names)]
+            for _ in range(burst):
+                samples[kind].append(clock(kinds[kind]))
+
+
+def measure(args: Any, rows: list, local: Callable[[], None]) -> dict[str, Any]:
+    """Every kind's samples and every part's, through a pool of one worker started here."""
     samples: dict[str, list[float]] = {k: [] for k in PARTS}
     extra = ["--threads", str(args.threads), *shlex.split(args.pool_args)]
+    frontend = free_tcp() if args.transport == "tcp" else None
     with local_pool(args.model, args.device, frontend=frontend, extra_args=extra, keys=args.keys) as pool, \
             Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, keys=args.keys) as c, \
             Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, direct=False, keys=args.keys) as via_broker:
         def forward() -> None:
             t = time.monotonic()
             res = c.forward(rows)
-            end = time.monotonic()
-            m = res.metrics
-            samples["queue"].append(m["queue_ms"])
-            samples["worker"].append(m["worker_ms"])
-            if "received_at" in m:             # the worker's stamps (compute.py `_answer`)
-                samples["up"].append((m["received_at"] - t) * 1e3)
-                samples["down"].append((end - m["done_at"]) * 1e3)
-            if "broker_in" in m and "received_at" in m:     # the broker's stamps (on the broker's path only)
-                samples["up: to the broker"].append((m["broker_in"] - t) * 1e3)
-                samples["up: in the broker"].append((m["broker_out"] - m["broker_in"]) * 1e3)
-                samples["up: to the worker"].append((m["received_at"] - m["broker_out"]) * 1e3)
-                samples["down: to the broker"].append((m["broker_back"] - m["done_at"]) * 1e3)
-                samples["down: to the client"].append((end - m["broker_back"]) * 1e3)
-            if "landed_at" in m:
-                launch = (m["launched_at"] - m["started_at"]) * 1e3
-                samples["launch"].append(launch)
-                if "plan_ms" in m:             # the runtime's own stamps inside its launch (worker/runtime.py)
-                    samples["launch: plan"].append(m["plan_ms"])
-                    samples["launch: pack"].append(m["pack_ms"])
-                    samples["launch: submit"].append(launch - m["validate_ms"] - m["plan_ms"] - m["pack_ms"])
-                samples["device wait"].append((m["landed_at"] - m["launched_at"]) * 1e3)
-                samples["wake"].append((m["done_at"] - m["landed_at"]) * 1e3)
+            record_parts(samples, res.metrics, t, time.monotonic())
 
         kinds = {"ping": c.ping, "forward": forward, "forward via broker": lambda: via_broker.forward(rows),
-                 "in-process": in_process}
+                 "in-process": local}
         for _ in range(args.warmup):
             for fn in kinds.values():
                 fn()
         for k in PARTS[4:]:
             del samples[k][:]
-        # One call (or --burst calls) of each kind in turn (the order rotating), so load from elsewhere on the
-        # machine falls on every kind alike.
-        names = list(kinds)
-        burst = max(1, args.burst)
-        for i in range(-(-args.samples // burst)):
-            for k in range(len(names)):
-                kind = names[(i + k) % len(names)]
-                for _ in range(burst):
-                    samples[kind].append(clock(kinds[kind]))
+        in_turn(kinds, samples, args.samples, max(1, args.burst))
         status = c.status()
     out: dict[str, Any] = {k: stats(v) for k, v in samples.items() if v}
     out["added"] = round(out["forward"]["p50"] - out["in-process"]["p50"], 4)
     out["added via broker"] = round(out["forward via broker"]["p50"] - out["in-process"]["p50"], 4)
     out["direct"] = c._routes.sent if c._routes is not None else 0
     out["on_lanes"] = c._routes.on_lanes if c._routes is not None else 0
-    out["steps"] = protocol_steps(rows, 2000)
-    out["config"] = {"model": args.model, "device": args.device, "transport": args.transport, "keys": bool(args.keys),
-                     "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
-                     "burst": burst,
-                     "worker": status["workers"][0]["device"]}
+    out["worker device"] = status["workers"][0]["device"]
+    return out
+
+
+def report(out: dict[str, Any]) -> None:
     print(f"{'':60} {'p50 ms':>8} {'p95 ms':>8}")
     for k in (k for k in PARTS if k in out):
         print(f"{k + PART_NOTES.get(k, ''):60} {out[k]['p50']:8.3f} {out[k]['p95']:8.3f}")
@@ -220,6 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'... of them on a lane (shared memory, protocol/lane.py)':60} {out['on_lanes']:8d}")
     for k, v in out["steps"].items():
         print(f"{k:60} {v['p50']:8.4f} {v['p95']:8.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    rows = one_row()
+    out = measure(args, rows, in_process(args, rows))
+    out["steps"] = protocol_steps(rows, 2000)
+    out["config"] = {"model": args.model, "device": args.device, "transport": args.transport, "keys": bool(args.keys),
+                     "pool_args": args.pool_args, "threads": args.threads, "samples": args.samples,
+                     "burst": max(1, args.burst), "worker": out.pop("worker device")}
+    report(out)
     write(args.out, "overhead", out)
     return 0
 

@@ -31,7 +31,7 @@ from .attention import attention as banded
 from .gemm import SPLIT_MAX_M, Act, Epi, geglu_pairs, gemm, k_chunk, residual, rope_pairs
 from .reference import ABSENT_LOGIT, HEAD_NORM_EPS, _rope_tables, load_weights, weight_bytes
 
-__all__ = ["ATTENTION", "FastModel", "supports"]
+__all__ = ["ATTENTION", "FastModel", "act_at", "supports"]
 
 # "triton": kernels/attention.py, packed and banded; "sdpa": torch's SDPA on the SDK's layout. Both the SDK's bits.
 ATTENTION = ("sdpa", "triton")
@@ -67,6 +67,12 @@ class _Taps:
     def __call__(self, name: str, h: torch.Tensor) -> None:
         if self.taps is not None:
             self.taps[name] = h[self.index].float() * self.valid[..., None]
+
+
+def act_at(rows: int, row_markers: int) -> int:
+    """Where a forward's act starts in its answers buffer (float32 elements): after the logits [rows, row_markers],
+    64-byte aligned. A worker's slot holds its outputs the same way (worker/workspace.py), so one copy reads both."""
+    return -(-rows * row_markers // 16) * 16
 
 
 @dataclass
@@ -246,9 +252,8 @@ class FastModel:
         gemm(m, self.sc1_w, m2, bias=self.sc1_b, act=Act.GELU)
         score = empty((R * K, 1), device=dev, dtype=cd)
         gemm(m2, self.sc3_w, score, bias=self.sc3_b)
-        # The two answers in one buffer, act 64-byte aligned after the logits: a worker's slot holds them so
-        # (worker/workspace.py `act_at`), and reads both back in one copy.
-        at = -(-R * K // 16) * 16
+        # The two answers in one buffer (`act_at`): a worker's slot holds them so, and reads both back in one copy.
+        at = act_at(R, K)
         answers = empty((at + R * a.n_act,), device=dev, dtype=torch.float32)
         logits = answers[: R * K].view(R, K)
         act_in = empty((R, d + 16), device=dev, dtype=cd)   # d + 4 used; a 16-aligned row stride

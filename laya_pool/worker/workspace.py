@@ -12,8 +12,8 @@ Layout of one slot (int32, element offsets fixed by the capacity, so each field'
 The ids come last so that one copy from the slot's start to the request's last token uploads a group (the markers
 past the shape's go along unread): each cudaMemcpyAsync costs the host ~10 us on an H100 host
 (docs/decisions/0028-host-path-taken-apart.md).
-Output (float32, per slot): a shape's logits[rows * row_markers], then its act[rows * n_act] from `act_at(shape)`, as
-the forward lays them out on the device (kernels/fast.py), so one copy reads a group's answers back.
+Output (float32, per slot): a shape's logits[rows * row_markers], then its act[rows * n_act] from `act_at`, as the
+forward lays them out on the device (kernels/fast.py), so one copy reads a group's answers back.
 """
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from laya_pool.kernels.fast import act_at
+
 from .batch import Batch
 
 FIELDS = ("row_start", "row_len", "qtype", "markers", "ids")      # in the slot's order
-ALIGN = 16             # elements: every field, and act in the outputs, start 64-byte aligned (Triton's kernels
-                       # are specialised on 16-byte alignment; an allocation of its own is aligned more)
+ALIGN = 16             # elements: every field starts 64-byte aligned, as act does in the outputs (`act_at`); Triton's
+                       # kernels are specialised on 16-byte alignment, an allocation of its own is aligned more
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,6 @@ class Shape:
     def text(self) -> str:
         """ROWSxLENGTHxMARKERS, as --warmup-shapes writes a bucket."""
         return f"{self.rows}x{self.row_len}x{self.row_markers}"
-
-
-def act_at(rows: int, row_markers: int) -> int:
-    """Where a group's act starts in its outputs (elements): after its logits, ALIGN-aligned."""
-    return -(-rows * row_markers // ALIGN) * ALIGN
 
 
 @dataclass
