@@ -120,7 +120,8 @@ def run_kind(endpoint: str, kind: str, procs: int, window: int, seconds: float, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from laya_pool.client.pool import Client, local_pool
+    from laya_pool.client.local import local_pool
+    from laya_pool.client.pool import Client
 
     ap = parser(__doc__)
     ap.add_argument("--model", help="the checkpoint for the pool this starts (not with --frontend)")

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import parser, write
-from laya_pool.client.pool import Client, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.protocol import wire
 from laya_pool.protocol.wire import Cmd
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the module under this package that defines it
 _EXPORTS = {
-    "Client": "client.pool", "AsyncClient": "client.pool", "local_pool": "client.pool", "LocalPool": "client.pool",
+    "Client": "client.pool", "AsyncClient": "client.pool_async",
+    "local_pool": "client.local", "LocalPool": "client.local",
     "RetryPolicy": "client.retry", "ModelCard": "client.card",
     # every error a pool call raises is a PoolError; each also keeps the type a caller may already catch
     "PoolError": "client.errors", "RequestFailed": "client.errors", "PoolUnavailable": "client.errors",
@@ -45,7 +46,9 @@ if TYPE_CHECKING:       # what type checkers see (py.typed); at run time __getat
         PoolUnreachable,
         RequestFailed,
     )
-    from .client.pool import AsyncClient, Client, LocalPool, local_pool
+    from .client.local import LocalPool, local_pool
+    from .client.pool import Client
+    from .client.pool_async import AsyncClient
     from .client.retry import RetryPolicy
     from .client.semantics import QuestionError
     from .client.structured import DecisionResult, SchemaError

@@ -18,7 +18,8 @@ import zmq
 from conftest import ROOT, SUBPROCESS_ENV, make_rows, wait_until
 
 from laya_pool.broker.unread import GRACE_S, MESSAGE_COST, SAMPLE_S, TRIM_BYTES, Unread, probe
-from laya_pool.client.pool import Client, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.protocol import wire
 from laya_pool.worker.inbox import direct_limits
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from conftest import make_rows, wait_until
 
-from laya_pool.client.pool import AsyncClient, Client, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
+from laya_pool.client.pool_async import AsyncClient
 
 pytestmark = pytest.mark.timeout(180)
 CLIENTS = 6

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import make_rows, wait_until
 
-from laya_pool.client.pool import AsyncClient, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool_async import AsyncClient
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -213,7 +213,7 @@ def test_an_asyncio_client_keeps_going_direct_under_load():
     import socket
     import threading
 
-    from laya_pool.client.pool import AsyncClient
+    from laya_pool.client.pool_async import AsyncClient
 
     ctx = zmq.Context()
     broker, broker_ep = _worker_socket(ctx)

@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 from laya_pool.client.errors import BadModelCard, MalformedReply, PoolError, PoolUnavailable, RequestFailed
-from laya_pool.client.pool import AsyncClient, Client
+from laya_pool.client.pool import Client
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 from laya_pool.protocol.wire import Cmd

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from laya_pool.client.pool import Client, RequestFailed, local_pool
+from laya_pool.client.errors import RequestFailed
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.client.semantics import QuestionError
 from laya_pool.protocol.contract import Reason
 

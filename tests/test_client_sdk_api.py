@@ -24,7 +24,8 @@ from conftest import assert_answers_close
 from laya_pool.client import abstain, batching, scan, structured
 from laya_pool.client.card import ModelCard
 from laya_pool.client.decode import resolve_lang_temperatures
-from laya_pool.client.pool import AsyncClient, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.client.semantics import to_internal
 from laya_pool.protocol.wire import Cmd
 
@@ -596,8 +597,8 @@ def _most_in_flight(pool) -> int:
 
 
 def test_async_batch_requests_are_in_flight_together_within_a_bound(pool, monkeypatch):
-    import laya_pool.client.pool
+    import laya_pool.client.pool_async
     requests = math.ceil(len(STATES) / (MAX_ROWS // len(QUESTIONS)))
     assert _most_in_flight(pool) == requests == 4
-    monkeypatch.setattr(laya_pool.client.pool, "BATCH_IN_FLIGHT", 2)
+    monkeypatch.setattr(laya_pool.client.pool_async, "BATCH_IN_FLIGHT", 2)
     assert _most_in_flight(pool) == 2

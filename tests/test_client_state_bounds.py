@@ -20,7 +20,10 @@ from conftest import ROOT, SUBPROCESS_ENV, assert_answers_close
 
 from laya_pool.client import state as state_module
 from laya_pool.client.card import ModelCard
-from laya_pool.client.pool import AsyncClient, Client, PoolTimeout, RequestFailed, local_pool
+from laya_pool.client.errors import PoolTimeout, RequestFailed
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.client.state import count_spans, tokenize_state
 
 pytestmark = pytest.mark.timeout(180)

@@ -36,7 +36,7 @@ def _perturbed(src: Path, dst: Path, tensor: str) -> Path:
 
 
 def _wait(client, pred, timeout=120.0):
-    from laya_pool.client.pool import PoolError
+    from laya_pool.client.errors import PoolError
 
     def reached():
         st = client.status()

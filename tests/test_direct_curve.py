@@ -16,7 +16,9 @@ import zmq
 from conftest import SUBPROCESS_ENV, free_port, make_rows, reference_logits, wait_until
 
 from laya_pool.broker.supervisor import SupervisorConfig, _direct_beyond_loopback
-from laya_pool.client.pool import AsyncClient, Client, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.protocol import wire
 
 

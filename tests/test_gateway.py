@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from conftest import SUBPROCESS_ENV, assert_answers_close, free_port, stop_all, wait_until
 
-from laya_pool.client.pool import local_pool
+from laya_pool.client.local import local_pool
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")

@@ -2,7 +2,8 @@
 
 protocol imports nothing of ours; the client and the kernels import only the protocol; the worker uses the
 kernels and the protocol, never the client or the broker; the broker core speaks only the protocol, and the
-operator tools beside it (cli, supervisor) reach a pool through the client's public `client.pool`. The HTTP gateway is
+operator tools beside it (cli, supervisor) reach a pool through the client's public `client.pool` (and catch its
+`client.errors`). The HTTP gateway is
 a pool client: the client and the protocol, nothing else of ours, never torch or the SDK. No broker
 module imports the worker, the kernels or torch: workers are processes started by module name. The tools
 (tools/: bench, load, ...) may use every room; no room imports them.
@@ -42,9 +43,9 @@ ALLOWED = {           # room -> the packages of ours its modules may import
     "gateway": {"gateway", "client", "protocol"},
     "tools": {"protocol", "client", "kernels", "worker", "broker", "gateway", "tools"},
 }
-# The operator tools may use the client library, and only its public pool module; the CLI builds the gateway's
-# command (`laya-pool api`) and runs it.
-EXCEPTIONS = {"broker/cli.py": {"client.pool", "gateway.options", "gateway.server"},
+# The operator tools may use the client library, and only its public pool and errors modules; the CLI builds the
+# gateway's command (`laya-pool api`) and runs it.
+EXCEPTIONS = {"broker/cli.py": {"client.pool", "client.errors", "gateway.options", "gateway.server"},
               "broker/supervisor.py": {"client.pool"}}
 NEVER = {"broker": {"torch"}, "protocol": {"torch", "zmq.asyncio"}, "client": {"torch", "transformers", "laya"},
          "gateway": {"torch", "transformers", "laya"}}

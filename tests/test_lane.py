@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import make_rows, reference_logits, wait_until
 
-from laya_pool.client.pool import Client, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.protocol import lane as ln
 from laya_pool.protocol import wire
 from laya_pool.protocol.lane import Lane, pack_frames, unpack_frames
@@ -489,7 +490,7 @@ def test_an_asyncio_client_s_lone_call_goes_on_the_socket_and_calls_out_together
     workers (requests read from lanes), not timed."""
     import asyncio
 
-    from laya_pool.client.pool import AsyncClient
+    from laya_pool.client.pool_async import AsyncClient
     rows = make_rows(15)
     want = reference_logits(tiny_runtime, rows)
 
@@ -530,7 +531,7 @@ def test_requests_on_lanes_are_read_while_the_sockets_stay_busy(lane_pool, tiny_
     against that timeout (6 s: 30 s over retries + 2 attempts)."""
     import asyncio
 
-    from laya_pool.client.pool import AsyncClient
+    from laya_pool.client.pool_async import AsyncClient
     rows = make_rows(9)
     want = reference_logits(tiny_runtime, rows)
 

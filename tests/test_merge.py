@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from conftest import make_rows
 
-from laya_pool.client.pool import AsyncClient, RequestFailed, local_pool
+from laya_pool.client.errors import RequestFailed
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.worker.batch import Batch
 from laya_pool.worker.checkpoint import load_checkpoint
 from laya_pool.worker.merge import Group

@@ -43,7 +43,8 @@ def test_worker_maps_its_one_visible_gpu(monkeypatch):
 
 
 def test_remote_style_workers_join_over_tcp_and_agree(tiny_ckpt):
-    from laya_pool.client.pool import Client, PoolError
+    from laya_pool.client.errors import PoolError
+    from laya_pool.client.pool import Client
     fe, be = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "-m", "laya_pool", "broker", "--frontend", fe, "--backend", be,
                                "--heartbeat-ms", "300", "--insecure-backend"], env=ENV, cwd=ROOT)]

@@ -16,7 +16,9 @@ import pytest
 from conftest import SUBPROCESS_ENV, make_rows, wait_until
 
 from laya_pool.broker import operator
-from laya_pool.client.pool import Client, RequestFailed, local_pool
+from laya_pool.client.errors import RequestFailed
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.protocol.contract import Reason
 
 ROOT = Path(__file__).resolve().parents[1]

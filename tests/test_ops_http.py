@@ -19,7 +19,9 @@ from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from laya_pool.broker import operator
-from laya_pool.client.pool import Client, PoolUnavailable, RequestFailed, local_pool
+from laya_pool.client.errors import PoolUnavailable, RequestFailed
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 
 pytestmark = pytest.mark.timeout(180)
 OK = ("laya_pool_requests_total", (("outcome", "ok"), ("reason", "")))

@@ -16,16 +16,10 @@ import pytest
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
 
 from laya_pool.broker.overload import DrainRate, retry_after
-from laya_pool.client.pool import (
-    AsyncClient,
-    Client,
-    PoolBusy,
-    PoolNoWorker,
-    PoolTimeout,
-    PoolUnavailable,
-    PoolUnreachable,
-    local_pool,
-)
+from laya_pool.client.errors import PoolBusy, PoolNoWorker, PoolTimeout, PoolUnavailable, PoolUnreachable
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.protocol.contract import CONNECT_TIMEOUT_S, RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Reason
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,10 @@ import pytest
 import zmq
 from conftest import SUBPROCESS_ENV, LoadThreads, free_port, make_rows, wait_until
 
-from laya_pool.client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed, local_pool
+from laya_pool.client.errors import PoolUnavailable, RequestFailed
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.protocol import contract, wire
 from laya_pool.protocol.wire import Cmd
 

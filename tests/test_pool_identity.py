@@ -14,7 +14,9 @@ import pytest
 from conftest import SUBPROCESS_ENV, free_port, make_rows, wait_until
 
 from laya_pool.broker import operator
-from laya_pool.client.pool import Client, PoolUnavailable, local_pool
+from laya_pool.client.errors import PoolUnavailable
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)

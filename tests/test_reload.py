@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import SUBPROCESS_ENV, LoadThreads, make_ckpt, wait_until
 
-from laya_pool.client.pool import Client, PoolUnavailable, local_pool
+from laya_pool.client.errors import PoolUnavailable
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.protocol import contract
 
 ROOT = Path(__file__).resolve().parents[1]

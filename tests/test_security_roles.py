@@ -14,7 +14,9 @@ import zmq
 from conftest import SUBPROCESS_ENV, free_port, wait_until
 
 from laya_pool.broker.security import generate
-from laya_pool.client.pool import AsyncClient, Client, PoolUnavailable, RequestFailed
+from laya_pool.client.errors import PoolUnavailable, RequestFailed
+from laya_pool.client.pool import Client
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.protocol import wire
 from laya_pool.protocol.contract import Reason
 

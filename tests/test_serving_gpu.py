@@ -169,7 +169,7 @@ def test_a_cuda_pool_takes_requests_on_the_data_socket(tiny_ckpt, ckpt):
     of the worker where it was."""
     import concurrent.futures as cf
 
-    from laya_pool.client.pool import local_pool
+    from laya_pool.client.local import local_pool
 
     eager = worker_runtime(ckpt, "eager", warm=False)
     batches = small_requests(4, 48)

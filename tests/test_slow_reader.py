@@ -14,7 +14,8 @@ import pytest
 import zmq
 from conftest import make_rows, wait_until
 
-from laya_pool.client.pool import Client, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.protocol import wire
 
 pytestmark = pytest.mark.timeout(180)

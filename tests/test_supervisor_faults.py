@@ -21,7 +21,9 @@ import pytest
 from conftest import free_port, make_rows, wait_until
 
 from laya_pool.broker import ops_http
-from laya_pool.client.pool import Client, PoolUnavailable, local_pool
+from laya_pool.client.errors import PoolUnavailable
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 
 pytestmark = pytest.mark.timeout(120)
 IDLE = 2000

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import SUBPROCESS_ENV, make_rows, stop_all, wait_until
 
-from laya_pool.client.pool import Client, PoolError, local_pool
+from laya_pool.client.errors import PoolError
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = SUBPROCESS_ENV

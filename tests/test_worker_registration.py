@@ -19,7 +19,8 @@ import zmq
 from conftest import ROOT, SUBPROCESS_ENV, free_port, make_rows, wait_until
 
 from laya_pool.broker import operator
-from laya_pool.client.pool import Client, local_pool
+from laya_pool.client.local import local_pool
+from laya_pool.client.pool import Client
 from laya_pool.protocol import credentials, wire
 from laya_pool.protocol.wire import Cmd
 

@@ -258,7 +258,7 @@ def cmd_drain(a: argparse.Namespace) -> int:
 
 
 def cmd_restart_worker(a: argparse.Namespace) -> int:
-    from laya_pool.client.pool import PoolError
+    from laya_pool.client.errors import PoolError
     with _client(a) as c:
         before = _find(c.status(), a.id)
         if before is None:
@@ -284,7 +284,7 @@ def cmd_restart_worker(a: argparse.Namespace) -> int:
 def cmd_reload(a: argparse.Namespace) -> int:
     """Ask the pool to roll onto another checkpoint (the supervisor does it, broker.supervisor.Reload) and
     follow it in the status until every worker serves the new model."""
-    from laya_pool.client.pool import PoolError
+    from laya_pool.client.errors import PoolError
 
     from . import reload as rl
 
@@ -343,7 +343,7 @@ def _json_arg(flag: str, value: str) -> Any:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    from laya_pool.client.pool import RequestFailed
+    from laya_pool.client.errors import RequestFailed
     questions = _json_arg("--questions", a.questions)
     if a.state_json is not None:
         state = _json_arg("--state-json", a.state_json)
@@ -688,7 +688,7 @@ def _add_operator_commands(command: Any) -> None:
 
 def exit_code(e: BaseException) -> int:
     """The exit code for an error a command let through (see EXIT_CODES)."""
-    from laya_pool.client.pool import PoolError, PoolUnavailable, RequestFailed
+    from laya_pool.client.errors import PoolError, PoolUnavailable, RequestFailed
     from laya_pool.protocol.contract import Reason
     if isinstance(e, UsageError):
         return EXIT_USAGE
@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None, more_help: str = "") -> int:
 
 
 def _expected(e: BaseException) -> bool:
-    from laya_pool.client.pool import PoolError
+    from laya_pool.client.errors import PoolError
     return isinstance(e, (UsageError, PoolError, OSError))
 
 

@@ -9,7 +9,7 @@
 3. The broker serves the new fingerprint once at least as many ready workers have it as have the old one
    (broker/table.py `WorkerTable.switch_model`). Before that, new-model workers wait ("mismatch"); after it, the
    old-model workers wait for their turn. A client whose answer carries the new fingerprint fetches the
-   new model card and asks again (client/pool.py `_predict_plan`), so no request fails and none is
+   new model card and asks again (client/base.py `_predict_plan`), so no request fails and none is
    answered with a card of another model.
 4. If the first worker cannot load DIR (exit 78), the supervisor puts the old model back on it and stops
    the reload: the CLI sees that worker register again on the old model and fails with exit 1.

@@ -18,12 +18,12 @@ __all__ = [
     "Client", "AsyncClient",
 ]
 
-_POOL_NAMES = ("Client", "AsyncClient")
+_POOL_NAMES = {"Client": "pool", "AsyncClient": "pool_async"}
 
 
 def __getattr__(name: str) -> Any:
-    # The ZeroMQ client lives in client.pool; loaded on first use so `import client` stays light.
+    # The ZeroMQ clients live in client.pool and client.pool_async; loaded on first use so `import client` stays light.
     if name in _POOL_NAMES:
-        from . import pool
-        return getattr(pool, name)
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_POOL_NAMES[name]}"), name)
     raise AttributeError(f"module 'client' has no attribute {name!r}")

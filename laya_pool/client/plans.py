@@ -1,5 +1,5 @@
 """The steps of a plan: each API call (`forward`, `predict`, `describe`, ...) is written once, as a generator that
-yields the pool calls and other work it needs and gets their answers back (client/pool.py `_Base`); `Client` runs a
+yields the pool calls and other work it needs and gets their answers back (client/base.py `_Base`); `Client` runs a
 plan with blocking calls, `AsyncClient` with awaited ones."""
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ from typing import Any
 from laya_pool.protocol import contract, routing
 
 from .errors import PoolError, PoolUnavailable, RequestFailed
-from .pool import AsyncClient, Client
+from .pool import Client
+from .pool_async import AsyncClient
 
 HOLD_S = 2.0             # a pool that failed a call is tried after the others this long, then once connected again
 MIN_TRY_S = 0.05         # less than this left of a call's deadline: no further pool is tried

@@ -3,7 +3,7 @@
 `zmq.asyncio` reads through a future a message and a task that awaits it. A callback that receives every message that
 is there and hands it on is cheaper: an ipc round trip of 200 bytes to an echo process, 2-vCPU host, took 183-186 us
 through `zmq.asyncio` and 122-144 us this way (89-114 us blocking). The asyncio client reads every reply this way
-(client/pool.py `AsyncClient`, client/direct_async.py).
+(client/pool_async.py `AsyncClient`, client/direct_async.py).
 
 ZeroMQ's descriptor signals edges, not levels: it turns readable when the socket's state changed, and any operation on
 the socket, a send included, may take that edge. So whoever sends on a socket read here calls `sent()` after it.

@@ -34,7 +34,7 @@ from laya_pool.client.errors import (
     PoolUnreachable,
     RequestFailed,
 )
-from laya_pool.client.pool import AsyncClient
+from laya_pool.client.pool_async import AsyncClient
 from laya_pool.protocol.contract import Reason, WorkerState
 
 from . import calls, jev, limits, routes

@@ -45,7 +45,7 @@ MAX_COUNT = 1 << 26             # any row / token / marker count on the wire (a 
 MAX_TAPS = 256
 MAX_METRIC_ITEMS = 256
 MAX_BUNDLE = 1024               # replies in one BUNDLE (a worker sends at most 64: worker/compute.py)
-MAX_TOGETHER = 256              # requests in one REQUESTS message (a client sends at most 64: client/pool.py)
+MAX_TOGETHER = 256              # requests in one REQUESTS message (a client sends at most 64: client/direct_async.py)
 MAX_BUDGET_MS = 24 * 3600 * 1000   # a request's time budget (`budget_ms`): a day is more than any caller waits
 
 I32 = np.dtype("<i4")

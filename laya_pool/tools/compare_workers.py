@@ -128,7 +128,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.frontend and not args.model:
         ap.error("give --frontend, --model, or both")
-    from laya_pool.client.pool import Client, RequestFailed, local_pool
+    from laya_pool.client.errors import RequestFailed
+    from laya_pool.client.local import local_pool
+    from laya_pool.client.pool import Client
 
     with contextlib.ExitStack() as stack:
         if not args.frontend:

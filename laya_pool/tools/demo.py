@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]          # the checkout, where this runs from one
 
-from laya_pool.client.pool import local_pool  # noqa: E402
+from laya_pool.client.local import local_pool  # noqa: E402
 from laya_pool.protocol import settings  # noqa: E402
 
 DECISIONS = [

@@ -40,7 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from laya_pool.client.pool import AsyncClient, Client, local_pool  # noqa: E402
+from laya_pool.client.local import local_pool  # noqa: E402
+from laya_pool.client.pool import Client  # noqa: E402
+from laya_pool.client.pool_async import AsyncClient  # noqa: E402
 from laya_pool.protocol import contract  # noqa: E402
 
 from . import cpu  # noqa: E402
