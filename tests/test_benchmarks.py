@@ -64,7 +64,6 @@ def test_client_speed_writes_a_row_per_shape(tiny_ckpt, tmp_path):
     assert all(0 < row[s]["p50"] <= row[s]["p95"] for row in rows for s in ("encode", "pack", "decode"))
 
 
-
 def test_client_speed_through_a_stub_times_both_clients_predict_forward_and_ping(tiny_ckpt, tmp_path):
     r = _run("benchmarks.client_speed", "--model", str(tiny_ckpt), "--calls", "20", "--stub", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -78,6 +77,22 @@ def test_client_speed_through_a_stub_times_both_clients_predict_forward_and_ping
         assert stub[kind]["p50"] > stub["encode + decode"]["p50"]
     # what a replayed predict runs is its stages and more, and never the wire's wait
     assert stub["encode + wire + decode"]["p50"] < stub["predict, reply replayed"]["p50"] < stub["predict"]["p50"]
+
+
+def test_overhead_splits_a_pooled_forward_into_its_parts(tiny_ckpt, tmp_path):
+    r = _run("benchmarks.overhead", "--model", str(tiny_ckpt), "--samples", "20", "--warmup", "5", "--burst", "5",
+             "--out", str(tmp_path), timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((tmp_path / "overhead.json").read_text())["result"]
+    # every kind timed as often as asked, and each part of a pooled forward read from its reply's stamps
+    for kind in ("ping", "forward", "forward via broker", "in-process", "up", "up: to the broker", "queue",
+                 "worker", "launch", "device wait", "down", "down: to the client"):
+        assert got[kind]["n"] == 20 and 0 <= got[kind]["p50"] <= got[kind]["p95"], (kind, got[kind])
+    assert got["up"]["p50"] > 0 and got["down"]["p50"] > 0
+    assert got["added"] == round(got["forward"]["p50"] - got["in-process"]["p50"], 4)
+    assert got["config"]["worker"] == "cpu" and got["config"]["burst"] == 5 and len(got["steps"]) == 6
+    assert f"{got['added']:8.3f}" in r.stdout
+
 
 def test_after_wait_times_encode_and_decode_after_each_kind_of_wait(tiny_ckpt, tmp_path):
     r = _run("benchmarks.after_wait", "--model", str(tiny_ckpt), "--device", "cpu", "--calls", "5", "--rounds", "2",
