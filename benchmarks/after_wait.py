@@ -12,12 +12,11 @@ Prints each kind's encode and decode p50 / p95 (us). docs/decisions/0030-host-wo
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import parser, write
+from benchmarks.common import parser, percentiles, write
 
 WAIT_S = 1e-3                 # about a 1x48 forward's device time on an H100
 
@@ -72,12 +71,7 @@ def measure(waits: dict[str, Callable[[], Any]], encode: Callable[[], Any], deco
                 if rnd:                             # the first round warms up
                     samples[kind][0].append((t1 - t0) * 1e6)
                     samples[kind][1].append((t2 - t1) * 1e6)
-    return {kind: {"encode": _us(enc), "decode": _us(dec)} for kind, (enc, dec) in samples.items()}
-
-
-def _us(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {"p50": round(statistics.median(s), 1), "p95": round(s[int(0.95 * (len(s) - 1))], 1)}
+    return {kind: {"encode": percentiles(enc), "decode": percentiles(dec)} for kind, (enc, dec) in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

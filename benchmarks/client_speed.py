@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks.common import parser, write
+from benchmarks.common import parser, percentiles, write
 from laya_pool.client.card import ModelCard
 from laya_pool.client.decode import decode_answers
 from laya_pool.client.semantics import encode_request, serialize_state
@@ -47,8 +46,7 @@ def timed(fn: Callable[[], object], calls: int, after: Callable[[object], object
         after(r)                                  # outside the clock
         if i >= calls // 4:                       # the first quarter is warm-up
             xs.append(dt * 1e3)
-    xs.sort()
-    return {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
+    return percentiles(xs)
 
 
 def measure(card: ModelCard, rows: int, length: int, calls: int) -> dict:
@@ -109,11 +107,7 @@ def through_stub(model: str, card: ModelCard, calls: int) -> dict:
             loop.run_until_complete(asyncio.sleep(0))
         samples.update(replayed(client, card, state, questions, calls))
     loop.close()
-    out = {}
-    for k, xs in samples.items():
-        xs.sort()
-        out[k] = {"p50": round(statistics.median(xs), 4), "p95": round(xs[int(0.95 * (len(xs) - 1))], 4)}
-    return out
+    return {k: percentiles(xs) for k, xs in samples.items()}
 
 
 def replayed(client: object, card: ModelCard, state: object, questions: dict, calls: int) -> dict[str, list[float]]:

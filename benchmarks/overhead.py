@@ -28,7 +28,6 @@ Prints medians with p95 (ms); --out DIR: overhead.json.
 from __future__ import annotations
 
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import parser, write
+from benchmarks.common import free_endpoint, parser, percentiles, write
 from laya_pool.client.local import local_pool
 from laya_pool.client.pool import Client
 from laya_pool.protocol import wire
@@ -56,11 +55,6 @@ PART_NOTES = {"up": " (client -> worker's data thread)", "up: to the broker": " 
               "device wait": " (launched -> readback landed)", "wake": " (landed -> answers cut, reply built)",
               "down": " (reply -> client)", "down: to the broker": " (data socket send, hop)",
               "down: to the client": " (broker, hop, client wakes)"}
-
-
-def stats(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {"p50": round(statistics.median(s), 4), "p95": round(s[int(0.95 * (len(s) - 1))], 4), "n": len(s)}
 
 
 def clock(fn: Callable[[], Any]) -> float:
@@ -104,7 +98,7 @@ def protocol_steps(rows: list, n: int) -> dict[str, dict[str, float]]:
         "worker: encode reply": lambda: wire.encode_reply(11, logits, act, worker="0", fingerprint="f" * 64,
                                                           metrics=dict(rmsg.header["metrics"])),
     }
-    return {name: stats([clock(fn) for _ in range(n)][n // 5:]) for name, fn in steps.items()}
+    return {name: percentiles([clock(fn) for _ in range(n)][n // 5:]) for name, fn in steps.items()}
 
 
 def arguments(argv: list[str] | None) -> Any:
@@ -152,13 +146,6 @@ def in_process(args: Any, rows: list) -> Callable[[], None]:
     return run
 
 
-def free_tcp() -> str:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def record_parts(samples: dict[str, list[float]], m: dict[str, Any], t: float, end: float) -> None:
     """A pooled forward's parts from its reply's stamps (`m`: its metrics; `t`, `end`: when the call started and
     returned, on this host's monotonic clock, which the worker's and the broker's stamps share)."""
@@ -199,7 +186,7 @@ def measure(args: Any, rows: list, local: Callable[[], None]) -> dict[str, Any]:
     """Every kind's samples and every part's, through a pool of one worker started here."""
     samples: dict[str, list[float]] = {k: [] for k in PARTS}
     extra = ["--threads", str(args.threads), *shlex.split(args.pool_args)]
-    frontend = free_tcp() if args.transport == "tcp" else None
+    frontend = free_endpoint() if args.transport == "tcp" else None
     with local_pool(args.model, args.device, frontend=frontend, extra_args=extra, keys=args.keys) as pool, \
             Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, keys=args.keys) as c, \
             Client(pool.endpoint, timeout=30, spin_ms=args.client_spin_ms, direct=False, keys=args.keys) as via_broker:
@@ -217,7 +204,7 @@ def measure(args: Any, rows: list, local: Callable[[], None]) -> dict[str, Any]:
             del samples[k][:]
         in_turn(kinds, samples, args.samples, max(1, args.burst))
         status = c.status()
-    out: dict[str, Any] = {k: stats(v) for k, v in samples.items() if v}
+    out: dict[str, Any] = {k: percentiles(v) for k, v in samples.items() if v}
     out["added"] = round(out["forward"]["p50"] - out["in-process"]["p50"], 4)
     out["added via broker"] = round(out["forward via broker"]["p50"] - out["in-process"]["p50"], 4)
     out["direct"] = c._routes.sent if c._routes is not None else 0

@@ -229,6 +229,13 @@ class _Base:
                                                       None, timeout, retries, worker, mode)
         return results[0]
 
+    def _card_plan(self, timeout: float | None) -> Plan[Any]:
+        """The model card: the one this client holds, else the driver's answer to NeedCard (a describe call). Held, it
+        costs no step through the driver (a predict asks for it every call)."""
+        if self._card is not None:
+            return self._card
+        return (yield NeedCard(timeout))
+
     def _describe_plan(self, timeout: float | None, refresh: bool) -> Plan[dict[str, Any]]:
         if self._card_dict is None or refresh:
             msg, _ = yield Call(Cmd.DESCRIBE, lambda rid, cid: wire.encode(Cmd.DESCRIBE, {"rid": rid, "cid": cid}),
@@ -274,8 +281,7 @@ class _Base:
         if not questions:
             results = [batching.empty_result() for _ in states]
         else:
-            # (the driver's answer to NeedCard, without the round trip once the card is here)
-            card = self._card if self._card is not None else (yield NeedCard(timeout))
+            card = yield from self._card_plan(timeout)
             results = yield from self._answer_states(card, states, questions, lang, max_len, head_max_len, batch_size,
                                                      timeout, retries, worker, mode)
         apply_confidence_gate(results, threshold)
@@ -360,7 +366,7 @@ class _Base:
         for qid in questions:
             semantics.check_question(qid, questions[qid])
         internal = {qid: semantics.to_internal(questions[qid]) for qid in questions}
-        card = yield NeedCard(timeout)
+        card = yield from self._card_plan(timeout)
         budget, step, room = scan.window_budget(card, list(internal.values()), card.max_len, card.head_max_len,
                                                 window, stride)
         try:
