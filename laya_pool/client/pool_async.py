@@ -25,9 +25,7 @@ from .base import (
     _several,
 )
 from .direct_async import AsyncRoutes
-from .errors import (
-    PoolError,
-)
+from .errors import PoolError
 from .plans import Await, Many, NeedCard, Plan, T
 from .reader import Reader
 from .retry import Action, Attempts, Step, reply_error
